@@ -1,0 +1,27 @@
+"""amp8: FP8 mixed-precision training for PyTorch, one opt level at a time.
+
+    model, optimizer = amp8.initialize(model, optimizer, opt_level="O1")
+    amp8.report(model, optimizer).print()
+"""
+
+from .formats import Fp8Format
+from .frontend import initialize
+from .levels import LEVELS, OptLevel, Precision
+from .recipe import AmaxAlgo, Recipe, Scaling
+from .report import PrecisionReport, report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LEVELS",
+    "AmaxAlgo",
+    "Fp8Format",
+    "OptLevel",
+    "Precision",
+    "PrecisionReport",
+    "Recipe",
+    "Scaling",
+    "__version__",
+    "initialize",
+    "report",
+]

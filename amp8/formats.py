@@ -1,0 +1,43 @@
+"""FP8 formats and the format choices a recipe can make.
+
+E4M3 (``torch.float8_e4m3fn``, max 448) has more precision, E5M2 (``torch.float8_e5m2``,
+max 57344) more range. HYBRID uses E4M3 for activations and weights and E5M2 for
+gradients; E4M3 uses E4M3 for every tensor.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+E4M3: torch.dtype = torch.float8_e4m3fn
+E5M2: torch.dtype = torch.float8_e5m2
+FP8_DTYPES: tuple[torch.dtype, ...] = (E4M3, E5M2)
+
+
+class Fp8Format(str, Enum):
+    """Which FP8 dtype each tensor role gets."""
+
+    HYBRID = "HYBRID"
+    E4M3 = "E4M3"
+
+
+def forward_dtype(fmt: Fp8Format) -> torch.dtype:
+    """The FP8 dtype of activations and weights under ``fmt`` (E4M3 for both formats)."""
+    return E4M3
+
+
+def gradient_dtype(fmt: Fp8Format) -> torch.dtype:
+    """The FP8 dtype of gradients under ``fmt``: E5M2 for HYBRID, E4M3 for E4M3."""
+    return E5M2 if fmt is Fp8Format.HYBRID else E4M3
+
+
+def max_value(dtype: torch.dtype) -> float:
+    """The largest finite value of a floating dtype, read from ``torch.finfo``."""
+    return float(torch.finfo(dtype).max)
+
+
+def short_name(dtype: torch.dtype | None) -> str | None:
+    """``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``; None stays None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")

@@ -1,0 +1,83 @@
+"""Explicit, filterable replacement of ``nn.Linear`` layers by FP8 ones.
+
+Nothing in torch is patched: the swap walks the model's children and re-binds the
+attributes of the parent modules that held eligible ``nn.Linear`` layers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+"""``fn(module, fqn) -> bool``: True to run the layer named ``fqn`` in FP8."""
+
+_GEMM_ALIGNMENT = 16
+
+
+def shared_weight_names(model: nn.Module) -> dict[int, list[str]]:
+    """For each Parameter held under more than one name, ``id(param) -> names``."""
+    names: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            names.setdefault(id(param), []).append(full)
+    return {key: value for key, value in names.items() if len(value) > 1}
+
+
+def high_precision_reason(linear: nn.Linear, shared: dict[int, list[str]]) -> str | None:
+    """Why ``linear`` cannot run in FP8, or None if it can.
+
+    FP8 GEMMs need in_features and out_features to be multiples of 16, and the weight
+    must belong to this layer alone (FP8 layers re-store it, a tied user would see that).
+    """
+    reasons = []
+    if linear.in_features % _GEMM_ALIGNMENT:
+        reasons.append(f"in_features={linear.in_features} is not a multiple of {_GEMM_ALIGNMENT}")
+    if linear.out_features % _GEMM_ALIGNMENT:
+        reasons.append(f"out_features={linear.out_features} is not a multiple of {_GEMM_ALIGNMENT}")
+    names = shared.get(id(linear.weight))
+    if names:
+        reasons.append(f"weight is shared ({', '.join(names)})")
+    return "; ".join(reasons) or None
+
+
+def swap_linear_layers(
+    model: nn.Module,
+    make_fp8: Callable[[nn.Linear], nn.Module],
+    module_filter: ModuleFilter | None = None,
+) -> dict[str, str]:
+    """Replace eligible ``nn.Linear`` children of ``model`` by ``make_fp8(linear)``.
+
+    Children are visited before their parents and every candidate is passed to
+    ``module_filter(module, fqn)`` with its full dotted name. A layer FP8 cannot run
+    (see ``high_precision_reason``) is never swapped, whatever the filter says.
+
+    Returns:
+        ``{fqn: reason}`` for every ``nn.Linear`` left in high precision.
+    """
+    if isinstance(model, nn.Linear):
+        raise TypeError(
+            "amp8 swaps layers inside a model; got a bare nn.Linear. Wrap it, e.g. "
+            "nn.Sequential(linear), and pass that"
+        )
+    shared = shared_weight_names(model)
+    kept: dict[str, str] = {}
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for child_name, child in list(parent.named_children()):
+            fqn = f"{prefix}.{child_name}" if prefix else child_name
+            visit(child, fqn)
+            if type(child) is not nn.Linear:
+                continue
+            reason = high_precision_reason(child, shared)
+            if reason is None and module_filter is not None and not module_filter(child, fqn):
+                reason = "excluded by module_filter"
+            if reason is None:
+                setattr(parent, child_name, make_fp8(child))
+            else:
+                kept[fqn] = reason
+
+    visit(model, "")
+    return kept

@@ -1,0 +1,229 @@
+"""The per-tensor precision report: what each parameter really stores, read off the tensors.
+
+Nothing here consults the precision table. Dtypes come from the tensors the model and
+optimizer hold; bytes from their sizes; underflow and saturation from casting the real
+weight with the scale its layer would use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import scaling
+from .console import default_console
+from .formats import max_value, short_name
+from .nn.linear import Fp8Linear, Slot
+from .nn.swap import high_precision_reason, shared_weight_names
+
+FP32_ADAM_BYTES_PER_PARAM = 16
+"""FP32 weight + FP32 gradient + FP32 first and second moments."""
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.nbytes
+
+
+def _fp8_cast_stats(layer: Fp8Linear) -> dict[str, float]:
+    """Scale, amax, underflow and saturation of the weight's FP8 cast."""
+    weight = layer.read_weight()
+    if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale, weight_amax = layer.weight_scale, scaling.amax(weight)
+    else:
+        scale, weight_amax = layer.next_scale(Slot.WEIGHT, weight)
+    dtype = layer.fp8_dtype(Slot.WEIGHT)
+    scaled = weight * scale
+    cast = scaling.quantize(weight, scale, dtype)
+    nonzero = weight != 0
+    underflow = (nonzero & (cast.float() == 0)).sum() / nonzero.sum().clamp(min=1)
+    saturated = (scaled.abs() > max_value(dtype)).float().mean()
+    return {
+        "scale": float(scale),
+        "amax": float(weight_amax),
+        "underflow": float(underflow),
+        "saturated": float(saturated),
+    }
+
+
+def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
+    """``id(param) -> (owning module, note)``; the note says why a parameter that could
+    look like an FP8 candidate stays in high precision."""
+    shared = shared_weight_names(model)
+    owners: dict[int, tuple[nn.Module, str | None]] = {}
+    for module in model.modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            note = None
+            if type(module) is nn.Linear and param_name == "weight":
+                note = high_precision_reason(module, shared) or "not selected for FP8"
+            owners.setdefault(id(param), (module, note))
+    return owners
+
+
+_SHORT_DTYPES = {
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+    "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float64": "fp64",
+}
+
+
+@dataclass
+class PrecisionReport:
+    """One row per parameter, with what is really stored for it.
+
+    Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
+    weights of FP8 layers), note (why a Linear weight stays in high precision, or None),
+    weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
+    None), scale, amax, underflow, saturated (FP8 layers' weights only, else None), bytes
+    (weight + gradient + optimizer state, scales included).
+    """
+
+    rows: list[dict[str, Any]]
+    skipped_steps: int | None = None
+    baseline_bytes_per_param: int = field(default=FP32_ADAM_BYTES_PER_PARAM)
+
+    @staticmethod
+    def _per_param(rows: list[dict[str, Any]]) -> float:
+        numel = sum(row["numel"] for row in rows)
+        return sum(row["bytes"] for row in rows) / numel if numel else 0.0
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Persistent bytes (weights, gradients, optimizer state) per parameter."""
+        return self._per_param(self.rows)
+
+    @property
+    def fp8_bytes_per_param(self) -> float:
+        """The same, over the weights of FP8 layers only (0 when there are none)."""
+        return self._per_param([row for row in self.rows if row["fp8"]])
+
+    @property
+    def fp8_share(self) -> float:
+        """Fraction of all parameters that are weights of FP8 layers."""
+        total = sum(row["numel"] for row in self.rows)
+        fp8 = sum(row["numel"] for row in self.rows if row["fp8"])
+        return fp8 / total if total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Rows and totals as plain Python data."""
+        return {
+            "rows": self.rows,
+            "bytes_per_param": self.bytes_per_param,
+            "fp8_bytes_per_param": self.fp8_bytes_per_param,
+            "fp8_share": self.fp8_share,
+            "baseline_bytes_per_param": self.baseline_bytes_per_param,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as a JSON string (``kwargs`` go to ``json.dumps``)."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def print(self, console: Any = None) -> None:
+        """Print the report as a rich table, with notes and totals below it."""
+        from rich.table import Table
+
+        console = console or default_console()
+        # Show a column only when some row has a value in it (no "master" before O3).
+        columns = [(title, key) for title, key in _COLUMNS
+                   if key in _ALWAYS_SHOWN or any(row[key] is not None for row in self.rows)]
+        table = Table(title="amp8 precision report")
+        for title, key in columns:
+            table.add_column(title, justify="right" if key in _NUMERIC else "left")
+        notes: list[str] = []
+        for row in self.rows:
+            cells = {key: _cell(row, key) for _, key in columns}
+            if row["note"]:
+                notes.append(f"{row['name']}: {row['note']}")
+                cells["layer"] += f" [{len(notes)}]"
+            table.add_row(*cells.values())
+        console.print(table)
+        for index, note in enumerate(notes, start=1):
+            console.print(f"[{index}] {note}", highlight=False)
+        console.print(self.summary(), highlight=False)
+
+    def summary(self) -> str:
+        """One line: parameters, FP8 share, bytes/param against the FP32-Adam baseline."""
+        baseline, total = self.baseline_bytes_per_param, self.bytes_per_param
+        numel = sum(row["numel"] for row in self.rows)
+        text = f"{numel:,} parameters, {100 * self.fp8_share:.1f}% in FP8 layers; {total:.2f} bytes/param"
+        if self.fp8_share:
+            text += f" ({self.fp8_bytes_per_param:.2f} over FP8 layers)"
+        if total:
+            text += f" vs {baseline} for FP32 Adam ({baseline / total:.2f}x less)"
+        if self.skipped_steps is not None:
+            text += f"; skipped (overflow) steps: {self.skipped_steps}"
+        return text + "."
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    """The display text of one cell."""
+    value = row[key]
+    if key == "bytes":
+        return f"{value / row['numel']:.2f}"
+    if key == "shape":
+        return "x".join(map(str, value))
+    if value is None:
+        return "-"
+    if key in ("underflow", "saturated"):
+        return f"{100 * value:.2g}%"
+    if key in ("scale", "amax"):
+        return f"{value:.3g}"
+    return _SHORT_DTYPES.get(value, str(value))
+
+
+_COLUMNS = (
+    ("parameter", "name"), ("shape", "shape"), ("layer", "layer"), ("weight", "weight"),
+    ("grad", "grad"), ("master", "master"), ("m", "exp_avg"), ("v", "exp_avg_sq"),
+    ("scale", "scale"), ("amax", "amax"), ("underflow", "underflow"),
+    ("saturated", "saturated"), ("B/param", "bytes"),
+)
+_ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
+_NUMERIC = {"scale", "amax", "underflow", "saturated", "bytes"}
+
+
+def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PrecisionReport:
+    """The precision report of ``model`` (and ``optimizer``'s state, when given)."""
+    owners = _owners(model)
+    state = optimizer.state if optimizer is not None else {}
+    rows = []
+    for name, param in model.named_parameters():
+        module, note = owners[id(param)]
+        fp8_layer = module if isinstance(module, Fp8Linear) and param is module.weight else None
+        if fp8_layer is not None:
+            grad = fp8_layer.weight_grad
+            grad_dtype = None if grad is None else grad.dtype
+            grad_bytes = 0 if grad is None else grad.nbytes
+            weight_bytes = param.nbytes + fp8_layer.weight_scale.nbytes
+            stats: dict[str, float | None] = _fp8_cast_stats(fp8_layer)
+        else:
+            grad_dtype = None if param.grad is None else param.grad.dtype
+            grad_bytes = _nbytes(param.grad)
+            weight_bytes = param.nbytes
+            stats = dict.fromkeys(("scale", "amax", "underflow", "saturated"))
+        param_state = state.get(param, {})
+        state_bytes = sum(_nbytes(v) for v in param_state.values() if torch.is_tensor(v))
+
+        def state_dtype(key: str) -> str | None:
+            value = param_state.get(key)
+            return short_name(value.dtype) if torch.is_tensor(value) else None
+
+        rows.append({
+            "name": name,
+            "shape": list(param.shape),
+            "numel": param.numel(),
+            "layer": type(module).__name__,
+            "fp8": fp8_layer is not None,
+            "note": note,
+            "weight": short_name(param.dtype),
+            "grad": short_name(grad_dtype),
+            "master": state_dtype("master"),
+            "exp_avg": state_dtype("exp_avg"),
+            "exp_avg_sq": state_dtype("exp_avg_sq"),
+            **stats,
+            "bytes": weight_bytes + grad_bytes + state_bytes,
+        })
+    skipped = getattr(optimizer, "skipped_steps", None)
+    return PrecisionReport(rows=rows, skipped_steps=skipped)

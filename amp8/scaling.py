@@ -1,0 +1,92 @@
+"""Scales, amax and the FP8 cast, as pure functions.
+
+A tensor ``x`` with absolute maximum ``amax`` is stored as ``saturate(x * scale)`` with
+``scale = fp8_max / amax / 2**margin`` (optionally rounded down to a power of two).
+Dequantizing divides by the scale; GEMMs are handed ``1 / scale``. An amax that is zero,
+inf or NaN keeps the previous scale, so one bad tensor cannot poison later casts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import max_value
+from .recipe import AmaxAlgo
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """The absolute maximum of ``x`` as a float32 scalar tensor (NaN if ``x`` has one)."""
+    return x.detach().abs().amax().float()
+
+
+def scale_from_amax(
+    amax_value: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    power_of_2: bool = False,
+    previous: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The float32 scale that maps ``amax_value`` to the largest value of ``dtype``.
+
+    Args:
+        amax_value: float32 absolute maximum (any shape; scales come out elementwise).
+        dtype: the target dtype (FP8 or FP16); its max comes from ``torch.finfo``.
+        margin: divide the scale by ``2**margin``.
+        power_of_2: round the scale down to a power of two.
+        previous: scale kept where ``amax_value`` is zero or not finite (default 1).
+    """
+    amax_value = amax_value.float()
+    # A tensor numerator: ``float / tensor`` would multiply by a rounded reciprocal.
+    scale = torch.full_like(amax_value, max_value(dtype)) / amax_value / (2.0**margin)
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    fallback = torch.ones_like(scale) if previous is None else previous.float().expand_as(scale)
+    usable = torch.isfinite(amax_value) & (amax_value > 0) & torch.isfinite(scale)
+    return torch.where(usable, scale, fallback)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` cast to ``dtype``.
+
+    Finite values beyond the format's max clip to it; inf and NaN become NaN, so an
+    overflow upstream stays visible after the cast (the CPU's own cast would saturate an
+    inf to the max of E4M3FN, which has no inf).
+    """
+    limit = max_value(dtype)
+    scaled = x.float() * scale
+    saturated = scaled.clamp(-limit, limit)
+    return torch.where(torch.isinf(scaled), torch.nan, saturated).to(dtype)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A bool scalar tensor: True when no tensor holds an inf or NaN."""
+    if not tensors:
+        return torch.tensor(True)
+    return torch.stack([torch.isfinite(t.float()).all() for t in tensors]).all()
+
+
+def dequantize(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The real values ``data / scale``, in ``dtype``."""
+    return (data.float() / scale).to(dtype)
+
+
+def history_amax(history: torch.Tensor, algo: AmaxAlgo) -> torch.Tensor:
+    """Reduce an amax history (newest first, last dim) to one amax per row."""
+    if algo is AmaxAlgo.MOST_RECENT:
+        return history[..., 0]
+    return history.amax(dim=-1)
+
+
+def push_history(history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
+    """The history with ``new_amax`` as its newest entry and the oldest dropped."""
+    return torch.cat([new_amax.reshape(history.shape[:-1] + (1,)), history[..., :-1]], dim=-1)
+
+
+def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``approximation`` against ``reference``, in dB."""
+    reference = reference.detach().double()
+    noise = approximation.detach().double() - reference
+    return float(10 * torch.log10(reference.pow(2).sum() / noise.pow(2).sum()))

@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from amp8.formats import E4M3, E5M2, Fp8Format, forward_dtype, gradient_dtype, max_value, short_name
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float16])
+def test_max_value_comes_from_finfo(dtype: torch.dtype) -> None:
+    assert max_value(dtype) == torch.finfo(dtype).max
+
+
+@pytest.mark.parametrize(
+    ("fmt", "forward", "gradient"),
+    [(Fp8Format.HYBRID, E4M3, E5M2), (Fp8Format.E4M3, E4M3, E4M3)],
+)
+def test_format_roles(fmt: Fp8Format, forward: torch.dtype, gradient: torch.dtype) -> None:
+    assert forward_dtype(fmt) == forward
+    assert gradient_dtype(fmt) == gradient
+
+
+def test_short_name() -> None:
+    assert short_name(E4M3) == "float8_e4m3fn"
+    assert short_name(None) is None

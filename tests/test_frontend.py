@@ -1,0 +1,134 @@
+import pytest
+import torch
+from torch import nn
+
+import amp8
+from amp8.nn import Fp8Linear
+from amp8.optim import LowBitAdam
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.LayerNorm(32))
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.AdamW])
+def test_o1_swaps_layers_and_optimizer(optimizer_class) -> None:
+    model = _model()
+    params = list(model.parameters())
+    optimizer = optimizer_class(
+        [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "weight_decay": 0.1}],
+        lr=1e-3, betas=(0.8, 0.9), eps=1e-6,
+    )
+    model, new_optimizer = amp8.initialize(model, optimizer, opt_level="O1")
+    assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear)
+    assert isinstance(new_optimizer, LowBitAdam)
+    assert [g["params"] for g in new_optimizer.param_groups] == [g["params"] for g in optimizer.param_groups]
+    for new, old in zip(new_optimizer.param_groups, optimizer.param_groups):
+        for key in ("lr", "betas", "eps", "weight_decay", "maximize"):
+            assert new[key] == old[key], key
+        assert new["decoupled_weight_decay"] is (optimizer_class is torch.optim.AdamW)
+
+
+def test_o0_changes_nothing() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    out_model, out_optimizer = amp8.initialize(model, optimizer, opt_level="O0")
+    assert out_model is model and out_optimizer is optimizer
+    assert all(type(m) is not Fp8Linear for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_model_without_optimizer() -> None:
+    model, optimizer = amp8.initialize(_model())
+    assert optimizer is None and isinstance(model[0], Fp8Linear)
+
+
+def test_module_filter_is_passed_through() -> None:
+    model, _ = amp8.initialize(_model(), module_filter=lambda module, fqn: fqn != "2")
+    assert isinstance(model[0], Fp8Linear) and type(model[2]) is nn.Linear
+
+
+def test_recipe_reaches_the_layers() -> None:
+    recipe = amp8.Recipe(scaling="delayed", amax_history_len=5)
+    model, _ = amp8.initialize(_model(), recipe=recipe)
+    assert model[0].recipe is recipe and model[0].amax_history.shape == (3, 5)
+
+
+def test_unknown_opt_level() -> None:
+    with pytest.raises(ValueError, match="'O0', 'O1', 'O2', 'O3'"):
+        amp8.initialize(_model(), opt_level="O5")
+
+
+def test_other_optimizer_is_named_with_the_supported_ones() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match=r"torch\.optim\.SGD.*torch\.optim\.Adam, torch\.optim\.AdamW"):
+        amp8.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_amsgrad_is_rejected() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        amp8.initialize(model, torch.optim.Adam(model.parameters(), amsgrad=True))
+
+
+def test_model_initialized_twice() -> None:
+    model, _ = amp8.initialize(_model())
+    with pytest.raises(ValueError, match="already initialized by amp8"):
+        amp8.initialize(model)
+
+
+def test_optimizer_that_already_stepped() -> None:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="before the first optimizer.step"):
+        amp8.initialize(model, optimizer)
+
+
+def test_scheduler_built_before_initialize() -> None:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters())
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    with pytest.raises(ValueError, match="create the scheduler after amp8.initialize"):
+        amp8.initialize(model, optimizer)
+
+
+def test_wrapped_model_is_rejected() -> None:
+    with pytest.raises(TypeError, match="wrap the model it returns"):
+        amp8.initialize(nn.DataParallel(_model()))
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        amp8.initialize("model")  # type: ignore[arg-type]
+
+
+def test_bad_recipe_type() -> None:
+    with pytest.raises(TypeError, match="amp8.Recipe"):
+        amp8.initialize(_model(), recipe={"scaling": "delayed"})  # type: ignore[arg-type]
+
+
+def test_device_without_fp8() -> None:
+    model = _model().to("meta")
+    with pytest.raises(RuntimeError, match="cannot run FP8 GEMMs"):
+        amp8.initialize(model)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_levels_whose_optimizer_state_is_not_available_yet(level: str) -> None:
+    model = _model()
+    with pytest.raises(NotImplementedError, match="Use opt_level='O1'"):
+        amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level)
+    assert all(type(m) is not Fp8Linear for m in model.modules()), "model changed before the error"
+
+
+def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
+    model = _model()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1.0))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model(torch.randn(2, 32)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.5

@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from amp8 import scaling
+from amp8.formats import E4M3, E5M2
+from amp8.gemm import GemmRole, check_fp8_device, check_operands, fp8_mm
+from conftest import assert_bitwise_equal, assert_sqnr_at_least, cuda_fp8
+
+SHAPES = [(16, 32, 16), (37, 64, 48), (128, 256, 96)]
+
+
+def _operands(m: int, k: int, n: int, a_dtype=E4M3, b_dtype=E4M3, power_of_2=False):
+    a, b = torch.randn(m, k), torch.randn(n, k)
+    sa = scaling.scale_from_amax(scaling.amax(a), a_dtype, power_of_2=power_of_2)
+    sb = scaling.scale_from_amax(scaling.amax(b), b_dtype, power_of_2=power_of_2)
+    return a, b, scaling.quantize(a, sa, a_dtype), scaling.quantize(b, sb, b_dtype), sa, sb
+
+
+# E4M3 x E4M3 holds the 25 dB floor of DESIGN.md. An E5M2 operand (a gradient under
+# HYBRID) has 2 mantissa bits: its own cast measures about 25.5 dB, so a GEMM with one
+# lands near 24 dB; its floor is 22 dB.
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize(
+    ("a_dtype", "b_dtype", "floor_db"), [(E4M3, E4M3, 25.0), (E5M2, E4M3, 22.0), (E4M3, E5M2, 22.0)]
+)
+def test_fp8_gemm_sqnr_against_fp32(m, k, n, a_dtype, b_dtype, floor_db) -> None:
+    a, b, a8, b8, sa, sb = _operands(m, k, n, a_dtype, b_dtype)
+    out = fp8_mm(a8, b8.t(), sa, sb, torch.float32, GemmRole.WGRAD)
+    assert out.shape == (m, n)
+    assert_sqnr_at_least(a @ b.t(), out, floor_db)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("role", list(GemmRole))
+def test_equals_dequantize_then_matmul_with_power_of_2_scales(m, k, n, role) -> None:
+    _, _, a8, b8, sa, sb = _operands(m, k, n, power_of_2=True)
+    out = fp8_mm(a8, b8.t(), sa, sb, torch.float32, role)
+    emulated = scaling.dequantize(a8, sa) @ scaling.dequantize(b8, sb).t()
+    assert_bitwise_equal(out, emulated)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_dtype(out_dtype: torch.dtype) -> None:
+    _, _, a8, b8, sa, sb = _operands(16, 32, 16)
+    assert fp8_mm(a8, b8.t(), sa, sb, out_dtype, GemmRole.FPROP).dtype == out_dtype
+
+
+def _contract_case(case: str):
+    _, _, a8, b8, sa, sb = _operands(32, 64, 48)
+    b_col = b8.t()
+    cases = {
+        "a column-major": (a8.t().contiguous().t(), b_col, sa, sb, "row-major"),
+        "b row-major": (a8, b_col.contiguous(), sa, sb, "column-major"),
+        "K not multiple of 16": (a8[:, :40].contiguous(), b8[:, :40].t(), sa, sb, "multiples of 16"),
+        "N not multiple of 16": (a8, b8[:40].t(), sa, sb, "multiples of 16"),
+        "two E5M2": (a8.float().to(E5M2), b8.float().to(E5M2).t(), sa, sb, "two E5M2"),
+        "high precision operand": (a8.float(), b_col, sa, sb, "FP8 dtype"),
+        "scale not scalar": (a8, b_col, sa.expand(32, 1).contiguous(), sb, "float32 scalar"),
+        "scale float64": (a8, b_col, sa.double(), sb, "float32 scalar"),
+        "shapes do not chain": (a8, b8[:, :48].t(), sa, sb, "do not chain"),
+    }
+    return cases[case]
+
+
+CONTRACT_CASES = [
+    "a column-major", "b row-major", "K not multiple of 16", "N not multiple of 16", "two E5M2",
+    "high precision operand", "scale not scalar", "scale float64", "shapes do not chain",
+]
+
+
+@pytest.mark.parametrize("case", CONTRACT_CASES)
+def test_cuda_contract_is_enforced_on_the_cpu(case: str) -> None:
+    a, b, sa, sb, message = _contract_case(case)
+    with pytest.raises(ValueError, match=message):
+        fp8_mm(a, b, sa, sb, torch.float32, GemmRole.FPROP)
+
+
+def test_bad_out_dtype() -> None:
+    _, _, a8, b8, sa, sb = _operands(16, 32, 16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        check_operands(a8, b8.t(), sa, sb, torch.int32)
+
+
+def test_cpu_is_an_fp8_device() -> None:
+    check_fp8_device(torch.device("cpu"))
+
+
+def test_device_without_fp8_is_rejected() -> None:
+    with pytest.raises(RuntimeError, match="cannot run FP8 GEMMs"):
+        check_fp8_device(torch.device("meta"))
+
+
+def test_old_cuda_gpu_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match=r"A100 \(sm_80\) has no FP8 tensor cores"):
+        check_fp8_device(torch.device("cuda", 0))
+
+
+@cuda_fp8
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_cuda_gemm_matches_cpu(m, k, n) -> None:
+    _, _, a8, b8, sa, sb = _operands(m, k, n, power_of_2=True)
+    cpu = fp8_mm(a8, b8.t(), sa, sb, torch.float32, GemmRole.WGRAD)
+    gpu = fp8_mm(a8.cuda(), b8.cuda().t(), sa.cuda(), sb.cuda(), torch.float32, GemmRole.WGRAD)
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=1e-5)

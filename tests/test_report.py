@@ -1,0 +1,88 @@
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import amp8
+from amp8.formats import E4M3, max_value
+
+
+def _model() -> nn.Module:
+    # (B, T, C) model: two FP8-eligible layers and a head FP8 cannot run (10 outputs).
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+
+
+def _trained(level: str = "O1") -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 6, 32)).pow(2).mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def test_rows_show_what_is_stored() -> None:
+    model, optimizer = _trained()
+    rows = {row["name"]: row for row in amp8.report(model, optimizer).rows}
+    fp8_weight = rows["0.weight"]
+    assert (fp8_weight["weight"], fp8_weight["grad"], fp8_weight["master"]) == ("float16", "float8_e5m2", None)
+    assert (fp8_weight["exp_avg"], fp8_weight["exp_avg_sq"]) == ("float32", "float32")
+    assert fp8_weight["fp8"] and fp8_weight["layer"] == "Fp8Linear" and fp8_weight["note"] is None
+    assert rows["0.bias"]["weight"] == "float32" and not rows["0.bias"]["fp8"]
+    assert rows["4.weight"]["note"] == "out_features=10 is not a multiple of 16"
+    assert rows["3.weight"]["layer"] == "LayerNorm"
+    # 2 (FP16 weight) + 1 (FP8 grad) + 8 (FP32 m, v), plus the scales and the step counters.
+    numel = fp8_weight["numel"]
+    assert fp8_weight["bytes"] == numel * 11 + 4 + 4 + 4
+    report = amp8.report(model, optimizer)
+    assert 11.0 < report.fp8_bytes_per_param < 11.01
+    assert report.skipped_steps == 0
+
+
+def test_report_reads_tensors_not_the_table() -> None:
+    model, optimizer = _trained()
+    model[0].weight_grad = None
+    row = amp8.report(model, optimizer).rows[0]
+    assert row["grad"] is None
+    assert row["bytes"] == row["numel"] * 10 + 4 + 4
+
+
+def test_o0_report_is_plain_fp32() -> None:
+    model, optimizer = _trained("O0")
+    report = amp8.report(model, optimizer)
+    assert report.fp8_share == 0
+    assert all(row["weight"] == "float32" and row["scale"] is None for row in report.rows)
+    assert report.skipped_steps is None
+    assert report.bytes_per_param == pytest.approx(16, abs=0.2)
+
+
+def test_underflow_and_saturation_are_counted() -> None:
+    model, _ = amp8.initialize(_model(), recipe=amp8.Recipe(scaling="delayed"))
+    layer = model[0]
+    weight = torch.full((64, 32), 1.0)
+    weight[0, :4] = 1e-9  # vanishes in E4M3 at a scale near 448 / 1
+    layer.write_weight(weight)
+    layer.amax_history.zero_()
+    layer.amax_history[1, 0] = 0.5  # delayed scale made for amax 0.5: every 1.0 saturates
+    row = amp8.report(model).rows[0]
+    assert row["scale"] == pytest.approx(max_value(E4M3) / 0.5)
+    assert row["underflow"] == pytest.approx(4 / weight.numel())
+    assert row["saturated"] == pytest.approx((weight.numel() - 4) / weight.numel())
+
+
+def test_json_and_print() -> None:
+    model, optimizer = _trained()
+    report = amp8.report(model, optimizer)
+    data = json.loads(report.to_json())
+    assert data["rows"][0]["grad"] == "float8_e5m2"
+    assert data["bytes_per_param"] == pytest.approx(report.bytes_per_param)
+    console = Console(record=True, width=200)
+    report.print(console)
+    text = console.export_text()
+    assert "0.weight" in text and "e5m2" in text
+    assert "[1] 4.weight: out_features=10 is not a multiple of 16" in text
+    assert report.summary() in text.replace("\n", " ") or "bytes/param" in text
+    assert "master" not in text.split("\n")[2], "an empty master column is hidden before O3"

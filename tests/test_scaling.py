@@ -1,0 +1,114 @@
+import math
+
+import pytest
+import torch
+
+from amp8 import scaling
+from amp8.formats import E4M3, E5M2, max_value
+from amp8.recipe import AmaxAlgo
+from conftest import assert_bitwise_equal, assert_sqnr_at_least
+
+FP8 = [E4M3, E5M2]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("amax", [1e-6, 0.5, 3.0, 1234.5])
+def test_scale_formula_is_exact(dtype: torch.dtype, amax: float) -> None:
+    got = scaling.scale_from_amax(torch.tensor(amax), dtype)
+    expected = torch.tensor(max_value(dtype), dtype=torch.float32) / torch.tensor(amax, dtype=torch.float32)
+    assert_bitwise_equal(got, expected)
+
+
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_margin_divides_by_a_power_of_two(margin: int) -> None:
+    base = scaling.scale_from_amax(torch.tensor(3.0), E4M3)
+    assert_bitwise_equal(scaling.scale_from_amax(torch.tensor(3.0), E4M3, margin=margin), base / 2**margin)
+
+
+@pytest.mark.parametrize("amax", [1e-6, 0.3, 3.0, 1234.5])
+def test_power_of_2_scale_rounds_down(amax: float) -> None:
+    exact = max_value(E4M3) / amax
+    got = float(scaling.scale_from_amax(torch.tensor(amax), E4M3, power_of_2=True))
+    assert got == 2.0 ** math.floor(math.log2(exact)), f"{got} is not the power of two below {exact}"
+
+
+@pytest.mark.parametrize("bad_amax", [0.0, float("inf"), float("nan")])
+def test_unusable_amax_keeps_previous_scale(bad_amax: float) -> None:
+    previous = torch.tensor(7.5)
+    got = scaling.scale_from_amax(torch.tensor(bad_amax), E4M3, previous=previous)
+    assert_bitwise_equal(got, previous)
+    assert float(scaling.scale_from_amax(torch.tensor(bad_amax), E4M3)) == 1.0
+
+
+def test_tiny_amax_whose_scale_overflows_keeps_previous() -> None:
+    got = scaling.scale_from_amax(torch.tensor(1e-45), E5M2, previous=torch.tensor(2.0))
+    assert float(got) == 2.0
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_quantize_matches_plain_reference(dtype: torch.dtype) -> None:
+    x = torch.randn(64, 48) * 10
+    scale = torch.tensor(3.7)
+    limit = torch.finfo(dtype).max
+    reference = torch.clamp(x * scale, -limit, limit).to(dtype)
+    assert_bitwise_equal(scaling.quantize(x, scale, dtype), reference)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_quantize_saturates_finite_values(dtype: torch.dtype) -> None:
+    x = torch.tensor([1e9, -1e9, 1.0])
+    out = scaling.quantize(x, torch.tensor(1.0), dtype).float()
+    limit = torch.finfo(dtype).max
+    assert out.tolist() == [limit, -limit, 1.0]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_quantize_keeps_non_finite_visible(dtype: torch.dtype, bad: float) -> None:
+    out = scaling.quantize(torch.tensor([bad, 1.0]), torch.tensor(1.0), dtype).float()
+    assert not torch.isfinite(out[0]), f"{bad} became {out[0]} in {dtype}"
+    assert out[1] == 1.0
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("scale", [0.37, 1.0, 1024.0, 3e5])
+def test_round_trip_of_fp8_values_is_exact(dtype: torch.dtype, scale: float) -> None:
+    """Every finite FP8 value dequantizes and quantizes back to the same bits."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    codes = codes[torch.isfinite(codes.float())]
+    scale_t = torch.tensor(scale)
+    again = scaling.quantize(scaling.dequantize(codes, scale_t), scale_t, dtype)
+    assert_bitwise_equal(again, codes)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("shape", [(1024,), (64, 256), (8, 16, 32)])
+def test_quantize_dequantize_sqnr(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape)
+    scale = scaling.scale_from_amax(scaling.amax(x), dtype)
+    restored = scaling.dequantize(scaling.quantize(x, scale, dtype), scale)
+    assert_sqnr_at_least(x, restored, 25.0)
+
+
+@pytest.mark.parametrize(("algo", "expected"), [(AmaxAlgo.MAX, 9.0), (AmaxAlgo.MOST_RECENT, 2.0)])
+def test_history_amax(algo: AmaxAlgo, expected: float) -> None:
+    history = torch.tensor([2.0, 9.0, 4.0])
+    assert float(scaling.history_amax(history, algo)) == expected
+
+
+def test_push_history_drops_the_oldest() -> None:
+    history = torch.tensor([[3.0, 2.0, 1.0], [6.0, 5.0, 4.0]])
+    pushed = scaling.push_history(history, torch.tensor([9.0, 8.0]))
+    assert pushed.tolist() == [[9.0, 3.0, 2.0], [8.0, 6.0, 5.0]]
+    assert scaling.push_history(history[0], torch.tensor(7.0)).tolist() == [7.0, 3.0, 2.0]
+
+
+def test_all_finite() -> None:
+    assert bool(scaling.all_finite([torch.ones(3), torch.zeros(2, dtype=E4M3)]))
+    assert not bool(scaling.all_finite([torch.ones(3), torch.tensor([float("nan")])]))
+    assert bool(scaling.all_finite([]))
+
+
+def test_sqnr_of_known_noise() -> None:
+    reference = torch.ones(100)
+    assert scaling.sqnr(reference, reference * 1.1) == pytest.approx(20.0)
