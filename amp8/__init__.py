@@ -4,9 +4,11 @@
     amp8.report(model, optimizer).print()
 """
 
+from .export import export
 from .formats import Fp8Format
 from .frontend import initialize
 from .levels import LEVELS, OptLevel, Precision
+from .optim.clip import clip_grad_norm_
 from .recipe import AmaxAlgo, Recipe, Scaling
 from .report import PrecisionReport, report
 
@@ -22,6 +24,8 @@ __all__ = [
     "Recipe",
     "Scaling",
     "__version__",
+    "clip_grad_norm_",
+    "export",
     "initialize",
     "report",
 ]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .gemm import check_fp8_device
-from .levels import OptLevel, resolve_level
+from .levels import OptLevel, Precision, resolve_level
 from .nn.linear import Fp8Linear
 from .nn.swap import ModuleFilter, swap_linear_layers
 from .optim.adam import LowBitAdam, check_state_precision, check_supported
@@ -35,11 +35,10 @@ def initialize(
     data-parallel wrappers after this call.
 
     Raises:
-        ValueError: unknown opt level, a model amp8 already initialized, optimizer options
-            amp8 does not support.
+        ValueError: unknown opt level (or an override amp8 cannot store), a model amp8
+            already initialized, optimizer options amp8 does not support.
         TypeError: a model that is not an ``nn.Module``, an optimizer other than Adam/AdamW.
         RuntimeError: a parameter on a device without FP8 support.
-        NotImplementedError: an opt level whose optimizer state this release cannot store.
     """
     level = resolve_level(opt_level)
     if not isinstance(model, nn.Module):
@@ -65,13 +64,19 @@ def initialize(
         return model, optimizer
     for device in {param.device for param in model.parameters()}:
         check_fp8_device(device)
-    if optimizer is not None:
-        check_state_precision(level)
+    check_state_precision(level)
+    # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
+    # them before the weights themselves drop to FP8.
     swap_linear_layers(
         model,
-        lambda linear: Fp8Linear.from_linear(linear, recipe, level.weight),
+        lambda linear: Fp8Linear.from_linear(linear, recipe, Precision.FP16),
         module_filter,
     )
-    if optimizer is None:
-        return model, None
-    return model, LowBitAdam.from_optimizer(optimizer, level, fp8_layers(model))
+    layers = fp8_layers(model)
+    new_optimizer = None
+    if optimizer is not None:
+        new_optimizer = LowBitAdam.from_optimizer(optimizer, level, layers)
+    if level.weight is not Precision.FP16:
+        for layer in layers.values():
+            layer.set_weight_storage(level.weight)
+    return model, new_optimizer

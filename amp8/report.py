@@ -28,9 +28,9 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.nbytes
 
 
-def _fp8_cast_stats(layer: Fp8Linear) -> dict[str, float]:
-    """Scale, amax, underflow and saturation of the weight's FP8 cast."""
-    weight = layer.read_weight()
+def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, float]:
+    """Scale, amax, underflow and saturation of the FP8 cast of ``weight``, the layer's
+    real weight (its master weight where the optimizer keeps one)."""
     if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale, weight_amax = layer.weight_scale, scaling.amax(weight)
     else:
@@ -197,7 +197,9 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
             grad_dtype = None if grad is None else grad.dtype
             grad_bytes = 0 if grad is None else grad.nbytes
             weight_bytes = param.nbytes + fp8_layer.weight_scale.nbytes
-            stats: dict[str, float | None] = _fp8_cast_stats(fp8_layer)
+            read = getattr(optimizer, "read_weight", None)
+            real = read(param) if read is not None else fp8_layer.read_weight()
+            stats: dict[str, float | None] = _fp8_cast_stats(fp8_layer, real)
         else:
             grad_dtype = None if param.grad is None else param.grad.dtype
             grad_bytes = _nbytes(param.grad)

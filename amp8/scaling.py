@@ -59,6 +59,61 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return torch.where(torch.isinf(scaled), torch.nan, saturated).to(dtype)
 
 
+def quantize_stochastic(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
+    """``x * scale`` rounded to ``dtype`` (FP16 or BF16) up or down at random, with the
+    probability that makes the expected result exact.
+
+    Rounding to nearest drops every update smaller than half a unit in the last place;
+    stochastic rounding keeps it on average, so a long run of tiny updates lands where a
+    float32 run lands. Saturates like ``quantize``.
+    """
+    limit = max_value(dtype)
+    scaled = (x.float() * scale).clamp(-limit, limit)
+    nearest = scaled.to(dtype)
+    nearest_f = nearest.float()
+    # The neighbour on the other side of ``scaled``: ``nearest`` and ``other`` bracket it.
+    direction = torch.where(nearest_f > scaled, -torch.inf, torch.inf).to(dtype)
+    other = torch.nextafter(nearest, direction)
+    gap = (other.float() - nearest_f).abs()
+    chance = torch.where(gap > 0, (scaled - nearest_f).abs() / gap, 0.0)
+    draw = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+    return torch.where(draw < chance, other, nearest)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, dtype: torch.dtype, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the flattened ``x`` in blocks of ``block_size`` elements, each with its own
+    scale from its own amax. Returns ``(data shaped like x, scales of shape (blocks,))``;
+    ``block_size=0`` means one block (a tensorwise scale, shape ())."""
+    if block_size == 0:
+        scale = scale_from_amax(amax(x), dtype)
+        return quantize(x, scale, dtype), scale
+    blocks = _as_blocks(x.float(), block_size)
+    scales = scale_from_amax(blocks.abs().amax(dim=1), dtype)
+    data = quantize(blocks, scales[:, None], dtype)
+    return data.flatten()[: x.numel()].view(x.shape), scales
+
+
+def dequantize_blockwise(data: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The float32 values of ``quantize_blockwise(x, dtype, block_size)``'s output."""
+    if block_size == 0:
+        return dequantize(data, scales)
+    blocks = _as_blocks(data.float(), block_size) / scales[:, None]
+    return blocks.flatten()[: data.numel()].view(data.shape)
+
+
+def _as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x`` flattened, zero-padded to a multiple of ``block_size``, as (blocks, block_size)."""
+    flat = x.flatten()
+    missing = -flat.numel() % block_size
+    if missing:
+        flat = torch.cat([flat, flat.new_zeros(missing)])
+    return flat.view(-1, block_size)
+
+
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A bool scalar tensor: True when no tensor holds an inf or NaN."""
     if not tensors:

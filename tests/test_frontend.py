@@ -1,8 +1,11 @@
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import amp8
+from amp8.levels import Precision
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
 
@@ -116,12 +119,26 @@ def test_device_without_fp8() -> None:
         amp8.initialize(model)
 
 
-@pytest.mark.parametrize("level", ["O2", "O3"])
-def test_levels_whose_optimizer_state_is_not_available_yet(level: str) -> None:
+@pytest.mark.parametrize(
+    ("level", "weight_dtype", "has_master"),
+    [("O1", torch.float16, False), ("O2", torch.float16, False), ("O3", torch.float8_e4m3fn, True)],
+)
+def test_weight_storage_follows_the_level(level: str, weight_dtype: torch.dtype, has_master: bool) -> None:
     model = _model()
-    with pytest.raises(NotImplementedError, match="Use opt_level='O1'"):
-        amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level)
-    assert all(type(m) is not Fp8Linear for m in model.modules()), "model changed before the error"
+    original = model[0].weight.detach().clone()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level)
+    assert model[0].weight.dtype == weight_dtype
+    state = optimizer.state.get(model[0].weight, {})
+    assert ("master" in state) is has_master
+    if has_master:  # taken from the weight before it dropped to FP8: FP16-accurate
+        torch.testing.assert_close(optimizer.read_weight(model[0].weight), original, atol=0, rtol=2**-10)
+
+
+def test_override_that_amp8_cannot_store() -> None:
+    bad = dataclasses.replace(amp8.LEVELS["O2"], exp_avg=Precision.FP16)
+    model = _model()
+    with pytest.raises(ValueError, match="stores exp_avg as fp16"):
+        amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=bad)
 
 
 def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:

@@ -86,3 +86,15 @@ def test_json_and_print() -> None:
     assert "[1] 4.weight: out_features=10 is not a multiple of 16" in text
     assert report.summary() in text.replace("\n", " ") or "bytes/param" in text
     assert "master" not in text.split("\n")[2], "an empty master column is hidden before O3"
+
+
+def test_o3_report_measures_the_master_weights_cast_to_fp8() -> None:
+    model, optimizer = _trained("O3")
+    row = amp8.report(model, optimizer).rows[0]
+    assert (row["weight"], row["master"], row["exp_avg"], row["exp_avg_sq"]) == (
+        "float8_e4m3fn", "float16", "float8_e4m3fn", "float16",
+    )
+    master = optimizer.read_weight(model[0].weight)
+    assert row["amax"] == pytest.approx(float(master.abs().max()))
+    tiny = master.abs() * row["scale"] < 2.0**-10  # below half the smallest E4M3 subnormal
+    assert row["underflow"] == pytest.approx(float((tiny & (master != 0)).sum()) / master.numel(), abs=1e-3)

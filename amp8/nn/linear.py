@@ -9,6 +9,7 @@ the amp8 optimizer and gradient reduction read it. See DESIGN.md, "Weight gradie
 
 from __future__ import annotations
 
+import warnings
 from enum import IntEnum
 from typing import Any
 
@@ -34,6 +35,14 @@ class Slot(IntEnum):
     INPUT = 0
     WEIGHT = 1
     GRAD_OUTPUT = 2
+
+
+def _check_weight_storage(weight_storage: Precision) -> None:
+    if weight_storage not in _WEIGHT_STORAGE_DTYPES:
+        raise ValueError(
+            f"weight_storage={weight_storage!r} is not valid; use one of "
+            f"{[p.value for p in _WEIGHT_STORAGE_DTYPES]}"
+        )
 
 
 def _pad_rows(x8: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -71,11 +80,7 @@ class Fp8Linear(nn.Module):
         weight_storage: Precision = Precision.FP16,
     ) -> None:
         super().__init__()
-        if weight_storage not in _WEIGHT_STORAGE_DTYPES:
-            raise ValueError(
-                f"weight_storage={weight_storage!r} is not valid; use one of "
-                f"{[p.value for p in _WEIGHT_STORAGE_DTYPES]}"
-            )
+        _check_weight_storage(weight_storage)
         self.out_features, self.in_features = weight.shape
         self.recipe = recipe
         self.weight_storage = weight_storage
@@ -108,11 +113,14 @@ class Fp8Linear(nn.Module):
         """The weight's real values in float32."""
         return scaling.dequantize(self.weight.detach(), self.weight_scale)
 
-    def write_weight(self, real_weight: torch.Tensor) -> None:
-        """Store ``real_weight`` (any float dtype) into the weight Parameter, in place.
+    def encode_weight(
+        self, real_weight: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scale)`` that store ``real_weight`` in this layer's weight dtype.
 
-        FP16 storage takes a power-of-two scale (with one binade of headroom); FP8
-        storage takes the recipe's weight scale, and that scale feeds the GEMMs directly.
+        FP16 storage takes a power-of-two scale (with one binade of headroom), rounded
+        stochastically when a ``generator`` is given; FP8 storage takes the recipe's
+        weight scale, and that scale feeds the GEMMs directly.
         """
         dtype = self.weight_dtype
         if self.weight_storage is Precision.FP8:
@@ -123,13 +131,51 @@ class Fp8Linear(nn.Module):
             scaling.amax(real_weight), dtype, margin=margin, power_of_2=power_of_2,
             previous=self.weight_scale,
         )
-        data = scaling.quantize(real_weight, scale, dtype)
+        if generator is not None and self.weight_storage is Precision.FP16:
+            return scaling.quantize_stochastic(real_weight, scale, dtype, generator), scale
+        return scaling.quantize(real_weight, scale, dtype), scale
+
+    def write_weight(self, real_weight: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        """Store ``real_weight`` (any float dtype) into the weight Parameter, in place
+        (see ``encode_weight``)."""
+        data, scale = self.encode_weight(real_weight, generator)
         with torch.no_grad():
-            if self.weight.dtype == dtype:
+            if self.weight.dtype == data.dtype:
                 self.weight.copy_(data)
             else:
                 self.weight.data = data
             self.weight_scale.copy_(scale)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Load, converting a weight saved at another storage (another opt level, or a
+        plain ``nn.Linear``) and filling scale buffers such a checkpoint lacks."""
+        weight_key, scale_key = prefix + "weight", prefix + "weight_scale"
+        saved = state_dict.get(weight_key)
+        if saved is not None and (saved.dtype != self.weight.dtype or scale_key not in state_dict):
+            saved_scale = state_dict.get(scale_key, torch.ones((), device=saved.device))
+            real = scaling.dequantize(saved, saved_scale.to(saved.device))
+            state_dict[weight_key], state_dict[scale_key] = self.encode_weight(real.to(self.weight.device))
+            warnings.warn(
+                f"amp8: converted {weight_key} from {saved.dtype} to {self.weight_dtype} storage",
+                stacklevel=2,
+            )
+        for key, buffer in ((prefix + "scale", self.scale), (prefix + "amax_history", self.amax_history)):
+            saved_buffer = state_dict.get(key)
+            if saved_buffer is None:
+                state_dict[key] = buffer.clone()
+            elif saved_buffer.shape != buffer.shape:  # another amax_history_len
+                resized = torch.zeros_like(buffer)
+                length = min(saved_buffer.shape[-1], buffer.shape[-1])
+                resized[..., :length] = saved_buffer[..., :length]
+                state_dict[key] = resized
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def set_weight_storage(self, weight_storage: Precision) -> None:
+        """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
+        _check_weight_storage(weight_storage)
+        real_weight = self.read_weight()
+        self.weight_storage = weight_storage
+        self.write_weight(real_weight)
 
     # -- FP8 scales ------------------------------------------------------------------
     def fp8_dtype(self, slot: Slot) -> torch.dtype:

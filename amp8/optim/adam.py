@@ -1,13 +1,15 @@
-"""``LowBitAdam``: Adam / AdamW that reads FP8 weight gradients and FP16/FP8 weights.
+"""``LowBitAdam``: Adam / AdamW over FP8 weight gradients, with low-bit state.
 
-The update of every parameter is computed in float32. Weights of FP8 layers are read
-from and written back to their scaled storage through the layer; the state precision
-follows the opt level. A step with any non-finite gradient changes nothing and is
-counted in ``skipped_steps``.
+The update of every parameter is computed in float32 from dequantized state and stored
+back at the precisions of the opt level: Adam's first moment in FP8 (E4M3) and second
+in FP16 at O2 and O3, each with one scale per block; weights of FP8 layers in FP16 with
+stochastic rounding (O1, O2), or FP8 weights beside FP16 master weights (O3). A step with
+any non-finite gradient changes nothing and is counted in ``skipped_steps``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -16,9 +18,13 @@ from torch import nn
 from .. import scaling
 from ..levels import O1, OptLevel, Precision
 from ..nn.linear import Fp8Linear
+from . import state as state_storage
 
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
 _EXTRA_STATE_KEY = "amp8"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_MASTER = "master"
 
 
 class LowBitAdam(torch.optim.Optimizer):
@@ -28,8 +34,11 @@ class LowBitAdam(torch.optim.Optimizer):
         params: parameters or param groups, as for ``torch.optim.Adam``.
         lr, betas, eps, weight_decay, maximize: as in ``torch.optim.Adam``.
         decoupled_weight_decay: AdamW's decay (``w *= 1 - lr * weight_decay``) when True.
-        level: the opt level whose ``exp_avg`` / ``exp_avg_sq`` columns set state storage.
+        level: the opt level whose ``exp_avg``, ``exp_avg_sq`` and ``master_weight``
+            columns set what the optimizer stores.
         fp8_layers: ``{weight Parameter: Fp8Linear}`` for the weights of FP8 layers.
+        state_block_size: elements per scale of low-bit moments (0: one scale per tensor).
+        seed: seeds the stochastic rounding of FP16 weights (saved in ``state_dict``).
     """
 
     def __init__(
@@ -44,8 +53,12 @@ class LowBitAdam(torch.optim.Optimizer):
         maximize: bool = False,
         level: OptLevel = O1,
         fp8_layers: Mapping[nn.Parameter, Fp8Linear] | None = None,
+        state_block_size: int = DEFAULT_STATE_BLOCK_SIZE,
+        seed: int = 0,
     ) -> None:
         check_state_precision(level)
+        if isinstance(state_block_size, bool) or not isinstance(state_block_size, int) or state_block_size < 0:
+            raise ValueError(f"state_block_size={state_block_size!r} is not valid; use an int >= 0")
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
@@ -53,7 +66,13 @@ class LowBitAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.level = level
         self.fp8_layers: dict[nn.Parameter, Fp8Linear] = dict(fp8_layers or {})
+        self.state_block_size = state_block_size
+        self.seed = seed
         self.skipped_steps = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+        if level.master_weight is not None:
+            for param, layer in self.fp8_layers.items():
+                self._store_master(self.state[param], layer.read_weight())
 
     @classmethod
     def from_optimizer(
@@ -61,9 +80,10 @@ class LowBitAdam(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         level: OptLevel,
         fp8_layers: Mapping[nn.Parameter, Fp8Linear],
+        **options: Any,
     ) -> "LowBitAdam":
         """The low-bit equivalent of a ``torch.optim.Adam`` or ``AdamW``: same param
-        groups, same hyperparameters.
+        groups, same hyperparameters. ``options`` go to the constructor.
 
         Raises:
             TypeError: for any other optimizer class.
@@ -71,21 +91,19 @@ class LowBitAdam(torch.optim.Optimizer):
                 optimizer that has already stepped, or one with an LR scheduler attached.
         """
         check_supported(optimizer)
+        decoupled = isinstance(optimizer, torch.optim.AdamW)
         groups = []
         for group in optimizer.param_groups:
             copied = {key: value for key, value in group.items() if key not in _TORCH_ONLY_KEYS}
-            copied.setdefault(
-                "decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)
-            )
+            copied.setdefault("decoupled_weight_decay", decoupled)
             groups.append(copied)
         defaults = optimizer.defaults
         return cls(
             groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
             weight_decay=defaults["weight_decay"],
-            decoupled_weight_decay=defaults.get(
-                "decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)
-            ),
+            decoupled_weight_decay=defaults.get("decoupled_weight_decay", decoupled),
             maximize=defaults.get("maximize", False), level=level, fp8_layers=fp8_layers,
+            **options,
         )
 
     # -- gradients -------------------------------------------------------------------
@@ -115,16 +133,43 @@ class LowBitAdam(torch.optim.Optimizer):
             layer.weight_grad = None
 
     # -- weights ---------------------------------------------------------------------
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The stochastic-rounding generator for ``device``, seeded from ``seed``."""
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return self._generators[device]
+
+    def _store_master(self, param_state: dict[str, Any], value: torch.Tensor) -> None:
+        # One power-of-two scale for the tensor, stochastic rounding as for FP16 weights.
+        scale = scaling.scale_from_amax(
+            scaling.amax(value), torch.float16, margin=1, power_of_2=True,
+            previous=param_state.get(_MASTER + state_storage.SCALE_SUFFIX),
+        )
+        param_state[_MASTER] = scaling.quantize_stochastic(
+            value, scale, torch.float16, self._generator(value.device)
+        )
+        param_state[_MASTER + state_storage.SCALE_SUFFIX] = scale
+
     def read_weight(self, param: nn.Parameter) -> torch.Tensor:
-        """The real float32 values of ``param``."""
+        """The real float32 values of ``param`` (its master weight where there is one)."""
+        param_state = self.state[param]
+        if _MASTER in param_state:
+            return state_storage.load(param_state, _MASTER)
         layer = self.fp8_layers.get(param)
         return layer.read_weight() if layer is not None else param.detach().float()
 
     def write_weight(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """Store float32 ``value`` into ``param`` (through its layer's scaled storage)."""
+        """Store float32 ``value`` into ``param``: its master weight and FP8 storage (O3),
+        its FP16 storage with stochastic rounding (O1, O2), or the parameter itself."""
         layer = self.fp8_layers.get(param)
-        if layer is not None:
-            layer.write_weight(value)
+        param_state = self.state[param]
+        if _MASTER in param_state:
+            self._store_master(param_state, value)
+            layer.write_weight(value)  # type: ignore[union-attr]
+        elif layer is not None:
+            layer.write_weight(value, generator=self._generator(value.device))
         else:
             param.copy_(value)
 
@@ -145,20 +190,24 @@ class LowBitAdam(torch.optim.Optimizer):
                     self._update(param, grad, group)
         return loss
 
+    def _precision(self, key: str) -> Precision:
+        """Storage of moment ``key`` ("exp_avg" or "exp_avg_sq"), the level's column."""
+        return getattr(self.level, key)
+
     def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict[str, Any]) -> None:
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         weight_decay = group["weight_decay"]
         if group["maximize"]:
             grad = -grad
-        state = self.state[param]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(grad)
-            state["exp_avg_sq"] = torch.zeros_like(grad)
+        param_state = self.state[param]
+        if "step" not in param_state:
+            param_state["step"] = torch.zeros((), dtype=torch.float32)
+            exp_avg, exp_avg_sq = torch.zeros_like(grad), torch.zeros_like(grad)
+        else:
+            exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in _MOMENTS)
         weight = self.read_weight(param)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        state["step"] += 1
-        step = float(state["step"])
+        param_state["step"] += 1
+        step = float(param_state["step"])
         if weight_decay != 0:
             if group["decoupled_weight_decay"]:
                 weight.mul_(1 - lr * weight_decay)
@@ -170,49 +219,91 @@ class LowBitAdam(torch.optim.Optimizer):
         step_size = lr / (1 - beta1**step)
         denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
         weight.addcdiv_(exp_avg, denom, value=-step_size)
+        for key, value in zip(_MOMENTS, (exp_avg, exp_avg_sq)):
+            state_storage.store(param_state, key, value, self._precision(key), self.state_block_size)
         self.write_weight(param, weight)
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus amp8's counters."""
+        """torch's optimizer state dict plus amp8's counters and rounding generators."""
         state = super().state_dict()
-        state[_EXTRA_STATE_KEY] = {"skipped_steps": self.skipped_steps}
+        state[_EXTRA_STATE_KEY] = {
+            "skipped_steps": self.skipped_steps,
+            "generators": {str(device): g.get_state() for device, g in self._generators.items()},
+        }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore exactly what ``state_dict()`` saved.
 
         torch's loader casts floating state to each parameter's dtype, which would round
-        float32 moments to the FP16 storage of FP8 layers' weights; amp8 restores them as
-        saved instead.
+        FP32 moments to FP16 and break FP8 ones; amp8 restores every tensor as saved. State
+        saved at other precisions (another opt level) is converted to this optimizer's,
+        with a warning that says so.
         """
         state_dict = dict(state_dict)
-        extra = state_dict.pop(_EXTRA_STATE_KEY, {"skipped_steps": 0})
+        extra = state_dict.pop(_EXTRA_STATE_KEY, {})
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         by_id = dict(zip(saved_ids, params))
+        converted: set[str] = set()
         for param_id, saved in state_dict["state"].items():
             param = by_id[param_id]
-            self.state[param] = {
+            param_state = {
                 key: value.detach().clone().to(param.device) if torch.is_tensor(value) else value
                 for key, value in saved.items()
             }
-        self.skipped_steps = int(extra["skipped_steps"])
+            converted |= self._convert(param, param_state)
+            self.state[param] = param_state
+        if converted:
+            warnings.warn(
+                f"amp8: the optimizer checkpoint was saved at other precisions; converted "
+                f"{', '.join(sorted(converted))} to opt level {self.level.name}",
+                stacklevel=2,
+            )
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self._generators = {}
+        for device_name, generator_state in extra.get("generators", {}).items():
+            self._generator(torch.device(device_name)).set_state(generator_state)
+
+    def _convert(self, param: nn.Parameter, param_state: dict[str, Any]) -> set[str]:
+        """Re-store moments and master weights saved at other precisions; the names of
+        what was converted."""
+        converted = set()
+        for key in _MOMENTS:
+            wanted = self._precision(key)
+            if key in param_state and state_storage.stored_precision(param_state, key) is not wanted:
+                value = state_storage.load(param_state, key)
+                state_storage.store(param_state, key, value, wanted, self.state_block_size)
+                converted.add(key)
+        wants_master = self.level.master_weight is not None and param in self.fp8_layers
+        if wants_master and _MASTER not in param_state:
+            self._store_master(param_state, self.fp8_layers[param].read_weight())
+            converted.add("master weights")
+        elif not wants_master and _MASTER in param_state:
+            layer = self.fp8_layers.get(param)
+            master = state_storage.load(param_state, _MASTER)
+            del param_state[_MASTER], param_state[_MASTER + state_storage.SCALE_SUFFIX]
+            if layer is not None:
+                layer.write_weight(master)
+            converted.add("master weights")
+        return converted
 
 
 # Options of torch's Adam that LowBitAdam has no use for (implementation choices).
 _TORCH_ONLY_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable", "amsgrad"})
+_STATE_PRECISIONS = {"exp_avg": (Precision.FP32, Precision.FP8), "exp_avg_sq": (Precision.FP32, Precision.FP16)}
 
 
 def check_state_precision(level: OptLevel) -> None:
-    """Raise ``NotImplementedError`` if this release cannot store ``level``'s Adam state."""
-    if level.exp_avg is not Precision.FP32 or level.exp_avg_sq is not Precision.FP32:
-        raise NotImplementedError(
-            f"opt level {level.name} keeps Adam state in {level.exp_avg.value} + "
-            f"{level.exp_avg_sq.value}; this release of amp8 keeps it in FP32 only. "
-            "Use opt_level='O1'."
-        )
+    """Raise ``ValueError`` if ``level`` asks for Adam state storage amp8 does not have."""
+    for key, allowed in _STATE_PRECISIONS.items():
+        if getattr(level, key) not in allowed:
+            raise ValueError(
+                f"opt level {level.name} stores {key} as {getattr(level, key).value}; amp8 "
+                f"stores it as one of {[p.value for p in allowed]}"
+            )
 
 
 def check_supported(optimizer: torch.optim.Optimizer) -> None:

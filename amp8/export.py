@@ -1,0 +1,42 @@
+"""``export``: a plain PyTorch copy of an amp8 model, for inference or other tools."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .nn.linear import Fp8Linear
+
+
+def export(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """A deep copy of ``model`` with every ``Fp8Linear`` replaced by an ``nn.Linear``
+    holding the layer's real weight, cast to ``dtype``. The original is not changed.
+
+    Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
+    """
+    real_weights: dict[str, torch.Tensor] = {}
+    masters = getattr(optimizer, "read_weight", None)
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            has_master = optimizer is not None and "master" in optimizer.state.get(module.weight, {})
+            real_weights[name] = masters(module.weight) if has_master else module.read_weight()
+    exported = copy.deepcopy(model)
+    for name, real in real_weights.items():
+        layer = exported.get_submodule(name)
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                           device=real.device)
+        with torch.no_grad():
+            linear.weight.copy_(real)
+            if layer.bias is not None:
+                linear.bias.copy_(layer.bias)
+        parent_name, _, child_name = name.rpartition(".")
+        parent = exported.get_submodule(parent_name) if parent_name else exported
+        setattr(parent, child_name, linear)
+        layer.weight_grad = None
+    return exported.to(dtype)

@@ -1,0 +1,52 @@
+"""Storage of Adam's moments and master weights at the precisions of the level table.
+
+A tensor kept in FP32 is stored under its key as is. A low-bit one is stored as
+``key`` (FP8 or FP16 data), ``key + "_scale"`` (float32 scales, one per block of
+``block_size`` elements, or one for the tensor when ``block_size`` is 0) and
+``key + "_block_size"`` (that int, so a checkpoint decodes whatever it was saved with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import scaling
+from ..formats import E4M3
+from ..levels import Precision
+
+_STORAGE_DTYPES = {Precision.FP8: E4M3, Precision.FP16: torch.float16}
+SCALE_SUFFIX = "_scale"
+BLOCK_SUFFIX = "_block_size"
+
+
+def store(
+    state: dict[str, Any], key: str, value: torch.Tensor, precision: Precision, block_size: int
+) -> None:
+    """Put float32 ``value`` into ``state[key]`` at ``precision`` (with its scales)."""
+    if precision is Precision.FP32:
+        state[key] = value
+        state.pop(key + SCALE_SUFFIX, None)
+        state.pop(key + BLOCK_SUFFIX, None)
+        return
+    data, scales = scaling.quantize_blockwise(value, _STORAGE_DTYPES[precision], block_size)
+    state[key], state[key + SCALE_SUFFIX], state[key + BLOCK_SUFFIX] = data, scales, block_size
+
+
+def load(state: dict[str, Any], key: str) -> torch.Tensor:
+    """The float32 values of ``state[key]``, whatever precision it is stored at."""
+    data = state[key]
+    scales = state.get(key + SCALE_SUFFIX)
+    if scales is None:
+        return data.float()
+    return scaling.dequantize_blockwise(data, scales, state.get(key + BLOCK_SUFFIX, 0))
+
+
+def stored_precision(state: dict[str, Any], key: str) -> Precision:
+    """The precision ``state[key]`` is stored at, read off its dtype."""
+    dtype = state[key].dtype
+    for precision, storage_dtype in _STORAGE_DTYPES.items():
+        if dtype == storage_dtype:
+            return precision
+    return Precision.FP32

@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from amp8.levels import Precision
+from amp8.optim import state as storage
+from amp8 import scaling
+from conftest import assert_bitwise_equal, assert_sqnr_at_least
+
+
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.FP16, Precision.FP8])
+@pytest.mark.parametrize("block_size", [0, 32, 100])
+@pytest.mark.parametrize("shape", [(7,), (64, 48), (3, 5, 33)])
+def test_store_and_load(precision: Precision, block_size: int, shape: tuple[int, ...]) -> None:
+    value = torch.randn(shape) * torch.logspace(-4, 0, shape[-1])
+    state: dict = {}
+    storage.store(state, "m", value, precision, block_size)
+    assert storage.stored_precision(state, "m") is precision
+    restored = storage.load(state, "m")
+    assert restored.shape == value.shape and restored.dtype == torch.float32
+    if precision is Precision.FP32:
+        assert_bitwise_equal(restored, value)
+        assert "m_scale" not in state and "m_block_size" not in state
+    else:
+        assert_sqnr_at_least(value, restored, 25.0)
+        expected_scales = () if block_size == 0 else (-(-value.numel() // block_size),)
+        assert state["m_scale"].shape == expected_scales
+        assert state["m_block_size"] == block_size
+
+
+def test_blockwise_matches_a_plain_reference() -> None:
+    value = torch.randn(10, 30)
+    data, scales = scaling.quantize_blockwise(value, torch.float8_e4m3fn, 64)
+    flat = value.flatten()
+    for index, start in enumerate(range(0, flat.numel(), 64)):
+        block = flat[start : start + 64]
+        scale = scaling.scale_from_amax(block.abs().max(), torch.float8_e4m3fn)
+        assert_bitwise_equal(scales[index], scale)
+        assert_bitwise_equal(data.flatten()[start : start + 64], scaling.quantize(block, scale, torch.float8_e4m3fn))
+
+
+def test_round_trip_of_stored_values_is_exact() -> None:
+    state: dict = {}
+    storage.store(state, "v", torch.rand(1000), Precision.FP16, 128)
+    once = storage.load(state, "v")
+    storage.store(state, "v", once, Precision.FP16, 128)
+    assert_bitwise_equal(storage.load(state, "v"), once)
