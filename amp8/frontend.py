@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from .comm.data_parallel import DataParallel, broadcast_module, process_group_size
 from .gemm import check_fp8_device
 from .levels import OptLevel, Precision, resolve_level
 from .nn.linear import Fp8Linear
 from .nn.swap import ModuleFilter, swap_linear_layers
 from .optim.adam import LowBitAdam, check_state_precision, check_supported
 from .recipe import Recipe
+
+
+def _is_fully_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed support
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
@@ -24,6 +34,7 @@ def initialize(
     opt_level: str | OptLevel = "O1",
     recipe: Recipe | None = None,
     module_filter: ModuleFilter | None = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``; returns ``(model, optimizer)``.
 
@@ -31,8 +42,15 @@ def initialize(
     is its own and that ``module_filter(module, fqn)`` accepts (all, by default) becomes
     an ``Fp8Linear`` that reuses its Parameters; the optimizer (``torch.optim.Adam`` or
     ``AdamW``) is replaced by a ``LowBitAdam`` with the same param groups. O0 returns
-    both unchanged. Use the returned objects from here on, and build LR schedulers and
-    data-parallel wrappers after this call.
+    both unchanged. Use the returned objects from here on, and build LR schedulers after
+    this call.
+
+    Data parallel: called in every process of a ``torch.distributed`` group of more than
+    one rank (``process_group``, default the world), it copies rank 0's parameters and
+    buffers to all ranks, and the returned optimizer averages every gradient over the
+    ranks in FP8 before each step; at O3 each rank keeps the master weights and moments
+    of its chunk of every FP8 layer's weight. Pass the bare model: amp8 replaces DDP and
+    FSDP for the levels that swap layers (O0 leaves the model to them).
 
     Raises:
         ValueError: unknown opt level (or an override amp8 cannot store), a model amp8
@@ -43,10 +61,11 @@ def initialize(
     level = resolve_level(opt_level)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or _is_fully_sharded(model):
         raise TypeError(
-            f"model is wrapped in {type(model).__name__}; call amp8.initialize on the bare "
-            "model first, then wrap the model it returns"
+            f"model is wrapped in {type(model).__name__}; pass the bare model: in a process "
+            "group amp8.initialize averages gradients in FP8 itself (and shards O3's "
+            "optimizer state), so DDP and FSDP are not needed at O1-O3"
         )
     if recipe is None:
         recipe = Recipe()
@@ -73,9 +92,13 @@ def initialize(
         module_filter,
     )
     layers = fp8_layers(model)
+    data_parallel = None
+    if process_group_size(process_group) > 1:
+        broadcast_module(model, process_group)
+        data_parallel = DataParallel(process_group)
     new_optimizer = None
     if optimizer is not None:
-        new_optimizer = LowBitAdam.from_optimizer(optimizer, level, layers)
+        new_optimizer = LowBitAdam.from_optimizer(optimizer, level, layers, data_parallel=data_parallel)
     if level.weight is not Precision.FP16:
         for layer in layers.values():
             layer.set_weight_storage(level.weight)

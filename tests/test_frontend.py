@@ -99,7 +99,7 @@ def test_scheduler_built_before_initialize() -> None:
 
 
 def test_wrapped_model_is_rejected() -> None:
-    with pytest.raises(TypeError, match="wrap the model it returns"):
+    with pytest.raises(TypeError, match="pass the bare model"):
         amp8.initialize(nn.DataParallel(_model()))
 
 

@@ -114,22 +114,27 @@ class Fp8Linear(nn.Module):
         return scaling.dequantize(self.weight.detach(), self.weight_scale)
 
     def encode_weight(
-        self, real_weight: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        real_weight: torch.Tensor,
+        generator: torch.Generator | None = None,
+        amax_value: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data, scale)`` that store ``real_weight`` in this layer's weight dtype.
 
         FP16 storage takes a power-of-two scale (with one binade of headroom), rounded
         stochastically when a ``generator`` is given; FP8 storage takes the recipe's
-        weight scale, and that scale feeds the GEMMs directly.
+        weight scale, and that scale feeds the GEMMs directly. ``amax_value`` replaces the
+        amax of ``real_weight`` (to encode one chunk of a weight sharded over ranks).
         """
         dtype = self.weight_dtype
         if self.weight_storage is Precision.FP8:
             margin, power_of_2 = self.recipe.margin, self.recipe.power_of_2_scales
         else:
             margin, power_of_2 = _FP16_WEIGHT_MARGIN, True
+        if amax_value is None:
+            amax_value = scaling.amax(real_weight)
         scale = scaling.scale_from_amax(
-            scaling.amax(real_weight), dtype, margin=margin, power_of_2=power_of_2,
-            previous=self.weight_scale,
+            amax_value, dtype, margin=margin, power_of_2=power_of_2, previous=self.weight_scale
         )
         if generator is not None and self.weight_storage is Precision.FP16:
             return scaling.quantize_stochastic(real_weight, scale, dtype, generator), scale

@@ -18,6 +18,7 @@ from torch import nn
 from .. import scaling
 from ..levels import O1, OptLevel, Precision
 from ..nn.linear import Fp8Linear
+from ..comm.data_parallel import DataParallel
 from . import state as state_storage
 
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
@@ -39,6 +40,9 @@ class LowBitAdam(torch.optim.Optimizer):
         fp8_layers: ``{weight Parameter: Fp8Linear}`` for the weights of FP8 layers.
         state_block_size: elements per scale of low-bit moments (0: one scale per tensor).
         seed: seeds the stochastic rounding of FP16 weights (saved in ``state_dict``).
+        data_parallel: the process group to average gradients over in FP8; at a level
+            that shards the optimizer (O3), each rank keeps the master weights and moments
+            of one chunk of every FP8 layer's weight.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class LowBitAdam(torch.optim.Optimizer):
         fp8_layers: Mapping[nn.Parameter, Fp8Linear] | None = None,
         state_block_size: int = DEFAULT_STATE_BLOCK_SIZE,
         seed: int = 0,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         check_state_precision(level)
         if isinstance(state_block_size, bool) or not isinstance(state_block_size, int) or state_block_size < 0:
@@ -69,10 +74,44 @@ class LowBitAdam(torch.optim.Optimizer):
         self.state_block_size = state_block_size
         self.seed = seed
         self.skipped_steps = 0
+        self.data_parallel = data_parallel
         self._generators: dict[torch.device, torch.Generator] = {}
-        if level.master_weight is not None:
-            for param, layer in self.fp8_layers.items():
-                self._store_master(self.state[param], layer.read_weight())
+        self._shard_grads: dict[nn.Parameter, torch.Tensor] = {}
+        self._synchronized = False
+        # State is complete from the start, so a fresh optimizer's state_dict has the
+        # structure a checkpoint loads into (torch.distributed.checkpoint needs that).
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._init_state(param)
+
+    def _init_state(self, param: nn.Parameter) -> None:
+        """Step 0, zero moments at the level's precisions, and the master weight."""
+        param_state = self.state[param]
+        layer = self.fp8_layers.get(param)
+        if layer is not None and self.level.master_weight is not None:
+            self._store_master(param_state, self._own_chunk(param, layer.read_weight()))
+        shape_source = param_state.get(_MASTER, param)
+        param_state["step"] = torch.zeros((), dtype=torch.float32)
+        for key in _MOMENTS:
+            zeros = torch.zeros(shape_source.shape, dtype=torch.float32, device=param.device)
+            state_storage.store(param_state, key, zeros, self._precision(key), self.state_block_size)
+        self._generator(param.device)
+
+    # -- sharding --------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """Whether FP8 layers' master weights and moments are sharded over ranks."""
+        return self.data_parallel is not None and self.level.shard_optimizer
+
+    def _is_sharded(self, param: nn.Parameter) -> bool:
+        return self.sharded and param in self.fp8_layers
+
+    def _own_chunk(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+        """The part of ``value`` (shaped like ``param``) whose state this rank keeps."""
+        if not self._is_sharded(param):
+            return value
+        start, end = self.data_parallel.shard_range(value.numel())  # type: ignore[union-attr]
+        return value.flatten()[start:end]
 
     @classmethod
     def from_optimizer(
@@ -108,7 +147,10 @@ class LowBitAdam(torch.optim.Optimizer):
 
     # -- gradients -------------------------------------------------------------------
     def gradient(self, param: nn.Parameter) -> torch.Tensor | None:
-        """The float32 gradient of ``param``: its FP8 weight gradient or ``param.grad``."""
+        """The float32 gradient of ``param``: its FP8 weight gradient or ``param.grad``
+        (this rank's chunk of the averaged gradient for a sharded weight)."""
+        if param in self._shard_grads:
+            return self._shard_grads[param]
         layer = self.fp8_layers.get(param)
         if layer is not None:
             return None if layer.weight_grad is None else layer.weight_grad.dequantize()
@@ -120,7 +162,9 @@ class LowBitAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 layer = self.fp8_layers.get(param)
-                if layer is not None and layer.weight_grad is not None:
+                if param in self._shard_grads:
+                    stored.append(self._shard_grads[param])
+                elif layer is not None and layer.weight_grad is not None:
                     stored.append(layer.weight_grad.data)
                 elif layer is None and param.grad is not None:
                     stored.append(param.grad)
@@ -131,6 +175,42 @@ class LowBitAdam(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for layer in self.fp8_layers.values():
             layer.weight_grad = None
+        self._shard_grads = {}
+        self._synchronized = False
+
+    def synchronize(self) -> None:
+        """Average every gradient over the data-parallel ranks, FP8 on the wire.
+
+        Replicated gradients are replaced by the mean in place (``param.grad``, or the
+        FP8 ``weight_grad`` re-stored from it); a sharded weight keeps only this rank's
+        chunk of the mean, for the step. ``step`` calls this when needed; call it yourself
+        before anything that must see averaged gradients, such as clipping.
+        """
+        if self.data_parallel is None or self._synchronized:
+            return
+        params = [p for group in self.param_groups for p in group["params"]]
+        local = [self.gradient(p) for p in params]
+        present = self.data_parallel.present_anywhere([g is not None for g in local])
+
+        def flat(index: int) -> torch.Tensor:
+            grad = local[index]
+            return (grad if grad is not None else torch.zeros_like(params[index], dtype=torch.float32)).flatten()
+
+        sharded = [i for i, p in enumerate(params) if present[i] and self._is_sharded(p)]
+        replicated = [i for i, p in enumerate(params) if present[i] and not self._is_sharded(p)]
+        for index, mean in zip(replicated, self.data_parallel.all_reduce_mean([flat(i) for i in replicated])):
+            param = params[index]
+            layer = self.fp8_layers.get(param)
+            if layer is not None:
+                layer.weight_grad = None
+                layer.accumulate_weight_grad(mean.view(param.shape))
+            else:
+                param.grad = mean.view(param.shape).to(param.dtype)
+        chunks = self.data_parallel.reduce_scatter_mean([flat(i) for i in sharded])
+        for index, chunk in zip(sharded, chunks):
+            self._shard_grads[params[index]] = chunk
+            self.fp8_layers[params[index]].weight_grad = None
+        self._synchronized = True
 
     # -- weights ---------------------------------------------------------------------
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -153,9 +233,10 @@ class LowBitAdam(torch.optim.Optimizer):
         param_state[_MASTER + state_storage.SCALE_SUFFIX] = scale
 
     def read_weight(self, param: nn.Parameter) -> torch.Tensor:
-        """The real float32 values of ``param`` (its master weight where there is one)."""
+        """The real float32 values of ``param``: its master weight where this rank keeps
+        the whole of it, else what the model stores."""
         param_state = self.state[param]
-        if _MASTER in param_state:
+        if _MASTER in param_state and not self._is_sharded(param):
             return state_storage.load(param_state, _MASTER)
         layer = self.fp8_layers.get(param)
         return layer.read_weight() if layer is not None else param.detach().float()
@@ -167,7 +248,8 @@ class LowBitAdam(torch.optim.Optimizer):
         param_state = self.state[param]
         if _MASTER in param_state:
             self._store_master(param_state, value)
-            layer.write_weight(value)  # type: ignore[union-attr]
+            if not self._is_sharded(param):
+                layer.write_weight(value)  # type: ignore[union-attr]
         elif layer is not None:
             layer.write_weight(value, generator=self._generator(value.device))
         else:
@@ -180,15 +262,47 @@ class LowBitAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not bool(scaling.all_finite(self.stored_gradients())):
+        self.synchronize()
+        nonfinite = not bool(scaling.all_finite(self.stored_gradients()))
+        if self.data_parallel is not None:
+            nonfinite = self.data_parallel.any_rank(nonfinite)
+        if nonfinite:
             self.skipped_steps += 1
+            self._shard_grads = {}
+            self._synchronized = False
             return loss
         for group in self.param_groups:
             for param in group["params"]:
                 grad = self.gradient(param)
                 if grad is not None:
                     self._update(param, grad, group)
+        if self.sharded:
+            self._gather_fp8_weights()
+        self._shard_grads = {}
+        self._synchronized = False
         return loss
+
+    def _gather_fp8_weights(self) -> None:
+        """Every rank's new chunk of each sharded weight, cast to FP8 with one scale per
+        weight (from the amax over all ranks), all-gathered into the model."""
+        params = [p for p in self.fp8_layers if _MASTER in self.state[p]]
+        if not params:
+            return
+        chunks = [state_storage.load(self.state[p], _MASTER) for p in params]
+        local_amax = torch.stack([chunk.abs().amax() if chunk.numel() else torch.zeros(()) for chunk in chunks])
+        global_amax = self.data_parallel.max_over_ranks(local_amax)  # type: ignore[union-attr]
+        encoded = [
+            self.fp8_layers[p].encode_weight(chunk, amax_value=amax)
+            for p, chunk, amax in zip(params, chunks, global_amax)
+        ]
+        fulls = self.data_parallel.all_gather_chunks(  # type: ignore[union-attr]
+            [data for data, _ in encoded], [p.numel() for p in params]
+        )
+        with torch.no_grad():
+            for param, full, (_, scale) in zip(params, fulls, encoded):
+                layer = self.fp8_layers[param]
+                layer.weight.copy_(full.view(param.shape))
+                layer.weight_scale.copy_(scale)
 
     def _precision(self, key: str) -> Precision:
         """Storage of moment ``key`` ("exp_avg" or "exp_avg_sq"), the level's column."""
@@ -200,12 +314,10 @@ class LowBitAdam(torch.optim.Optimizer):
         if group["maximize"]:
             grad = -grad
         param_state = self.state[param]
-        if "step" not in param_state:
-            param_state["step"] = torch.zeros((), dtype=torch.float32)
-            exp_avg, exp_avg_sq = torch.zeros_like(grad), torch.zeros_like(grad)
-        else:
-            exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in _MOMENTS)
-        weight = self.read_weight(param)
+        exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in _MOMENTS)
+        weight = (
+            state_storage.load(param_state, _MASTER) if _MASTER in param_state else self.read_weight(param)
+        )
         param_state["step"] += 1
         step = float(param_state["step"])
         if weight_decay != 0:
@@ -245,10 +357,11 @@ class LowBitAdam(torch.optim.Optimizer):
         extra = state_dict.pop(_EXTRA_STATE_KEY, {})
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        # int() because torch.distributed.checkpoint hands the ids back as strings.
+        saved_ids = [int(i) for group in state_dict["param_groups"] for i in group["params"]]
         by_id = dict(zip(saved_ids, params))
         converted: set[str] = set()
-        for param_id, saved in state_dict["state"].items():
+        for param_id, saved in _merge_string_ids(state_dict["state"]).items():
             param = by_id[param_id]
             param_state = {
                 key: value.detach().clone().to(param.device) if torch.is_tensor(value) else value
@@ -279,7 +392,7 @@ class LowBitAdam(torch.optim.Optimizer):
                 converted.add(key)
         wants_master = self.level.master_weight is not None and param in self.fp8_layers
         if wants_master and _MASTER not in param_state:
-            self._store_master(param_state, self.fp8_layers[param].read_weight())
+            self._store_master(param_state, self._own_chunk(param, self.fp8_layers[param].read_weight()))
             converted.add("master weights")
         elif not wants_master and _MASTER in param_state:
             layer = self.fp8_layers.get(param)
@@ -289,6 +402,15 @@ class LowBitAdam(torch.optim.Optimizer):
                 layer.write_weight(master)
             converted.add("master weights")
         return converted
+
+
+def _merge_string_ids(state: dict[Any, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per-parameter state keyed by int id. torch.distributed.checkpoint loads tensors in
+    place under the int ids and the other values under the ids as strings; merge both."""
+    merged: dict[int, dict[str, Any]] = {}
+    for param_id, saved in sorted(state.items(), key=lambda item: isinstance(item[0], int)):
+        merged.setdefault(int(param_id), {}).update(saved)
+    return merged
 
 
 # Options of torch's Adam that LowBitAdam has no use for (implementation choices).

@@ -1,0 +1,17 @@
+"""FP8 communication for data parallelism over stock torch.distributed."""
+
+from .data_parallel import DataParallel, broadcast_module, process_group_size
+from .fp8_collectives import WIRE_DTYPE, WireStats, fp8_all_gather, fp8_all_reduce_mean, fp8_reduce_scatter_mean
+from .layout import ShardLayout
+
+__all__ = [
+    "DataParallel",
+    "ShardLayout",
+    "WIRE_DTYPE",
+    "WireStats",
+    "broadcast_module",
+    "fp8_all_gather",
+    "fp8_all_reduce_mean",
+    "fp8_reduce_scatter_mean",
+    "process_group_size",
+]

@@ -1,0 +1,112 @@
+"""Data parallelism for amp8 models: FP8 gradient averaging and O3's sharded state.
+
+amp8 does not wrap the model (DDP's reducer reads ``param.grad``, and the weight
+gradients of FP8 layers live on the layers in FP8). ``initialize`` in a process group of
+more than one rank broadcasts rank 0's parameters and buffers, and gives the optimizer a
+``DataParallel``: before each step it averages every gradient over the ranks with FP8 on
+the wire, or, for O3's sharded weights, reduce-scatters them so each rank gets the mean
+of the chunk whose master weights and moments it owns, and after the step all-gathers
+the FP8 weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .fp8_collectives import WireStats, fp8_all_reduce_mean, fp8_reduce_scatter_mean
+from .layout import ShardLayout
+
+
+def process_group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (the default group when None), or 1 outside torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def broadcast_module(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Copy rank 0's parameters and buffers to every rank (DDP does the same at wrap)."""
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=source, group=group)
+
+
+@dataclass
+class DataParallel:
+    """The process group of a data-parallel amp8 run and what it sent.
+
+    Attributes:
+        group: the process group (None: the default group).
+        stats: bytes this rank sent, by collective.
+    """
+
+    group: dist.ProcessGroup | None = None
+    stats: WireStats = field(default_factory=WireStats)
+
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return dist.get_rank(self.group)
+
+    def present_anywhere(self, present: list[bool]) -> list[bool]:
+        """For each gradient, whether any rank has it (a rank without one sends zeros)."""
+        flags = torch.tensor(present, dtype=torch.float32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(flag) for flag in flags]
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank."""
+        value = torch.tensor([float(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value)
+
+    def all_reduce_mean(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Mean over ranks of each float32 tensor, in FP8 on the wire."""
+        return fp8_all_reduce_mean(flats, self.group, self.stats) if flats else []
+
+    def reduce_scatter_mean(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's chunk (``ShardLayout``) of the mean over ranks of each tensor."""
+        if not flats:
+            return []
+        layout, row = fp8_reduce_scatter_mean(flats, self.group, self.stats)
+        return [
+            segment[: end - start]
+            for index, segment in enumerate(layout.segments(row))
+            for start, end in [layout.shard_range(index, self.rank)]
+        ]
+
+    def all_gather_chunks(self, chunks: list[torch.Tensor], numels: list[int]) -> list[torch.Tensor]:
+        """Full flat tensors from every rank's chunk, moved as raw bytes (FP8 chunks stay
+        the same bytes), identical on all ranks. ``chunks[i]`` is this rank's
+        ``shard_range`` of tensor ``i`` of ``numels[i]`` elements."""
+        layout = ShardLayout(tuple(numels), self.world)
+        dtype = chunks[0].dtype
+        row = torch.cat([
+            torch.cat([chunk.view(torch.uint8), chunk.new_zeros(size - chunk.numel()).view(torch.uint8)])
+            for chunk, size in zip(chunks, layout.chunks)
+        ])
+        gathered = [torch.empty_like(row) for _ in range(self.world)]
+        dist.all_gather(gathered, row, group=self.group)
+        self.stats.add("all_gather", row.nbytes * (self.world - 1))
+        return [flat.view(dtype) for flat in layout.unpack(torch.stack(gathered))]
+
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of ``values`` over ranks (float32 on the wire: 4 bytes each)."""
+        values = values.float().clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        self.stats.add("all_reduce", 2 * values.nbytes * (self.world - 1) // self.world)
+        return values
+
+    def shard_range(self, numel: int) -> tuple[int, int]:
+        """``[start, end)`` of this rank's chunk of a tensor of ``numel`` elements."""
+        return ShardLayout((numel,), self.world).shard_range(0, self.rank)

@@ -1,0 +1,43 @@
+"""Run a function on several CPU processes joined by gloo, the way the tests need it."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 180
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, folder: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(folder, f"result-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fn: Callable[..., Any], folder: Path, *args: Any, world: int = 2) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes; their return values.
+
+    ``fn`` must be a module-level function. Fails if a process fails or the run takes
+    longer than ``TIMEOUT_S`` seconds.
+    """
+    context = mp.start_processes(
+        _entry, args=(fn, world, str(folder), args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{fn.__name__} did not finish in {TIMEOUT_S} s")
+    return [torch.load(folder / f"result-{rank}.pt", weights_only=False) for rank in range(world)]
