@@ -171,3 +171,44 @@ def test_sharded_o3_checkpoint_resumes_identically(tmp_path) -> None:
     for result in results:
         assert result["resumed"] == result["uninterrupted"]
         assert result["master_numel"] == 64 * 32 // 2, "each rank keeps half of the master weight"
+
+
+def _overlap(rank: int, world: int) -> dict:
+    results = {}
+    for overlap in (True, False):
+        for level in ("O2", "O3"):
+            model = _model()
+            model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+            if not overlap:  # as LowBitAdam(..., overlap_communication=False) would be
+                for handle in optimizer._hook_handles:
+                    handle.remove()
+            started_during_backward = []
+            for step in range(3):
+                optimizer.zero_grad()
+                for micro in range(2):  # gradient accumulation: the first micro-batch inside no_sync
+                    x, y = _batch(10 * step + micro, rank)
+                    context = optimizer.no_sync() if micro == 0 else torch.enable_grad()
+                    with context:
+                        (model(x) - y).pow(2).mean().backward()
+                    started_during_backward.append(optimizer._buckets.started)
+                optimizer.step()
+            results[(overlap, level)] = {
+                "state": {k: v.clone() for k, v in model.state_dict().items() if not k.endswith((".scale", ".amax_history"))},
+                "started": started_during_backward,
+            }
+    return results
+
+
+def test_overlapped_reduction_matches_the_reduction_at_step(tmp_path) -> None:
+    results = multiprocess.run(_overlap, tmp_path)
+    for result in results:
+        for level in ("O2", "O3"):
+            overlapped, at_step = result[(True, level)], result[(False, level)]
+            buckets = overlapped["started"][1]
+            assert buckets > 0 and overlapped["started"][::2] == [0, 0, 0], overlapped["started"]
+            assert at_step["started"] == [0] * 6
+            for key, value in overlapped["state"].items():
+                other = at_step["state"][key]
+                if value.element_size() == 1:
+                    value, other = value.view(torch.uint8), other.view(torch.uint8)
+                assert torch.equal(value, other), f"{level}: {key}"

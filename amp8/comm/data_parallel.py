@@ -3,10 +3,10 @@
 amp8 does not wrap the model (DDP's reducer reads ``param.grad``, and the weight
 gradients of FP8 layers live on the layers in FP8). ``initialize`` in a process group of
 more than one rank broadcasts rank 0's parameters and buffers, and gives the optimizer a
-``DataParallel``: before each step it averages every gradient over the ranks with FP8 on
-the wire, or, for O3's sharded weights, reduce-scatters them so each rank gets the mean
-of the chunk whose master weights and moments it owns, and after the step all-gathers
-the FP8 weights.
+``DataParallel``; the optimizer's ``GradientBuckets`` average every gradient over the
+ranks with FP8 on the wire (for O3's sharded weights, a reduce-scatter: each rank gets the
+mean of the chunk whose master weights and moments it owns), and after the step the
+optimizer all-gathers the FP8 weights through ``all_gather_chunks``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fp8_collectives import WireStats, fp8_all_reduce_mean, fp8_reduce_scatter_mean
+from .fp8_collectives import WireStats
 from .layout import ShardLayout
 
 
@@ -69,21 +69,6 @@ class DataParallel:
         value = torch.tensor([float(flag)])
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value)
-
-    def all_reduce_mean(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Mean over ranks of each float32 tensor, in FP8 on the wire."""
-        return fp8_all_reduce_mean(flats, self.group, self.stats) if flats else []
-
-    def reduce_scatter_mean(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's chunk (``ShardLayout``) of the mean over ranks of each tensor."""
-        if not flats:
-            return []
-        layout, row = fp8_reduce_scatter_mean(flats, self.group, self.stats)
-        return [
-            segment[: end - start]
-            for index, segment in enumerate(layout.segments(row))
-            for start, end in [layout.shard_range(index, self.rank)]
-        ]
 
     def all_gather_chunks(self, chunks: list[torch.Tensor], numels: list[int]) -> list[torch.Tensor]:
         """Full flat tensors from every rank's chunk, moved as raw bytes (FP8 chunks stay

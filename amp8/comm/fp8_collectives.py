@@ -72,6 +72,43 @@ def _byte_view(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
 
 
+@dataclass
+class PendingReduceScatter:
+    """An FP8 all-to-all in flight; ``wait()`` finishes the reduce-scatter."""
+
+    layout: ShardLayout
+    received_data: torch.Tensor
+    received_scales: torch.Tensor
+    works: list[dist.Work]
+
+    def wait(self) -> torch.Tensor:
+        """This rank's packed row of means over ranks (``layout.columns`` float32 values)."""
+        for work in self.works:
+            work.wait()
+        values = _dequantize_pieces(self.received_data.view(WIRE_DTYPE), self.received_scales, self.layout)
+        return values.sum(dim=0) / self.layout.world
+
+
+def start_reduce_scatter_mean(
+    flats: list[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    stats: WireStats | None = None,
+) -> PendingReduceScatter:
+    """Cast ``flats`` to per-piece-scaled E4M3 and start the all-to-all (asynchronous)."""
+    world = dist.get_world_size(group)
+    layout = ShardLayout(tuple(flat.numel() for flat in flats), world)
+    data, scales = _quantize_pieces(layout.pack([flat.float() for flat in flats]), layout)
+    received_data = torch.empty_like(_byte_view(data))
+    received_scales = torch.empty_like(scales)
+    works = [
+        dist.all_to_all_single(received_data, _byte_view(data), group=group, async_op=True),
+        dist.all_to_all_single(received_scales, scales, group=group, async_op=True),
+    ]
+    if stats is not None:
+        stats.add("all_to_all", (data.nbytes + scales.nbytes) * (world - 1) // world)
+    return PendingReduceScatter(layout, received_data, received_scales, works)
+
+
 def fp8_reduce_scatter_mean(
     flats: list[torch.Tensor],
     group: dist.ProcessGroup | None = None,
@@ -81,19 +118,8 @@ def fp8_reduce_scatter_mean(
 
     Returns the layout and this rank's packed row of means (``columns`` float32 values).
     """
-    world = dist.get_world_size(group)
-    layout = ShardLayout(tuple(flat.numel() for flat in flats), world)
-    data, scales = _quantize_pieces(layout.pack([flat.float() for flat in flats]), layout)
-    received_data = torch.empty_like(_byte_view(data))
-    received_scales = torch.empty_like(scales)
-    data_work = dist.all_to_all_single(received_data, _byte_view(data), group=group, async_op=True)
-    scale_work = dist.all_to_all_single(received_scales, scales, group=group, async_op=True)
-    data_work.wait()
-    scale_work.wait()
-    if stats is not None:
-        stats.add("all_to_all", (data.nbytes + scales.nbytes) * (world - 1) // world)
-    values = _dequantize_pieces(received_data.view(WIRE_DTYPE), received_scales, layout)
-    return layout, values.sum(dim=0) / world
+    pending = start_reduce_scatter_mean(flats, group, stats)
+    return pending.layout, pending.wait()
 
 
 def fp8_all_gather(

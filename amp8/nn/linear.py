@@ -10,11 +10,13 @@ the amp8 optimizer and gradient reduction read it. See DESIGN.md, "Weight gradie
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import scaling
 from ..formats import E4M3, forward_dtype, gradient_dtype
@@ -92,6 +94,8 @@ class Fp8Linear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.weight_grad: ScaledTensor | None = None
+        # An OrderedDict: RemovableHandle keeps a weak reference to it.
+        self._weight_grad_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
         self.write_weight(real_weight)
 
     @classmethod
@@ -231,8 +235,9 @@ class Fp8Linear(nn.Module):
         return self.cast(Slot.WEIGHT, self.read_weight())
 
     # -- weight gradient -------------------------------------------------------------
-    def accumulate_weight_grad(self, grad: torch.Tensor) -> None:
-        """Add a float32 weight gradient to ``weight_grad``, re-stored as FP8 + scale."""
+    def accumulate_weight_grad(self, grad: torch.Tensor, run_hooks: bool = True) -> None:
+        """Add a float32 weight gradient to ``weight_grad``, re-stored as FP8 + scale, then
+        call the weight-gradient hooks (unless ``run_hooks`` is False)."""
         if self.weight_grad is not None:
             grad = self.weight_grad.dequantize() + grad
         self.weight_grad = ScaledTensor.from_float(
@@ -241,6 +246,16 @@ class Fp8Linear(nn.Module):
             margin=self.recipe.margin,
             power_of_2=self.recipe.power_of_2_scales,
         )
+        if run_hooks:
+            for hook in list(self._weight_grad_hooks.values()):
+                hook(self.weight)
+
+    def register_weight_grad_hook(self, hook: Callable[[nn.Parameter], None]) -> RemovableHandle:
+        """Call ``hook(weight)`` each time backward has added to ``weight_grad`` (the FP8
+        counterpart of ``Tensor.register_post_accumulate_grad_hook``)."""
+        handle = RemovableHandle(self._weight_grad_hooks)
+        self._weight_grad_hooks[handle.id] = hook
+        return handle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + b`` for ``x`` of shape (..., in_features)."""

@@ -9,6 +9,7 @@ any non-finite gradient changes nothing and is counted in ``skipped_steps``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Iterable, Mapping
 
@@ -18,6 +19,7 @@ from torch import nn
 from .. import scaling
 from ..levels import O1, OptLevel, Precision
 from ..nn.linear import Fp8Linear
+from ..comm.buckets import GradientBuckets
 from ..comm.data_parallel import DataParallel
 from . import state as state_storage
 
@@ -43,6 +45,8 @@ class LowBitAdam(torch.optim.Optimizer):
         data_parallel: the process group to average gradients over in FP8; at a level
             that shards the optimizer (O3), each rank keeps the master weights and moments
             of one chunk of every FP8 layer's weight.
+        overlap_communication: in data parallel, start each bucket's FP8 all-to-all
+            during backward, as soon as its gradients are final (else all at ``step``).
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class LowBitAdam(torch.optim.Optimizer):
         state_block_size: int = DEFAULT_STATE_BLOCK_SIZE,
         seed: int = 0,
         data_parallel: DataParallel | None = None,
+        overlap_communication: bool = True,
     ) -> None:
         check_state_precision(level)
         if isinstance(state_block_size, bool) or not isinstance(state_block_size, int) or state_block_size < 0:
@@ -83,6 +88,29 @@ class LowBitAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 self._init_state(param)
+        self._buckets: GradientBuckets | None = None
+        self._hook_handles: list[Any] = []
+        if data_parallel is not None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            self._buckets = GradientBuckets(data_parallel, params, self._local_gradient, self._is_sharded)
+            if overlap_communication:
+                self._register_hooks(params)
+
+    def _register_hooks(self, params: list[nn.Parameter]) -> None:
+        """Tell the buckets when each gradient is final: through the FP8 layer's
+        weight-gradient hook, or the parameter's post-accumulate-grad hook."""
+        buckets = self._buckets
+        for param in params:
+            layer = self.fp8_layers.get(param)
+            if layer is not None:
+                self._hook_handles.append(layer.register_weight_grad_hook(buckets.grad_ready))  # type: ignore[union-attr]
+            else:
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(buckets.grad_ready))  # type: ignore[union-attr]
+
+    def no_sync(self) -> Any:
+        """Context for the backward passes of gradient-accumulation micro-batches except
+        the last: they start no communication (as ``DistributedDataParallel.no_sync``)."""
+        return self._buckets.paused() if self._buckets is not None else contextlib.nullcontext()
 
     def _init_state(self, param: nn.Parameter) -> None:
         """Step 0, zero moments at the level's precisions, and the master weight."""
@@ -151,6 +179,10 @@ class LowBitAdam(torch.optim.Optimizer):
         (this rank's chunk of the averaged gradient for a sharded weight)."""
         if param in self._shard_grads:
             return self._shard_grads[param]
+        return self._local_gradient(param)
+
+    def _local_gradient(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient as this rank's backward left it, in float32."""
         layer = self.fp8_layers.get(param)
         if layer is not None:
             return None if layer.weight_grad is None else layer.weight_grad.dequantize()
@@ -177,6 +209,8 @@ class LowBitAdam(torch.optim.Optimizer):
             layer.weight_grad = None
         self._shard_grads = {}
         self._synchronized = False
+        if self._buckets is not None:
+            self._buckets.reset()
 
     def synchronize(self) -> None:
         """Average every gradient over the data-parallel ranks, FP8 on the wire.
@@ -186,30 +220,19 @@ class LowBitAdam(torch.optim.Optimizer):
         chunk of the mean, for the step. ``step`` calls this when needed; call it yourself
         before anything that must see averaged gradients, such as clipping.
         """
-        if self.data_parallel is None or self._synchronized:
+        if self._buckets is None or self._synchronized:
             return
-        params = [p for group in self.param_groups for p in group["params"]]
-        local = [self.gradient(p) for p in params]
-        present = self.data_parallel.present_anywhere([g is not None for g in local])
-
-        def flat(index: int) -> torch.Tensor:
-            grad = local[index]
-            return (grad if grad is not None else torch.zeros_like(params[index], dtype=torch.float32)).flatten()
-
-        sharded = [i for i, p in enumerate(params) if present[i] and self._is_sharded(p)]
-        replicated = [i for i, p in enumerate(params) if present[i] and not self._is_sharded(p)]
-        for index, mean in zip(replicated, self.data_parallel.all_reduce_mean([flat(i) for i in replicated])):
-            param = params[index]
+        means, chunks = self._buckets.finish()
+        for param, mean in means.items():
             layer = self.fp8_layers.get(param)
             if layer is not None:
                 layer.weight_grad = None
-                layer.accumulate_weight_grad(mean.view(param.shape))
+                layer.accumulate_weight_grad(mean.view(param.shape), run_hooks=False)
             else:
                 param.grad = mean.view(param.shape).to(param.dtype)
-        chunks = self.data_parallel.reduce_scatter_mean([flat(i) for i in sharded])
-        for index, chunk in zip(sharded, chunks):
-            self._shard_grads[params[index]] = chunk
-            self.fp8_layers[params[index]].weight_grad = None
+        for param, chunk in chunks.items():
+            self._shard_grads[param] = chunk
+            self.fp8_layers[param].weight_grad = None
         self._synchronized = True
 
     # -- weights ---------------------------------------------------------------------
