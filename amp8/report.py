@@ -132,7 +132,9 @@ class PrecisionReport:
         kept = [row for row in rows if row["note"]]
         line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
         if kept:
-            line += "; high precision: " + ", ".join(f"{row['name']} ({row['note']})" for row in kept)
+            shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
+            more = f" and {len(kept) - top} more" if len(kept) > top else ""
+            line += f"; high precision: {shown}{more}"
         lines = [line]
         for key, label in (("underflow", "underflow"), ("saturated", "saturation")):
             hot = sorted((row for row in fp8_rows if row[key]), key=lambda row: -row[key])[:top]
