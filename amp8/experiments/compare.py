@@ -71,7 +71,7 @@ class CompareConfig:
     model: GPTConfig = PRESETS["small"]
     steps: int = 300
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.1
@@ -81,7 +81,7 @@ class CompareConfig:
     seeds: int = 1
     seed: int = 0
     eval_interval: int = 50
-    eval_batches: int = 8
+    eval_batches: int = 16
     train_loss_window: int = 20
     device: str = "cpu"
     corpus: CorpusConfig = CorpusConfig()
