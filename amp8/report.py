@@ -131,7 +131,9 @@ class PrecisionReport:
         fp8_rows = [row for row in rows if row["fp8"]]
         kept = [row for row in rows if row["note"]]
         line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
-        if kept:
+        if not fp8_rows:
+            line = "FP8: none (no FP8 layers)"
+        elif kept:
             shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
             more = f" and {len(kept) - top} more" if len(kept) > top else ""
             line += f"; high precision: {shown}{more}"

@@ -131,18 +131,22 @@ class GPT(nn.Module):
     Args:
         config: the shape.
         generator: random source of the initial weights (nanoGPT's: normal with std 0.02,
-            residual projections scaled by ``1 / sqrt(2 * n_layer)``, zero biases). The
-            global random state is not touched.
+            residual projections scaled by ``1 / sqrt(2 * n_layer)``, zero biases). With a
+            generator the global random state is left as it was; without one, torch's
+            global generator draws the weights.
     """
 
     def __init__(self, config: GPTConfig, generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
-        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # torch's layers draw a default init from the global generator; fork it so building
+        # a GPT leaves the caller's random state as it was (reset_parameters redraws all).
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+            self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.ln_f = nn.LayerNorm(config.n_embd)
+            self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: amp8 keeps this layer in high precision
         self.reset_parameters(generator)
 
