@@ -229,3 +229,13 @@ def test_import_amp8_stays_light() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.split() == ["False", "False"], result.stderr
+
+
+def test_torchao_peer_runs_only_when_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from amp8.experiments import compare as runner
+
+    monkeypatch.setattr(runner, "torchao_available", lambda: False)
+    assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=True))]
+    monkeypatch.setattr(runner, "torchao_available", lambda: True)
+    assert [spec.name for spec in run_specs(TINY.replace(torchao=True))][-1] == "torchao"
+    assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=False))]

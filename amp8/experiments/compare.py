@@ -496,7 +496,13 @@ def compare(
             def on_step(step: int, loss: float) -> None:
                 bar.update(task, advance=1, loss=f"{loss:.3f}")
 
-            result = train_run(spec, config, corpus, val_batches, on_step)
+            try:
+                result = train_run(spec, config, corpus, val_batches, on_step)
+            except Exception as error:  # a peer library's failure must not lose amp8's runs
+                if not spec.torchao:
+                    raise
+                result = RunResult(spec.name, spec.level, spec.seed, status="unavailable",
+                                   reason=f"torchao float8 training failed: {type(error).__name__}: {error}")
             if not result.ok:
                 bar.update(task, advance=config.steps)
             runs.append(result)
