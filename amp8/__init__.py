@@ -4,6 +4,8 @@
     amp8.report(model, optimizer).print()
 """
 
+from typing import Any
+
 from .export import export
 from .formats import Fp8Format
 from .frontend import initialize
@@ -13,6 +15,16 @@ from .recipe import AmaxAlgo, Recipe, Scaling
 from .report import PrecisionReport, report
 
 __version__ = "0.1.0"
+
+
+def compare(*args: Any, **kwargs: Any) -> Any:
+    """Train the same GPT at every opt level and compare them; see
+    ``amp8.experiments.compare.compare`` (loaded on first use, so ``import amp8`` stays light).
+    """
+    from .experiments.compare import compare as run
+
+    return run(*args, **kwargs)
+
 
 __all__ = [
     "LEVELS",
@@ -26,6 +38,7 @@ __all__ = [
     "__version__",
     "clip_grad_norm_",
     "export",
+    "compare",
     "initialize",
     "report",
 ]

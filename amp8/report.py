@@ -28,6 +28,10 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.nbytes
 
 
+_ROUNDING = 2.0**-20
+"""Relative slack for float32 rounding when checking whether a scaled value exceeds the max."""
+
+
 def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, float]:
     """Scale, amax, underflow and saturation of the FP8 cast of ``weight``, the layer's
     real weight (its master weight where the optimizer keeps one)."""
@@ -40,7 +44,8 @@ def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, float]:
     cast = scaling.quantize(weight, scale, dtype)
     nonzero = weight != 0
     underflow = (nonzero & (cast.float() == 0)).sum() / nonzero.sum().clamp(min=1)
-    saturated = (scaled.abs() > max_value(dtype)).float().mean()
+    # The amax element lands on the max up to float32 rounding (448.00003): not a clip.
+    saturated = (scaled.abs() > max_value(dtype) * (1 + _ROUNDING)).float().mean()
     return {
         "scale": float(scale),
         "amax": float(weight_amax),
@@ -59,7 +64,11 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
             note = None
             if type(module) is nn.Linear and param_name == "weight":
                 note = high_precision_reason(module, shared) or "not selected for FP8"
-            owners.setdefault(id(param), (module, note))
+            owner = owners.setdefault(id(param), (module, note))
+            if note and owner[1] is None:
+                # A tied weight: the row belongs to its first owner (the embedding), but
+                # the note says why the Linear that shares it stays in high precision.
+                owners[id(param)] = (owner[0], note)
     return owners
 
 
@@ -106,6 +115,50 @@ class PrecisionReport:
         fp8 = sum(row["numel"] for row in self.rows if row["fp8"])
         return fp8 / total if total else 0.0
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PrecisionReport":
+        """The report ``to_dict()`` (or ``json.loads(to_json())``) produced, rebuilt."""
+        return cls(
+            rows=[dict(row) for row in data["rows"]],
+            skipped_steps=data.get("skipped_steps"),
+            baseline_bytes_per_param=data.get("baseline_bytes_per_param", FP32_ADAM_BYTES_PER_PARAM),
+        )
+
+    def highlights(self, top: int = 3) -> list[str]:
+        """A few lines to read at a glance: FP8 share and what stays in high precision,
+        underflow and saturation hot spots, the ``top`` tensors by bytes."""
+        rows = self.rows
+        fp8_rows = [row for row in rows if row["fp8"]]
+        kept = [row for row in rows if row["note"]]
+        line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
+        if not fp8_rows:
+            line = "FP8: none (no FP8 layers)"
+        elif kept:
+            shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
+            more = f" and {len(kept) - top} more" if len(kept) > top else ""
+            line += f"; high precision: {shown}{more}"
+        lines = [line]
+        for key, label in (("underflow", "underflow"), ("saturated", "saturation")):
+            hot = sorted((row for row in fp8_rows if row[key]), key=lambda row: -row[key])[:top]
+            if hot:
+                lines.append(
+                    f"{label} hot spots: "
+                    + ", ".join(f"{row['name']} {100 * row[key]:.2g}%" for row in hot)
+                )
+            elif fp8_rows:
+                lines.append(f"{label}: none")
+        total = sum(row["bytes"] for row in rows)
+        biggest = sorted(rows, key=lambda row: -row["bytes"])[:top]
+        if total:
+            lines.append(
+                "largest: "
+                + ", ".join(
+                    f"{row['name']} {_human_bytes(row['bytes'])} ({100 * row['bytes'] / total:.0f}%)"
+                    for row in biggest
+                )
+            )
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         """Rows and totals as plain Python data."""
         return {
@@ -143,6 +196,8 @@ class PrecisionReport:
         for index, note in enumerate(notes, start=1):
             console.print(f"[{index}] {note}", highlight=False)
         console.print(self.summary(), highlight=False)
+        for line in self.highlights():
+            console.print(f"  {line}", highlight=False)
 
     def summary(self) -> str:
         """One line: parameters, FP8 share, bytes/param against the FP32-Adam baseline."""
@@ -156,6 +211,15 @@ class PrecisionReport:
         if self.skipped_steps is not None:
             text += f"; skipped (overflow) steps: {self.skipped_steps}"
         return text + "."
+
+
+def _human_bytes(count: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
 
 
 def _cell(row: dict[str, Any], key: str) -> str:

@@ -98,3 +98,40 @@ def test_o3_report_measures_the_master_weights_cast_to_fp8() -> None:
     assert row["amax"] == pytest.approx(float(master.abs().max()))
     tiny = master.abs() * row["scale"] < 2.0**-10  # below half the smallest E4M3 subnormal
     assert row["underflow"] == pytest.approx(float((tiny & (master != 0)).sum()) / master.numel(), abs=1e-3)
+
+
+def test_highlights_name_hot_spots_and_the_largest_tensors() -> None:
+    model, _ = amp8.initialize(_model(), recipe=amp8.Recipe(scaling="delayed"))
+    weight = torch.full((64, 32), 1.0)
+    weight[0, :4] = 1e-9
+    model[0].write_weight(weight)
+    model[0].amax_history.zero_()
+    model[0].amax_history[1, 0] = 0.5
+    lines = amp8.report(model).highlights(top=2)
+    assert lines[0] == (
+        "FP8: 89.3% of parameters in 2 FP8 layers; high precision: 4.weight "
+        "(out_features=10 is not a multiple of 16)"
+    )
+    assert lines[1] == "underflow hot spots: 0.weight 0.2%"
+    assert lines[2] == "saturation hot spots: 0.weight 1e+02%"
+    assert lines[3] == "largest: 0.weight 4.0 KiB (40%), 2.weight 4.0 KiB (40%)"  # FP16 weights, no grads
+
+
+def test_highlights_at_o0_and_without_false_saturation() -> None:
+    assert amp8.report(_model()).highlights()[0] == "FP8: none (no FP8 layers)"
+    model, optimizer = _trained()  # current scaling: the amax maps onto the max, no clipping
+    assert "saturation: none" in amp8.report(model, optimizer).highlights()
+
+
+def test_tied_weight_row_says_why_it_stays_high_precision() -> None:
+    model = nn.Sequential(nn.Embedding(32, 32), nn.Linear(32, 32, bias=False))
+    model[1].weight = model[0].weight
+    model, _ = amp8.initialize(model)
+    (row,) = amp8.report(model).rows
+    assert row["layer"] == "Embedding" and row["note"] == "weight is shared (0.weight, 1.weight)"
+
+
+def test_from_dict_round_trips() -> None:
+    report = amp8.report(*_trained())
+    again = amp8.PrecisionReport.from_dict(json.loads(report.to_json()))
+    assert again.to_dict() == report.to_dict()

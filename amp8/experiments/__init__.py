@@ -1,0 +1,4 @@
+"""Experiments that compare opt levels on real data: a byte corpus, a GPT, the runner.
+
+Nothing here is imported by ``import amp8``; ``amp8.compare`` loads it on first use.
+"""

@@ -1,0 +1,62 @@
+"""Every example runs, with small settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", _EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_mnist_like_learns(opt_level: str) -> None:
+    example = _load("mnist_like")
+    accuracy, _, optimizer = example.train(example.Config(opt_level=opt_level, epochs=3))
+    assert accuracy > 0.85, f"{opt_level}: test accuracy {accuracy:.3f}"
+    assert getattr(optimizer, "skipped_steps", 0) == 0
+
+
+def test_gpt_trains_and_samples() -> None:
+    example = _load("gpt")
+    config = example.Config(steps=20, batch_size=4, eval_every=10, n_embd=64)
+    loss, model = example.train(config)
+    assert loss < 4.5, f"validation loss {loss:.3f} after 20 steps (ln 256 = 5.55)"
+    text = example.sample(model, b"def ", 8)
+    assert text.startswith(b"def ") and len(text) == 12
+
+
+def test_gpt_command_line() -> None:
+    result = subprocess.run(
+        [sys.executable, str(_EXAMPLES / "gpt.py"), "--steps", "2", "--eval-every", "1", "--batch-size", "2",
+         "--n-embd", "32", "--opt-level", "O0"],
+        capture_output=True, text=True, timeout=300, cwd=_EXAMPLES.parent,
+        env={**os.environ, "PYTHONPATH": str(_EXAMPLES.parent)},  # this checkout's amp8
+    )
+    assert result.returncode == 0, result.stderr
+    assert "final validation loss" in result.stdout
+
+
+def test_hf_transformers_trains_in_fp8() -> None:
+    pytest.importorskip("transformers", reason="the hf example needs transformers: pip install 'amp8[hf]'")
+    import amp8
+
+    example = _load("hf_transformers")
+    losses, model, optimizer = example.train(example.Config(steps=3, batch_size=2))
+    assert losses[-1] < losses[0], losses
+    report = amp8.report(model, optimizer)
+    assert report.fp8_share > 0.8, report.summary()
+    assert optimizer.skipped_steps == 0

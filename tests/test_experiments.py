@@ -1,0 +1,241 @@
+"""The stdlib byte corpus, the GPT, and the compare runner on a tiny config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import amp8
+from amp8.cli import main
+from amp8.experiments.compare import ABLATION, JSON_NAME, CompareConfig, compare, load_report, run_specs
+from amp8.experiments.corpus import CorpusConfig, load_corpus, sample_batch, source_files, stdlib_root
+from amp8.experiments.gpt import GPT, PRESETS, GPTConfig
+from amp8.nn import Fp8Linear
+
+TINY = CompareConfig(
+    model=PRESETS["tiny"], steps=6, batch_size=4, eval_interval=3, eval_batches=2,
+    train_loss_window=2, torchao=False, corpus=CorpusConfig(max_bytes=64 * 1024),
+)
+
+
+# -- corpus ------------------------------------------------------------------------------
+def test_corpus_is_deterministic_and_splits_whole_files() -> None:
+    config = CorpusConfig(max_bytes=256 * 1024)
+    first, second = load_corpus(config), load_corpus(config)
+    assert first.sha256 == second.sha256
+    assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
+    assert first.train.numel() + first.val.numel() == config.max_bytes
+    assert first.val.numel() == config.max_bytes // config.holdout_every
+    files = source_files(stdlib_root())
+    assert files == sorted(files) and len(files) >= 10
+    # The first validation file is the 10th by name; its bytes start the validation split.
+    head = files[config.holdout_every - 1].read_bytes()[:256]
+    assert bytes(first.val[: len(head)].tolist()) == head
+    assert bytes(first.train[:256].tolist()) == files[0].read_bytes()[:256]
+
+
+@pytest.mark.parametrize("field, value", [("max_bytes", 10), ("holdout_every", 1), ("max_bytes", True)])
+def test_corpus_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"CorpusConfig.{field}"):
+        CorpusConfig(**{field: value})
+
+
+def test_corpus_needs_python_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="CorpusConfig"):
+        load_corpus(CorpusConfig(root=str(tmp_path)))
+
+
+def test_batches_follow_the_generator_and_shift_by_one() -> None:
+    data = load_corpus(CorpusConfig(max_bytes=64 * 1024)).train
+    x, y = sample_batch(data, 5, 32, torch.Generator().manual_seed(3))
+    x2, y2 = sample_batch(data, 5, 32, torch.Generator().manual_seed(3))
+    assert x.shape == y.shape == (5, 32) and x.dtype == torch.int64
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(ValueError, match="block_size"):
+        sample_batch(data[:10], 1, 32, torch.Generator())
+
+
+# -- GPT ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_gpt_shapes_and_loss(preset: str) -> None:
+    config = PRESETS[preset]
+    model = GPT(config, torch.Generator().manual_seed(0))
+    idx, targets = torch.randint(0, 256, (2, 3, config.block_size))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, config.block_size, 256)
+    # Near-uniform predictions at initialization: cross-entropy close to ln(256).
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.1, loss.item()
+    assert model.head.weight is model.tok_emb.weight
+
+
+def test_gpt_init_uses_only_its_generator() -> None:
+    state = torch.random.get_rng_state()
+    first = GPT(PRESETS["tiny"], torch.Generator().manual_seed(7))
+    assert torch.equal(torch.random.get_rng_state(), state), "the global random state was touched"
+    second = GPT(PRESETS["tiny"], torch.Generator().manual_seed(7))
+    for a, b in zip(first.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_gpt_is_causal() -> None:
+    model = GPT(PRESETS["tiny"]).eval()
+    idx = torch.randint(0, 256, (1, 16))
+    changed = idx.clone()
+    changed[0, -1] = (idx[0, -1] + 1) % 256
+    torch.testing.assert_close(model(idx)[0][:, :-1], model(changed)[0][:, :-1], atol=0, rtol=0)
+
+
+def test_o1_swaps_every_projection_but_not_the_tied_head() -> None:
+    model = GPT(PRESETS["tiny"])
+    model, _ = amp8.initialize(model, None, "O1")
+    fp8 = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
+    assert len(fp8) == 4 * PRESETS["tiny"].n_layer and "head" not in fp8
+    report = amp8.report(model)
+    row = next(row for row in report.rows if row["name"] == "tok_emb.weight")
+    assert "shared" in row["note"]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"n_embd": 72, "n_head": 4}, "multiple of 16"), ({"n_embd": 64, "n_head": 5}, "divisible"),
+     ({"n_layer": 0}, "n_layer")],
+)
+def test_gpt_config_rejects_bad_shapes(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**changes)
+
+
+def test_unknown_preset_lists_the_names() -> None:
+    with pytest.raises(ValueError, match="'tiny'"):
+        GPTConfig.from_preset("huge")
+
+
+# -- compare -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"levels": ("O1",)}, "lacks 'O0'"), ({"levels": ("O0", "0O1")}, "not amp8 opt levels"),
+     ({"steps": 0}, "steps"), ({"lr": -1.0}, "lr")],
+)
+def test_compare_config_rejects_bad_values(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TINY.replace(**changes)
+
+
+def test_run_specs_cover_levels_ablation_and_seeds() -> None:
+    names = [spec.name for spec in run_specs(TINY.replace(seeds=3))]
+    assert names == ["O0", "O1", "O2", "O3", ABLATION, "O0-seed1", "O0-seed2"]
+
+
+def test_learning_rate_warms_up_then_decays() -> None:
+    config = TINY.replace(steps=100, warmup_steps=10)
+    rates = [config.lr_at(step) for step in range(100)]
+    assert rates[9] == pytest.approx(config.lr)
+    assert rates[0] < rates[9] and rates[-1] == pytest.approx(config.lr * config.min_lr_ratio)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("compare")
+    console = Console(record=True, width=200)
+    compare(TINY.replace(seeds=2), out_dir=out, console=console, progress=False)
+    return out, console.export_text()
+
+
+def test_compare_writes_json_with_every_curve(tiny_run: tuple[Path, str]) -> None:
+    out, _ = tiny_run
+    data = json.loads((out / JSON_NAME).read_text())
+    assert set(data) == {"config", "corpus", "environment", "runs", "o0_seed_spread"}
+    runs = {run["name"]: run for run in data["runs"]}
+    assert list(runs) == ["O0", "O1", "O2", "O3", ABLATION, "O0-seed1"]
+    for name in ("O0", "O1", ABLATION, "O0-seed1"):
+        run = runs[name]
+        assert run["status"] == "ok", run["reason"]
+        assert len(run["train_curve"]) == TINY.steps
+        assert [step for step, _ in run["val_curve"]] == [3, 6]
+        for key in ("final_train_loss", "final_val_loss", "tokens_per_s", "bytes_per_param", "fp8_share"):
+            assert run[key] > 0 or (key == "fp8_share" and name.startswith("O0")), (name, key)
+        assert run["report"]["rows"] and run["highlights"]
+    assert runs["O0"]["gap_percent"] == 0 and runs["O0"]["skipped_steps"] is None
+    assert runs["O1"]["skipped_steps"] == 0 and runs["O1"]["recipe"]["scaling"] == "current"
+    assert runs[ABLATION]["recipe"]["scaling"] == "none"
+    assert runs["O1"]["bytes_per_param"] < runs["O0"]["bytes_per_param"]
+    spread = data["o0_seed_spread"]
+    assert spread["seeds"] == 2 and spread["spread"] >= 0
+    assert data["corpus"]["sha256"] == load_corpus(TINY.corpus).sha256
+
+
+def test_unavailable_levels_are_recorded_and_printed(tiny_run: tuple[Path, str]) -> None:
+    out, text = tiny_run
+    runs = {run["name"]: run for run in json.loads((out / JSON_NAME).read_text())["runs"]}
+    for level in ("O2", "O3"):
+        if runs[level]["status"] == "ok":
+            continue  # the level trains in this build
+        assert runs[level]["status"] == "unavailable" and runs[level]["train_curve"] == []
+        assert f"{level} skipped: {runs[level]['reason']}" in text
+
+
+def test_compare_prints_the_table(tiny_run: tuple[Path, str]) -> None:
+    _, text = tiny_run
+    for header in ("run", "train loss", "val loss", "gap to O0", "tokens/s", "peak mem", "bytes/param", "skipped"):
+        assert header in text, header
+    assert "O0 seed spread over 2 seeds" in text
+    assert "O1: FP8:" in text
+
+
+def test_compare_plots_or_says_how(tiny_run: tuple[Path, str]) -> None:
+    out, text = tiny_run
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        assert "pip install 'amp8[plot]'" in text
+    else:
+        assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_command_prints_a_run(tiny_run: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
+    out, _ = tiny_run
+    assert main(["report", "--run", str(out), "--level", ABLATION]) == 0
+    text = capsys.readouterr().out
+    assert "amp8 precision report" in text and "underflow" in text
+    assert load_report(out, "O1").fp8_share > 0.5
+    assert main(["report", "--run", str(out), "--level", "O7"]) == 2
+    assert "choose one of O0, O1" in capsys.readouterr().out
+
+
+def test_report_command_without_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["report", "--run", str(tmp_path)]) == 2
+    assert "amp8 compare --out" in capsys.readouterr().out
+
+
+def test_compare_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["compare", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--levels", "O0", "O1",
+            "--no-ablation", "--max-bytes", "65536", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert [run["name"] for run in data["runs"]] == ["O0", "O1"]
+    assert data["config"]["model"]["n_embd"] == PRESETS["tiny"].n_embd
+
+
+def test_import_amp8_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, amp8; print('matplotlib' in sys.modules, 'amp8.experiments' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.split() == ["False", "False"], result.stderr
+
+
+def test_torchao_peer_runs_only_when_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from amp8.experiments import compare as runner
+
+    monkeypatch.setattr(runner, "torchao_available", lambda: False)
+    assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=True))]
+    monkeypatch.setattr(runner, "torchao_available", lambda: True)
+    assert [spec.name for spec in run_specs(TINY.replace(torchao=True))][-1] == "torchao"
+    assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=False))]
