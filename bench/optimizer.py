@@ -7,8 +7,10 @@
 Step time: one optimizer step over square FP8 layers holding the given number of
 parameters, with gradients already in place, against torch.optim.AdamW (foreach on the
 CPU, fused on CUDA) on an FP32 copy of the same model, in the same process. Bytes/param:
-the precision report of a GPT-style stack (attention and MLP projections, LayerNorms, an
-embedding) after one training step at each level. Results go to bench/results/.
+the precision report after one training step at each level, for amp8's byte-level GPT
+(presets small and medium; tied head, so embeddings are a small share) and for a GPT-style
+stack with an untied 4096-entry vocabulary (embeddings 20 % of its parameters, which stay
+in FP32). Results go to bench/results/.
 """
 
 from __future__ import annotations
@@ -75,11 +77,34 @@ class GptStack(nn.Module):
         return self.head(x)
 
 
-def bytes_per_param(level: str, device: torch.device) -> dict[str, float]:
+def _byte_gpt(preset: str) -> nn.Module:
+    from amp8.experiments.gpt import GPT, PRESETS
+
+    class Logits(nn.Module):  # the GPT returns (logits, loss); keep the logits
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = GPT(PRESETS[preset])
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.gpt(tokens)[0]
+
+    return Logits()
+
+
+MODELS = {
+    "byte GPT small": (lambda: _byte_gpt("small"), 256),
+    "byte GPT medium": (lambda: _byte_gpt("medium"), 256),
+    "GPT-style, vocab 4096": (GptStack, 4096),
+}
+
+
+def bytes_per_param(name: str, level: str, device: torch.device) -> dict[str, float]:
+    """Bytes/param of model ``name`` after one AdamW step at ``level``, from the report."""
     torch.manual_seed(0)
-    model = GptStack().to(device)
+    build, vocab = MODELS[name]
+    model = build().to(device)
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
-    tokens = torch.randint(0, 4096, (4, 64), device=device)
+    tokens = torch.randint(0, vocab, (2, 64), device=device)
     model(tokens).float().logsumexp(-1).mean().backward()
     optimizer.step()
     report = amp8.report(model, optimizer)
@@ -110,12 +135,16 @@ def main() -> None:
                        f"{row['amp8_ms']:.1f}", f"{row['ratio']:.2f}x")
     console.print(timing)
 
-    memory_rows = {level: bytes_per_param(level, device) for level in amp8.LEVELS}
-    memory = Table(title="bytes per parameter of a GPT-style model (precision report)")
-    for column in ("level", "whole model", "FP8 layers", "FP8 share"):
+    memory_rows = {
+        name: {level: bytes_per_param(name, level, device) for level in amp8.LEVELS} for name in MODELS
+    }
+    memory = Table(title="bytes per parameter after one step (precision report)")
+    for column in ("model", "level", "whole model", "FP8 layers", "FP8 share"):
         memory.add_column(column, justify="right")
-    for level, row in memory_rows.items():
-        memory.add_row(level, f"{row['whole_model']:.2f}", f"{row['fp8_layers']:.2f}", f"{100 * row['fp8_share']:.0f}%")
+    for name, levels in memory_rows.items():
+        for level, row in levels.items():
+            memory.add_row(name, level, f"{row['whole_model']:.2f}", f"{row['fp8_layers']:.2f}",
+                           f"{100 * row['fp8_share']:.0f}%")
     console.print(memory)
     path = write_result("optimizer", device, {"step_time": timing_rows, "bytes_per_param": memory_rows})
     print(f"wrote {path}")
