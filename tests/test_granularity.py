@@ -21,8 +21,10 @@ TILES = [(1, 128), (128, 1), (128, 128), (1, 64), (32, 32)]
 
 
 def _recipe(granularity: str, **changes) -> Recipe:
-    """E4M3 everywhere with power-of-two scales, so only the granularity differs."""
-    return Recipe(fp8_format="E4M3", power_of_2_scales=True, granularity=granularity, **changes)
+    """E4M3 everywhere with power-of-two scales (unless changed), so only the
+    granularity differs."""
+    fields = {"fp8_format": "E4M3", "power_of_2_scales": True, **changes}
+    return Recipe(granularity=granularity, **fields)
 
 
 def _plain_tiles(shape, tile):
@@ -177,14 +179,36 @@ def _outputs(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
     return y, x.grad, weight_grad
 
 
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize(("shape", "n"), [((4, 7, 256), 160), ((13, 48), 64), ((300, 208), 144)])
-def test_fp8_linear_against_fp32(granularity, shape, n) -> None:
-    reference, layer = _pair(shape[-1], n, _recipe(granularity))
+def test_fp8_linear_against_fp32(granularity, shape, n, fmt) -> None:
+    reference, layer = _pair(shape[-1], n, _recipe(granularity, fp8_format=fmt))
     x, grad_out = torch.randn(shape), torch.randn(*shape[:-1], n)
     for expected, got, floor in zip(_outputs(reference, x, grad_out), _outputs(layer, x, grad_out), (18, 17, 17)):
         assert got.shape == expected.shape
         assert_sqnr_at_least(expected, got, floor)
+
+
+@pytest.mark.parametrize("granularity", ["rowwise", "block"])
+@pytest.mark.parametrize("override_index", [0, 1, 2])
+def test_high_precision_overrides_combine_with_fine_granularities(granularity, override_index) -> None:
+    override = [False, False, False]
+    override[override_index] = True
+    recipe = Recipe(granularity=granularity, override_linear_precision=tuple(override))  # HYBRID
+    reference, layer = _pair(256, 160, recipe)
+    x, grad_out = torch.randn(40, 256), torch.randn(40, 160)
+    for expected, got, floor in zip(_outputs(reference, x, grad_out), _outputs(layer, x, grad_out), (18, 17, 17)):
+        assert_sqnr_at_least(expected, got, floor)
+
+
+@pytest.mark.parametrize("granularity", ["rowwise", "block"])
+def test_no_scaling_ablation_gives_unit_scales_of_the_granularity_shape(granularity) -> None:
+    _, layer = _pair(256, 160, Recipe(granularity=granularity, scaling="none"))
+    x = torch.randn(40, 256)
+    x8 = layer.cast(Slot.INPUT, x)
+    assert torch.equal(x8.scale, torch.ones(40, 1 if granularity == "rowwise" else 2))
+    assert_bitwise_equal(x8.data, x.to(E4M3))
 
 
 def _row_sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
