@@ -11,7 +11,7 @@ from .formats import Fp8Format
 from .frontend import initialize
 from .levels import LEVELS, OptLevel, Precision
 from .optim.clip import clip_grad_norm_
-from .recipe import AmaxAlgo, Recipe, Scaling
+from .recipe import AmaxAlgo, Granularity, Recipe, RecipeName, Scaling
 from .report import PrecisionReport, report
 
 __version__ = "0.1.0"
@@ -30,10 +30,12 @@ __all__ = [
     "LEVELS",
     "AmaxAlgo",
     "Fp8Format",
+    "Granularity",
     "OptLevel",
     "Precision",
     "PrecisionReport",
     "Recipe",
+    "RecipeName",
     "Scaling",
     "__version__",
     "clip_grad_norm_",

@@ -12,7 +12,7 @@ from .levels import OptLevel, Precision, resolve_level
 from .nn.linear import Fp8Linear
 from .nn.swap import ModuleFilter, swap_linear_layers
 from .optim.adam import LowBitAdam, check_state_precision, check_supported
-from .recipe import Recipe
+from .recipe import Granularity, Recipe
 
 
 def _is_fully_sharded(model: nn.Module) -> bool:
@@ -94,6 +94,12 @@ def initialize(
     layers = fp8_layers(model)
     data_parallel = None
     if process_group_size(process_group) > 1:
+        if level.shard_optimizer and recipe.granularity is not Granularity.TENSORWISE:
+            raise ValueError(
+                f"opt level {level.name} shards its optimizer over data-parallel ranks, which "
+                f"amp8 does for tensorwise scales only; got granularity="
+                f"{recipe.granularity.value!r}. Use Recipe(granularity='tensorwise') or O2"
+            )
         broadcast_module(model, process_group)
         data_parallel = DataParallel(process_group)
     new_optimizer = None

@@ -32,22 +32,26 @@ _ROUNDING = 2.0**-20
 """Relative slack for float32 rounding when checking whether a scaled value exceeds the max."""
 
 
-def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, float]:
-    """Scale, amax, underflow and saturation of the FP8 cast of ``weight``, the layer's
-    real weight (its master weight where the optimizer keeps one)."""
+def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
+    """Granularity, scales, amax, underflow and saturation of the FP8 cast of ``weight``,
+    the layer's real weight (its master weight where the optimizer keeps one)."""
     if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale, weight_amax = layer.weight_scale, scaling.amax(weight)
     else:
         scale, weight_amax = layer.next_scale(Slot.WEIGHT, weight)
     dtype = layer.fp8_dtype(Slot.WEIGHT)
-    scaled = weight * scale
-    cast = scaling.quantize(weight, scale, dtype)
+    full_scale = scaling.expand_scale(scale, tuple(weight.shape), layer.block_size)
+    scaled = weight * full_scale
+    cast = scaling.quantize(weight, full_scale, dtype)
     nonzero = weight != 0
     underflow = (nonzero & (cast.float() == 0)).sum() / nonzero.sum().clamp(min=1)
     # The amax element lands on the max up to float32 rounding (448.00003): not a clip.
     saturated = (scaled.abs() > max_value(dtype) * (1 + _ROUNDING)).float().mean()
     return {
-        "scale": float(scale),
+        "granularity": layer.recipe.granularity.value,
+        "scale": float(scale) if scale.numel() == 1 else None,
+        "scale_min": float(scale.amin()),
+        "scale_max": float(scale.amax()),
         "amax": float(weight_amax),
         "underflow": float(underflow),
         "saturated": float(saturated),
@@ -85,8 +89,10 @@ class PrecisionReport:
     Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
     weights of FP8 layers), note (why a Linear weight stays in high precision, or None),
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
-    None), scale, amax, underflow, saturated (FP8 layers' weights only, else None), bytes
-    (weight + gradient + optimizer state, scales included).
+    None), granularity (the recipe's), scale (None when the weight has several),
+    scale_min, scale_max (the range of the weight's FP8 scales), amax, underflow,
+    saturated (FP8 layers' weights only, else None), bytes (weight + gradient + optimizer
+    state, scales included).
     """
 
     rows: list[dict[str, Any]]
@@ -182,6 +188,9 @@ class PrecisionReport:
         # Show a column only when some row has a value in it (no "master" before O3).
         columns = [(title, key) for title, key in _COLUMNS
                    if key in _ALWAYS_SHOWN or any(row[key] is not None for row in self.rows)]
+        # The scale range is shown where some tensor has scales finer than per tensor.
+        if all(row["granularity"] in (None, "tensorwise") for row in self.rows):
+            columns = [(title, key) for title, key in columns if key != "scale_min"]
         table = Table(title="amp8 precision report")
         for title, key in columns:
             table.add_column(title, justify="right" if key in _NUMERIC else "left")
@@ -235,17 +244,21 @@ def _cell(row: dict[str, Any], key: str) -> str:
         return f"{100 * value:.2g}%"
     if key in ("scale", "amax"):
         return f"{value:.3g}"
+    if key == "scale_min":
+        return f"{value:.3g}..{row['scale_max']:.3g}"
     return _SHORT_DTYPES.get(value, str(value))
 
 
 _COLUMNS = (
     ("parameter", "name"), ("shape", "shape"), ("layer", "layer"), ("weight", "weight"),
     ("grad", "grad"), ("master", "master"), ("m", "exp_avg"), ("v", "exp_avg_sq"),
-    ("scale", "scale"), ("amax", "amax"), ("underflow", "underflow"),
+    ("granularity", "granularity"), ("scale", "scale"), ("scale range", "scale_min"),
+    ("amax", "amax"), ("underflow", "underflow"),
     ("saturated", "saturated"), ("B/param", "bytes"),
 )
 _ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
-_NUMERIC = {"scale", "amax", "underflow", "saturated", "bytes"}
+_NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
+_STATS = ("granularity", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated")
 
 
 def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PrecisionReport:
@@ -263,12 +276,12 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
             weight_bytes = param.nbytes + fp8_layer.weight_scale.nbytes
             read = getattr(optimizer, "read_weight", None)
             real = read(param) if read is not None else fp8_layer.read_weight()
-            stats: dict[str, float | None] = _fp8_cast_stats(fp8_layer, real)
+            stats: dict[str, Any] = _fp8_cast_stats(fp8_layer, real)
         else:
             grad_dtype = None if param.grad is None else param.grad.dtype
             grad_bytes = _nbytes(param.grad)
             weight_bytes = param.nbytes
-            stats = dict.fromkeys(("scale", "amax", "underflow", "saturated"))
+            stats = dict.fromkeys(_STATS)
         param_state = state.get(param, {})
         state_bytes = sum(_nbytes(v) for v in param_state.values() if torch.is_tensor(v))
 

@@ -114,6 +114,63 @@ def _as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.view(-1, block_size)
 
 
+def tile_amax(x: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 absolute maximum of each ``tile`` (rows, columns) of the 2-D ``x``,
+    shape ``(ceil(R / rows), ceil(C / columns))``; trailing partial tiles get their own
+    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor)."""
+    if tile is None:
+        return amax(x)
+    if x.dim() != 2:
+        raise ValueError(f"tiled scales need a 2-D tensor, got shape {tuple(x.shape)}")
+    tile_rows, tile_cols = tile
+    absolute = x.detach().float().abs()
+    padded = torch.nn.functional.pad(absolute, (0, -x.shape[1] % tile_cols, 0, -x.shape[0] % tile_rows))
+    rows, cols = padded.shape
+    return padded.view(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols).amax(dim=(1, 3))
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], block_size: int = 0) -> torch.Tensor:
+    """``scale`` made to broadcast against a tensor of ``shape``.
+
+    A scalar, or a dimension of size 1 or of the tensor's own size, broadcasts as it is;
+    any other dimension holds one scale per ``block_size`` elements (the last block may
+    be partial) and is repeated to the tensor's size.
+
+    Raises:
+        ValueError: a scale shape that does not tile ``shape`` with ``block_size``.
+    """
+    if scale.dim() == 0:
+        return scale
+    if scale.dim() != len(shape):
+        raise ValueError(f"scales of shape {tuple(scale.shape)} do not fit a tensor of shape {tuple(shape)}")
+    for dim, (count, size) in enumerate(zip(scale.shape, shape)):
+        if count in (1, size):
+            continue
+        if block_size <= 0 or -(-size // block_size) != count:
+            raise ValueError(
+                f"scales of shape {tuple(scale.shape)} do not tile a tensor of shape "
+                f"{tuple(shape)} in blocks of {block_size}; pass the block size they were made with"
+            )
+        scale = scale.repeat_interleave(block_size, dim).narrow(dim, 0, size)
+    return scale
+
+
+def quantize_tiles(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    tile: tuple[int, int] | None,
+    *,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the 2-D ``x`` with one scale per ``tile`` (rows, columns), each from its
+    own amax; ``tile=None`` means one scale for the tensor. Returns ``(data, scales)``
+    with scales of shape ``(ceil(R / rows), ceil(C / columns))`` (or ``()``)."""
+    scale = scale_from_amax(tile_amax(x, tile), dtype, margin=margin, power_of_2=power_of_2)
+    block_size = 0 if tile is None else max(tile)
+    return quantize(x, expand_scale(scale, tuple(x.shape), block_size), dtype), scale
+
+
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A bool scalar tensor: True when no tensor holds an inf or NaN."""
     if not tensors:

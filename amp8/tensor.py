@@ -17,12 +17,14 @@ from . import scaling
 class ScaledTensor:
     """``data`` holds ``x * scale`` in a low-precision dtype; ``scale`` is float32.
 
-    ``scale`` is a scalar for tensorwise scaling; finer granularities broadcast against
-    ``data``.
+    ``scale`` is a scalar for tensorwise scaling, (R, 1) or (1, C) for one scale per row
+    or column, and one scale per ``block_size`` elements along any other dimension
+    (see ``scaling.expand_scale``).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
+    block_size: int = 0
 
     @classmethod
     def from_float(
@@ -32,16 +34,30 @@ class ScaledTensor:
         *,
         margin: int = 0,
         power_of_2: bool = False,
+        tile: tuple[int, int] | None = None,
     ) -> "ScaledTensor":
-        """Quantize ``x`` to ``dtype`` with a fresh scale from its own amax."""
-        scale = scaling.scale_from_amax(
-            scaling.amax(x), dtype, margin=margin, power_of_2=power_of_2
-        )
-        return cls(scaling.quantize(x, scale, dtype), scale)
+        """Quantize ``x`` to ``dtype`` with fresh scales from its own amax: one for the
+        tensor, or one per ``tile`` (rows, columns) of a 2-D ``x``."""
+        data, scale = scaling.quantize_tiles(x, dtype, tile, margin=margin, power_of_2=power_of_2)
+        return cls(data, scale, 0 if tile is None else max(tile))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real values, ``data / scale``, in ``dtype``."""
-        return scaling.dequantize(self.data, self.scale, dtype)
+        return scaling.dequantize(self.data, self.full_scale(), dtype)
+
+    def full_scale(self) -> torch.Tensor:
+        """The scales broadcast against ``data`` (block scales repeated per element)."""
+        return scaling.expand_scale(self.scale, tuple(self.data.shape), self.block_size)
+
+    def t(self) -> "ScaledTensor":
+        """The transposed matrix, with its scales transposed alongside."""
+        scale = self.scale.t() if self.scale.dim() == 2 else self.scale
+        return ScaledTensor(self.data.t(), scale, self.block_size)
+
+    def with_data(self, data: torch.Tensor) -> "ScaledTensor":
+        """``data`` with this tensor's scales: the same values in another memory layout
+        (or, under one scale per tensor, with zero rows appended)."""
+        return ScaledTensor(data, self.scale, self.block_size)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -20,9 +20,9 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import scaling
 from ..formats import E4M3, forward_dtype, gradient_dtype
-from ..gemm import GemmRole, fp8_mm
+from ..gemm import GemmRole, fp8_gemm
 from ..levels import Precision
-from ..recipe import Recipe, Scaling
+from ..recipe import Granularity, Recipe, Scaling
 from ..tensor import ScaledTensor
 
 _WEIGHT_STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
@@ -47,13 +47,15 @@ def _check_weight_storage(weight_storage: Precision) -> None:
         )
 
 
-def _pad_rows(x8: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Append zero rows to an FP8 matrix so its row count is a multiple of ``multiple``."""
-    missing = -x8.shape[0] % multiple
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Append zero rows to a matrix (FP8 or not) so its row count is a multiple of
+    ``multiple``."""
+    missing = -x.shape[0] % multiple
     if missing == 0:
-        return x8
-    zeros = torch.zeros(missing, x8.shape[1], dtype=torch.uint8, device=x8.device)
-    return torch.cat([x8.view(torch.uint8), zeros]).view(x8.dtype)
+        return x
+    # FP8 tensors are concatenated as their bytes (a zero byte is +0.0 in both formats).
+    raw = x.view(torch.uint8) if x.element_size() == 1 and x.dtype.is_floating_point else x
+    return torch.cat([raw, raw.new_zeros(missing, x.shape[1])]).view(x.dtype)
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +71,11 @@ class Fp8Linear(nn.Module):
     points at the right tensors.
 
     Buffers (saved in ``state_dict``):
-        weight_scale: float32 scalar, ``weight.data == w * weight_scale``.
-        scale: (3,) float32, the FP8 scale last used for input, weight, grad_output.
+        weight_scale: float32, ``weight.data == w * weight_scale``: a scalar for FP16
+            storage; for FP8 storage the weight's scales at the recipe's granularity
+            (a scalar, (N, 1) per row, or (ceil(N / b), ceil(K / b)) per block).
+        scale: (3,) float32, the FP8 scale last used for input, weight, grad_output
+            (the smallest of a tensor's scales under fine-grained granularities).
         amax_history: (3, L) float32, newest first; L is 1 under current scaling.
     """
 
@@ -113,9 +118,22 @@ class Fp8Linear(nn.Module):
         """The dtype the weight is stored in (float16 or float8_e4m3fn)."""
         return _WEIGHT_STORAGE_DTYPES[self.weight_storage]
 
+    @property
+    def block_size(self) -> int:
+        """Elements per block edge of this layer's scales (0 unless the recipe is "block")."""
+        return self.recipe.block_size if self.recipe.granularity is Granularity.BLOCK else 0
+
     def read_weight(self) -> torch.Tensor:
         """The weight's real values in float32."""
-        return scaling.dequantize(self.weight.detach(), self.weight_scale)
+        return self._stored_weight().dequantize()
+
+    def _stored_weight(self) -> ScaledTensor:
+        return ScaledTensor(self.weight.detach(), self.weight_scale, self.block_size)
+
+    def weight_tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
+        """The tile of the weight's FP8 scales for a GEMM contracting its dim
+        ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
+        return self.recipe.tile(tuple(self.weight.shape), contract_dim, weight=True)
 
     def encode_weight(
         self,
@@ -125,24 +143,27 @@ class Fp8Linear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data, scale)`` that store ``real_weight`` in this layer's weight dtype.
 
-        FP16 storage takes a power-of-two scale (with one binade of headroom), rounded
+        FP16 storage takes one power-of-two scale (with one binade of headroom), rounded
         stochastically when a ``generator`` is given; FP8 storage takes the recipe's
-        weight scale, and that scale feeds the GEMMs directly. ``amax_value`` replaces the
-        amax of ``real_weight`` (to encode one chunk of a weight sharded over ranks).
+        weight scales at its granularity, and they feed the GEMMs directly. ``amax_value``
+        replaces the amax of ``real_weight`` (to encode one chunk of a tensorwise-scaled
+        weight sharded over ranks).
         """
         dtype = self.weight_dtype
         if self.weight_storage is Precision.FP8:
             margin, power_of_2 = self.recipe.margin, self.recipe.power_of_2_scales
+            tile = self.weight_tile()
         else:
-            margin, power_of_2 = _FP16_WEIGHT_MARGIN, True
-        if amax_value is None:
-            amax_value = scaling.amax(real_weight)
+            margin, power_of_2, tile = _FP16_WEIGHT_MARGIN, True, None
+        amaxes = scaling.tile_amax(real_weight, tile) if amax_value is None else amax_value
+        previous = self.weight_scale if self.weight_scale.shape == amaxes.shape else None
         scale = scaling.scale_from_amax(
-            amax_value, dtype, margin=margin, power_of_2=power_of_2, previous=self.weight_scale
+            amaxes, dtype, margin=margin, power_of_2=power_of_2, previous=previous
         )
+        full_scale = scaling.expand_scale(scale, tuple(real_weight.shape), self.block_size)
         if generator is not None and self.weight_storage is Precision.FP16:
-            return scaling.quantize_stochastic(real_weight, scale, dtype, generator), scale
-        return scaling.quantize(real_weight, scale, dtype), scale
+            return scaling.quantize_stochastic(real_weight, full_scale, dtype, generator), scale
+        return scaling.quantize(real_weight, full_scale, dtype), scale
 
     def write_weight(self, real_weight: torch.Tensor, generator: torch.Generator | None = None) -> None:
         """Store ``real_weight`` (any float dtype) into the weight Parameter, in place
@@ -153,19 +174,28 @@ class Fp8Linear(nn.Module):
                 self.weight.copy_(data)
             else:
                 self.weight.data = data
-            self.weight_scale.copy_(scale)
+            if self.weight_scale.shape == scale.shape:
+                self.weight_scale.copy_(scale)
+            else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
+                self.weight_scale = scale.clone()
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Load, converting a weight saved at another storage (another opt level, or a
         plain ``nn.Linear``) and filling scale buffers such a checkpoint lacks."""
         weight_key, scale_key = prefix + "weight", prefix + "weight_scale"
-        saved = state_dict.get(weight_key)
-        if saved is not None and (saved.dtype != self.weight.dtype or scale_key not in state_dict):
-            saved_scale = state_dict.get(scale_key, torch.ones((), device=saved.device))
-            real = scaling.dequantize(saved, saved_scale.to(saved.device))
+        saved, saved_scale = state_dict.get(weight_key), state_dict.get(scale_key)
+        if saved is not None and (
+            saved.dtype != self.weight.dtype
+            or saved_scale is None
+            or saved_scale.shape != self.weight_scale.shape
+        ):
+            if saved_scale is None:
+                saved_scale = torch.ones((), device=saved.device)
+            real = ScaledTensor(saved, saved_scale.to(saved.device), self.recipe.block_size).dequantize()
             state_dict[weight_key], state_dict[scale_key] = self.encode_weight(real.to(self.weight.device))
             warnings.warn(
-                f"amp8: converted {weight_key} from {saved.dtype} to {self.weight_dtype} storage",
+                f"amp8: converted {weight_key} from {saved.dtype} to {self.weight_dtype} storage "
+                f"(scales of shape {tuple(saved_scale.shape)} to {tuple(state_dict[scale_key].shape)})",
                 stacklevel=2,
             )
         for key, buffer in ((prefix + "scale", self.scale), (prefix + "amax_history", self.amax_history)):
@@ -192,21 +222,31 @@ class Fp8Linear(nn.Module):
         fmt = self.recipe.fp8_format
         return gradient_dtype(fmt) if slot is Slot.GRAD_OUTPUT else forward_dtype(fmt)
 
-    def next_scale(self, slot: Slot, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tile(self, slot: Slot, shape: tuple[int, ...], contract_dim: int = 1) -> tuple[int, int] | None:
+        """The tile sharing one scale when a tensor of ``shape`` in ``slot`` is cast for a
+        GEMM contracting its dim ``contract_dim``; None for one scale per tensor."""
+        return self.recipe.tile(shape, contract_dim, weight=slot is Slot.WEIGHT)
+
+    def next_scale(
+        self, slot: Slot, x: torch.Tensor, contract_dim: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, amax)`` the next cast of ``x`` in ``slot`` would use; changes nothing.
 
-        Current scaling takes the scale from ``amax(x)``. Delayed scaling takes it from the
-        amax history, falling back to ``amax(x)`` while the history is still empty. No
-        scaling always gives 1.
+        Current scaling takes the scale from ``amax(x)`` (per tile under fine-grained
+        granularities, see ``tile``; ``amax`` is then the largest of them). Delayed
+        scaling takes it from the amax history, falling back to ``amax(x)`` while the
+        history is still empty. No scaling always gives 1.
         """
         recipe = self.recipe
         dtype = self.fp8_dtype(slot)
-        current_amax = scaling.amax(x)
+        tile = self.tile(slot, tuple(x.shape), contract_dim)
+        amaxes = scaling.tile_amax(x, tile)
+        current_amax = amaxes.amax()
         if recipe.scaling is Scaling.NONE:
-            return torch.ones_like(current_amax), current_amax
-        previous = self.scale[slot]
+            return torch.ones_like(amaxes), current_amax
+        previous = self.scale[slot] if tile is None else None
         fresh = scaling.scale_from_amax(
-            current_amax, dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales,
+            amaxes, dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales,
             previous=previous,
         )
         if recipe.scaling is Scaling.CURRENT:
@@ -218,26 +258,40 @@ class Fp8Linear(nn.Module):
         )
         return torch.where(history.amax() > 0, delayed, fresh), current_amax
 
-    def cast(self, slot: Slot, x: torch.Tensor) -> ScaledTensor:
-        """Cast ``x`` to FP8 for ``slot``, recording the scale and (in training) the amax."""
-        scale, current_amax = self.next_scale(slot, x)
-        with torch.no_grad():
-            self.scale[slot] = scale
-            if self.training:
-                finite_amax = torch.where(torch.isfinite(current_amax), current_amax, 0.0)
-                self.amax_history[slot] = scaling.push_history(self.amax_history[slot], finite_amax)
-        return ScaledTensor(scaling.quantize(x, scale, self.fp8_dtype(slot)), scale)
+    def cast(
+        self, slot: Slot, x: torch.Tensor, contract_dim: int = 1, *, record: bool = True
+    ) -> ScaledTensor:
+        """Cast the 2-D ``x`` to FP8 for ``slot`` and a GEMM contracting its dim
+        ``contract_dim``. With ``record``, the scale (the smallest, under fine-grained
+        granularities) goes to the ``scale`` buffer and, in training, the amax to the
+        history; the re-casts for the transposed backward GEMMs do not record."""
+        scale, current_amax = self.next_scale(slot, x, contract_dim)
+        if record:
+            with torch.no_grad():
+                self.scale[slot] = scale.amin()
+                if self.training:
+                    finite_amax = torch.where(torch.isfinite(current_amax), current_amax, 0.0)
+                    self.amax_history[slot] = scaling.push_history(self.amax_history[slot], finite_amax)
+        full_scale = scaling.expand_scale(scale, tuple(x.shape), self.block_size)
+        return ScaledTensor(scaling.quantize(x, full_scale, self.fp8_dtype(slot)), scale, self.block_size)
 
-    def fp8_weight(self) -> ScaledTensor:
-        """The weight as the FP8 GEMMs get it: stored FP8 at O3, else a fresh cast."""
+    def fp8_weight(self, contract_dim: int = 1) -> ScaledTensor:
+        """The (N, K) weight as the FP8 GEMMs get it, with scales for a GEMM contracting
+        its dim ``contract_dim``: the stored FP8 weight at O3 where its scales fit, else a
+        fresh cast (from the FP8 weight's real values at O3: rowwise scales along the
+        other dim, for the input-gradient GEMM)."""
         if self.weight_storage is Precision.FP8:
-            return ScaledTensor(self.weight.detach(), self.weight_scale)
-        return self.cast(Slot.WEIGHT, self.read_weight())
+            stored = self._stored_weight()
+            if self.weight_tile(contract_dim) == self.weight_tile():
+                return stored
+            return self.cast(Slot.WEIGHT, stored.dequantize(), contract_dim, record=False)
+        return self.cast(Slot.WEIGHT, self.read_weight(), contract_dim, record=contract_dim == 1)
 
     # -- weight gradient -------------------------------------------------------------
     def accumulate_weight_grad(self, grad: torch.Tensor, run_hooks: bool = True) -> None:
-        """Add a float32 weight gradient to ``weight_grad``, re-stored as FP8 + scale, then
-        call the weight-gradient hooks (unless ``run_hooks`` is False)."""
+        """Add a float32 weight gradient to ``weight_grad``, re-stored as FP8 + scales
+        (tiled like the weight's FP8 scales under fine-grained granularities), then call
+        the weight-gradient hooks (unless ``run_hooks`` is False)."""
         if self.weight_grad is not None:
             grad = self.weight_grad.dequantize() + grad
         self.weight_grad = ScaledTensor.from_float(
@@ -245,6 +299,7 @@ class Fp8Linear(nn.Module):
             gradient_dtype(self.recipe.fp8_format),
             margin=self.recipe.margin,
             power_of_2=self.recipe.power_of_2_scales,
+            tile=self.weight_tile(),
         )
         if run_hooks:
             for hook in list(self._weight_grad_hooks.values()):
@@ -270,12 +325,20 @@ class Fp8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight={self.weight_dtype}, "
-            f"format={self.recipe.fp8_format.value}, scaling={self.recipe.scaling.value}"
+            f"format={self.recipe.fp8_format.value}, scaling={self.recipe.scaling.value}, "
+            f"granularity={self.recipe.granularity.value}"
         )
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
-    """Forward and both backward GEMMs of ``Fp8Linear`` (fprop, dgrad, wgrad)."""
+    """Forward and both backward GEMMs of ``Fp8Linear`` (fprop, dgrad, wgrad).
+
+    Every FP8 operand carries scales along its GEMM's contraction dimension. Tensorwise
+    scales serve all three GEMMs, so the forward's FP8 input is kept for wgrad. Finer
+    granularities keep the high-precision input and re-cast it (and the output
+    gradient) along the token dimension for wgrad; rowwise weights are re-cast per
+    column for dgrad, while 128x128 weight blocks serve fprop and dgrad alike.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -286,17 +349,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer: Fp8Linear,
     ) -> torch.Tensor:
         high_fprop, high_dgrad, high_wgrad = layer.recipe.override_linear_precision
+        tensorwise = layer.recipe.granularity is Granularity.TENSORWISE
         x2 = x.reshape(-1, layer.in_features)  # (M, K)
         out_dtype = x.dtype
         w8 = layer.fp8_weight() if not (high_fprop and high_dgrad) else None  # (N, K)
+        x8 = None
         if high_fprop:
             y = (x2.float() @ layer.read_weight().t()).to(out_dtype)
         else:
             x8 = layer.cast(Slot.INPUT, x2)
-            y = fp8_mm(x8.data.contiguous(), w8.data.t(), x8.scale, w8.scale, out_dtype, GemmRole.FPROP)
+            y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), out_dtype, GemmRole.FPROP)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        wgrad_input = x2 if high_wgrad else (x8 if not high_fprop else layer.cast(Slot.INPUT, x2))
+        if high_wgrad or not tensorwise:
+            wgrad_input = x2
+        else:
+            wgrad_input = x8 if x8 is not None else layer.cast(Slot.INPUT, x2)
         ctx.layer = layer
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
@@ -309,10 +377,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         layer: Fp8Linear = ctx.layer
         high_fprop, high_dgrad, high_wgrad = layer.recipe.override_linear_precision
+        tensorwise = layer.recipe.granularity is Granularity.TENSORWISE
         needs_x, needs_w, needs_b, _ = ctx.needs_input_grad
         g2 = grad_output.reshape(-1, layer.out_features)  # (M, N)
         g8 = None
-        if (needs_x and not high_dgrad) or (needs_w and not high_wgrad):
+        if (needs_x and not high_dgrad) or (needs_w and not high_wgrad and tensorwise):
             g8 = layer.cast(Slot.GRAD_OUTPUT, g2)
 
         grad_x = None
@@ -321,8 +390,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_x = (g2.float() @ layer.read_weight()).to(ctx.x_dtype)
             else:
                 w8: ScaledTensor = ctx.w8
-                grad_x = fp8_mm(
-                    g8.data.contiguous(), _column_major(w8.data), g8.scale, w8.scale,
+                if layer.weight_tile(0) != layer.weight_tile(1):
+                    w8 = layer.fp8_weight(contract_dim=0)  # rowwise: scales per column
+                grad_x = fp8_gemm(
+                    g8.with_data(g8.data.contiguous()), w8.with_data(_column_major(w8.data)),
                     ctx.x_dtype, GemmRole.DGRAD,
                 )
             grad_x = grad_x.reshape(ctx.x_shape)
@@ -331,11 +402,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if high_wgrad:
                 grad_w = g2.float().t() @ ctx.wgrad_input.float()
             else:
-                x8: ScaledTensor = ctx.wgrad_input
-                grad_w = fp8_mm(
-                    _pad_rows(g8.data, _GEMM_ALIGNMENT).t().contiguous(),
-                    _column_major(_pad_rows(x8.data, _GEMM_ALIGNMENT)),
-                    g8.scale, x8.scale, torch.float32, GemmRole.WGRAD,
+                if tensorwise:
+                    x8: ScaledTensor = ctx.wgrad_input
+                    g_rows = g8.with_data(_pad_rows(g8.data, _GEMM_ALIGNMENT))
+                    x_rows = x8.with_data(_pad_rows(x8.data, _GEMM_ALIGNMENT))
+                else:  # scales along the token dim M, which wgrad contracts
+                    g_rows = layer.cast(Slot.GRAD_OUTPUT, _pad_rows(g2, _GEMM_ALIGNMENT), 0, record=False)
+                    x_rows = layer.cast(Slot.INPUT, _pad_rows(ctx.wgrad_input, _GEMM_ALIGNMENT), 0, record=False)
+                g_t = g_rows.t()  # (N, M)
+                grad_w = fp8_gemm(
+                    g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
+                    torch.float32, GemmRole.WGRAD,
                 )
             layer.accumulate_weight_grad(grad_w)
 

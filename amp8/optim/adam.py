@@ -122,7 +122,7 @@ class LowBitAdam(torch.optim.Optimizer):
         param_state["step"] = torch.zeros((), dtype=torch.float32)
         for key in _MOMENTS:
             zeros = torch.zeros(shape_source.shape, dtype=torch.float32, device=param.device)
-            state_storage.store(param_state, key, zeros, self._precision(key), self.state_block_size)
+            self._store_moment(param, param_state, key, zeros)
         self._generator(param.device)
 
     # -- sharding --------------------------------------------------------------------
@@ -355,8 +355,18 @@ class LowBitAdam(torch.optim.Optimizer):
         denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
         weight.addcdiv_(exp_avg, denom, value=-step_size)
         for key, value in zip(_MOMENTS, (exp_avg, exp_avg_sq)):
-            state_storage.store(param_state, key, value, self._precision(key), self.state_block_size)
+            self._store_moment(param, param_state, key, value)
         self.write_weight(param, weight)
+
+    def _store_moment(
+        self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor
+    ) -> None:
+        """Store a moment at its level's precision; the FP8 first moment of an FP8
+        layer's weight takes the tiles of that layer's weight scales (rowwise or block
+        recipes), other low-bit moments ``state_block_size``."""
+        layer = self.fp8_layers.get(param)
+        tile = None if layer is None else layer.weight_tile()
+        state_storage.store(param_state, key, value, self._precision(key), self.state_block_size, tile)
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -411,7 +421,7 @@ class LowBitAdam(torch.optim.Optimizer):
             wanted = self._precision(key)
             if key in param_state and state_storage.stored_precision(param_state, key) is not wanted:
                 value = state_storage.load(param_state, key)
-                state_storage.store(param_state, key, value, wanted, self.state_block_size)
+                self._store_moment(param, param_state, key, value)
                 converted.add(key)
         wants_master = self.level.master_weight is not None and param in self.fp8_layers
         if wants_master and _MASTER not in param_state:

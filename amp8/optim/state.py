@@ -4,6 +4,10 @@ A tensor kept in FP32 is stored under its key as is. A low-bit one is stored as
 ``key`` (FP8 or FP16 data), ``key + "_scale"`` (float32 scales, one per block of
 ``block_size`` elements, or one for the tensor when ``block_size`` is 0) and
 ``key + "_block_size"`` (that int, so a checkpoint decodes whatever it was saved with).
+
+A 2-D FP8 tensor may instead take one scale per ``tile`` (rows, columns), the recipe's
+granularity for a weight: its scales are then 2-D, ``(ceil(R / rows), ceil(C / columns))``,
+and ``key + "_block_size"`` holds the larger tile edge.
 """
 
 from __future__ import annotations
@@ -22,15 +26,26 @@ BLOCK_SUFFIX = "_block_size"
 
 
 def store(
-    state: dict[str, Any], key: str, value: torch.Tensor, precision: Precision, block_size: int
+    state: dict[str, Any],
+    key: str,
+    value: torch.Tensor,
+    precision: Precision,
+    block_size: int,
+    tile: tuple[int, int] | None = None,
 ) -> None:
-    """Put float32 ``value`` into ``state[key]`` at ``precision`` (with its scales)."""
+    """Put float32 ``value`` into ``state[key]`` at ``precision`` (with its scales): one
+    scale per ``tile`` for FP8 where a tile is given, else per flat block of
+    ``block_size`` elements (0: per tensor)."""
     if precision is Precision.FP32:
         state[key] = value
         state.pop(key + SCALE_SUFFIX, None)
         state.pop(key + BLOCK_SUFFIX, None)
         return
-    data, scales = scaling.quantize_blockwise(value, _STORAGE_DTYPES[precision], block_size)
+    if precision is Precision.FP8 and tile is not None:
+        data, scales = scaling.quantize_tiles(value, _STORAGE_DTYPES[precision], tile)
+        block_size = max(tile)
+    else:
+        data, scales = scaling.quantize_blockwise(value, _STORAGE_DTYPES[precision], block_size)
     state[key], state[key + SCALE_SUFFIX], state[key + BLOCK_SUFFIX] = data, scales, block_size
 
 
@@ -40,7 +55,10 @@ def load(state: dict[str, Any], key: str) -> torch.Tensor:
     scales = state.get(key + SCALE_SUFFIX)
     if scales is None:
         return data.float()
-    return scaling.dequantize_blockwise(data, scales, state.get(key + BLOCK_SUFFIX, 0))
+    block_size = state.get(key + BLOCK_SUFFIX, 0)
+    if scales.dim() == data.dim() >= 2:  # one scale per tile
+        return scaling.dequantize(data, scaling.expand_scale(scales, tuple(data.shape), block_size))
+    return scaling.dequantize_blockwise(data, scales, block_size)
 
 
 def stored_precision(state: dict[str, Any], key: str) -> Precision:
