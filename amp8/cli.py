@@ -11,6 +11,7 @@ from rich.table import Table
 
 from .console import default_console
 from .levels import LEVELS
+from .recipe import Recipe, RecipeName
 
 
 def print_levels(console: Console) -> None:
@@ -56,6 +57,8 @@ def _add_compare(commands: Any) -> None:
     compare.add_argument("--seed", type=int, default=0, help="seed of the weights and batch order (default: 0)")
     compare.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
     compare.add_argument("--max-bytes", type=int, default=defaults.corpus.max_bytes, help="corpus size in bytes")
+    compare.add_argument("--recipe", choices=[name.value for name in RecipeName], default="tensorwise",
+                         help="FP8 recipe preset of the O1-O3 runs (default: tensorwise)")
     compare.add_argument("--no-ablation", action="store_true", help="skip the no-scaling ablation")
     compare.add_argument("--no-torchao", action="store_true", help="skip torchao's float8 even when installed")
     compare.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
@@ -74,6 +77,7 @@ def _run_compare(args: argparse.Namespace, console: Console) -> None:
         model=model, steps=args.steps, batch_size=args.batch_size, lr=args.lr, levels=tuple(args.levels),
         ablation=not args.no_ablation, torchao=not args.no_torchao, seeds=args.seeds, seed=args.seed,
         device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes),
+        recipe=Recipe.preset(args.recipe),
     )
     compare(config, out_dir=args.out, console=console, progress=not args.no_progress)
 

@@ -83,6 +83,13 @@ def initialize(
         return model, optimizer
     for device in {param.device for param in model.parameters()}:
         check_fp8_device(device)
+    distributed = process_group_size(process_group) > 1
+    if distributed and level.shard_optimizer and recipe.granularity is not Granularity.TENSORWISE:
+        raise ValueError(
+            f"opt level {level.name} shards its optimizer over data-parallel ranks, which "
+            f"amp8 does for tensorwise scales only; got granularity="
+            f"{recipe.granularity.value!r}. Use Recipe(granularity='tensorwise') or O2"
+        )
     check_state_precision(level)
     # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
     # them before the weights themselves drop to FP8.
@@ -93,13 +100,7 @@ def initialize(
     )
     layers = fp8_layers(model)
     data_parallel = None
-    if process_group_size(process_group) > 1:
-        if level.shard_optimizer and recipe.granularity is not Granularity.TENSORWISE:
-            raise ValueError(
-                f"opt level {level.name} shards its optimizer over data-parallel ranks, which "
-                f"amp8 does for tensorwise scales only; got granularity="
-                f"{recipe.granularity.value!r}. Use Recipe(granularity='tensorwise') or O2"
-            )
+    if distributed:
         broadcast_module(model, process_group)
         data_parallel = DataParallel(process_group)
     new_optimizer = None

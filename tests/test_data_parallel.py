@@ -55,6 +55,10 @@ def _levels(rank: int, world: int) -> dict:
             "bytes_per_step": optimizer.data_parallel.stats.total / 5,
             "report": amp8.report(model, optimizer).to_dict(),
         }
+    try:
+        amp8.initialize(_model(), None, "O3", recipe=amp8.Recipe(granularity="rowwise"))
+    except ValueError as error:
+        results["sharded_rowwise_error"] = str(error)
     # A NaN on rank 1 only: both ranks skip that step, nothing changes.
     model = _model()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
@@ -211,3 +215,8 @@ def test_overlapped_reduction_matches_the_reduction_at_step(tmp_path) -> None:
                 if value.element_size() == 1:
                     value, other = value.view(torch.uint8), other.view(torch.uint8)
                 assert torch.equal(value, other), f"{level}: {key}"
+
+
+def test_sharded_o3_with_fine_granularity_is_refused(two_rank_results) -> None:
+    message = two_rank_results[0]["sharded_rowwise_error"]
+    assert "tensorwise scales only" in message and "granularity='tensorwise'" in message

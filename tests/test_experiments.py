@@ -131,6 +131,13 @@ def test_run_specs_cover_levels_ablation_and_seeds() -> None:
     assert names == ["O0", "O1", "O2", "O3", ABLATION, "O0-seed1", "O0-seed2"]
 
 
+def test_recipe_reaches_the_fp8_runs_and_the_ablation() -> None:
+    block = amp8.Recipe.preset("deepseek")
+    specs = {spec.name: spec for spec in run_specs(TINY.replace(recipe=block))}
+    assert specs["O2"].recipe == block
+    assert specs[ABLATION].recipe == block.replace(scaling="none")
+
+
 def test_learning_rate_warms_up_then_decays() -> None:
     config = TINY.replace(steps=100, warmup_steps=10)
     rates = [config.lr_at(step) for step in range(100)]

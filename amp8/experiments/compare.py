@@ -66,6 +66,7 @@ class CompareConfig:
         train_loss_window: the final train loss is the mean of this many last steps.
         device: "cpu" or "cuda" (any torch device string).
         corpus: which bytes to train on.
+        recipe: the FP8 recipe of the O1-O3 runs (the ablation takes it with no scaling).
     """
 
     model: GPTConfig = PRESETS["small"]
@@ -85,6 +86,7 @@ class CompareConfig:
     train_loss_window: int = 20
     device: str = "cpu"
     corpus: CorpusConfig = CorpusConfig()
+    recipe: Recipe = Recipe()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
@@ -269,10 +271,11 @@ class CompareResult:
         return table
 
     def describe(self) -> str:
-        """One line: model shape, steps, batch and device."""
+        """One line: model shape, steps, batch, device, and the recipe when not the default."""
         c, m = self.config, self.config.model
+        recipe = "" if c.recipe == Recipe() else f", {c.recipe.granularity.value} scaling"
         return (f"GPT {m.n_layer}x{m.n_embd} (ctx {m.block_size}), {c.steps} steps x "
-                f"{c.batch_size} seqs, {c.device}")
+                f"{c.batch_size} seqs, {c.device}{recipe}")
 
     def print(self, console: Any = None) -> None:
         """Print the table, unavailable runs with their reason, the seed spread, and each
@@ -338,9 +341,9 @@ class CompareResult:
 
 def run_specs(config: CompareConfig) -> list[RunSpec]:
     """The runs ``config`` asks for, in the order they train."""
-    specs = [RunSpec(level, level, config.seed) for level in config.levels]
+    specs = [RunSpec(level, level, config.seed, config.recipe) for level in config.levels]
     if config.ablation:
-        specs.append(RunSpec(ABLATION, "O1", config.seed, Recipe(scaling="none")))
+        specs.append(RunSpec(ABLATION, "O1", config.seed, config.recipe.replace(scaling="none")))
     if config.torchao and torchao_available():
         specs.append(RunSpec(TORCHAO, "O0", config.seed, torchao=True))
     specs += [RunSpec(f"O0-seed{config.seed + k}", "O0", config.seed + k) for k in range(1, config.seeds)]
