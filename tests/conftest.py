@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
+from torch import nn
 
+from amp8 import Recipe
+from amp8.nn import Fp8Linear
 from amp8.scaling import sqnr
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture(autouse=True)
@@ -34,3 +44,26 @@ cuda_fp8 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
     reason="needs a CUDA GPU with FP8 tensor cores (sm_89+); the CPU tests cover the same logic",
 )
+
+
+def linear_pair(
+    in_features: int, out_features: int, recipe: Recipe, bias: bool = True
+) -> tuple[nn.Linear, Fp8Linear]:
+    """An ``nn.Linear`` and an ``Fp8Linear`` holding the same real weight (the one the FP8
+    layer stores) and bias."""
+    reference = nn.Linear(in_features, out_features, bias=bias)
+    layer = Fp8Linear.from_linear(nn.Linear(in_features, out_features, bias=bias), recipe)
+    with torch.no_grad():
+        reference.weight.copy_(layer.read_weight())
+        if bias:
+            reference.bias.copy_(layer.bias)
+    return reference, layer
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", _EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from conftest import EXAMPLES as _EXAMPLES
+from conftest import load_example as _load
 
 
 @pytest.mark.parametrize("opt_level", ["O0", "O1"])

@@ -13,6 +13,7 @@ from amp8.gemm import GemmRole, check_operands, fp8_gemm, fp8_mm, fp8_mm_blockwi
 from amp8.nn import Fp8Linear, Slot
 from amp8.tensor import ScaledTensor
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
+from conftest import linear_pair as _pair
 
 GRANULARITIES = ["tensorwise", "rowwise", "block"]
 # (rows, columns); 200 and 208 are not multiples of 128: the last tile is partial.
@@ -162,15 +163,6 @@ def test_block_path_keeps_the_cuda_contract_per_k_block() -> None:
 
 
 # -- Fp8Linear ----------------------------------------------------------------------------
-def _pair(k: int, n: int, recipe: Recipe):
-    reference = nn.Linear(k, n)
-    layer = Fp8Linear.from_linear(nn.Linear(k, n), recipe)
-    with torch.no_grad():
-        reference.weight.copy_(layer.read_weight())
-        reference.bias.copy_(layer.bias)
-    return reference, layer
-
-
 def _outputs(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
     x = x.clone().requires_grad_(True)
     y = module(x)

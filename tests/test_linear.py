@@ -7,6 +7,7 @@ from amp8.formats import E4M3, E5M2, max_value
 from amp8.levels import Precision
 from amp8.nn import Fp8Linear, Slot
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
+from conftest import linear_pair as _pair
 
 # (input shape, out_features): (B, T, C), plain (M, K), 4-D, M = 1, M not a multiple of 16.
 SHAPES = [((4, 7, 32), 48), ((64, 64), 16), ((2, 3, 5, 64), 128), ((1, 32), 32), ((13, 48), 64)]
@@ -16,16 +17,6 @@ RECIPES = {
     "hybrid-delayed": Recipe(scaling="delayed"),
     "hybrid-pow2": Recipe(power_of_2_scales=True),
 }
-
-
-def _pair(in_features: int, out_features: int, recipe: Recipe, bias: bool = True):
-    reference = nn.Linear(in_features, out_features, bias=bias)
-    layer = Fp8Linear.from_linear(nn.Linear(in_features, out_features, bias=bias), recipe)
-    with torch.no_grad():  # the same real weight in both: the FP16-stored one
-        reference.weight.copy_(layer.read_weight())
-        if bias:
-            reference.bias.copy_(layer.bias)
-    return reference, layer
 
 
 def _run(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):

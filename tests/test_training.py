@@ -1,25 +1,13 @@
 """O1 end to end on a real dataset: the quickstart example's digits classifier."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("quickstart", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_example
 
 
 @pytest.mark.parametrize("recipe_scaling", ["current", "delayed"])
 def test_o1_accuracy_within_two_points_of_fp32(recipe_scaling: str) -> None:
-    quickstart = _load_example()
+    quickstart = load_example("quickstart")
     config = quickstart.Config(epochs=12)
     fp32_accuracy, _, _ = quickstart.train("O0", config)
     o1_accuracy, model, optimizer = quickstart.train("O1", config, recipe_scaling=recipe_scaling)
