@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             precision = load_report(args.run, args.level)
         except (FileNotFoundError, KeyError) as error:
-            console.print(f"amp8 report: {error.args[0]}", highlight=False)
+            console.print(f"amp8 report: {error.args[0]}", highlight=False, markup=False)
             return 2
         if args.json:
             print(precision.to_json(indent=1))

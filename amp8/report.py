@@ -203,10 +203,10 @@ class PrecisionReport:
             table.add_row(*cells.values())
         console.print(table)
         for index, note in enumerate(notes, start=1):
-            console.print(f"[{index}] {note}", highlight=False)
+            console.print(f"[{index}] {note}", highlight=False, markup=False)
         console.print(self.summary(), highlight=False)
         for line in self.highlights():
-            console.print(f"  {line}", highlight=False)
+            console.print(f"  {line}", highlight=False, markup=False)
 
     def summary(self) -> str:
         """One line: parameters, FP8 share, bytes/param against the FP32-Adam baseline."""

@@ -284,7 +284,7 @@ class CompareResult:
         console.print(self.table())
         for result in self.runs:
             if not result.ok:
-                console.print(f"{result.name} skipped: {result.reason}", highlight=False)
+                console.print(f"{result.name} skipped: {result.reason}", highlight=False, markup=False)
         if all(r.peak_memory_bytes is None for r in self.runs if r.ok):
             console.print("peak mem: measured on CUDA only (torch keeps no allocator statistics on the CPU)",
                           highlight=False)
@@ -523,7 +523,7 @@ def compare(
             try:
                 console.print(f"wrote {result.plot(out / PNG_NAME)}", highlight=False)
             except ModuleNotFoundError as error:
-                console.print(f"no plot: {error}", highlight=False)
+                console.print(f"no plot: {error}", highlight=False, markup=False)
     return result
 
 
