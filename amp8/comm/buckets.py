@@ -26,6 +26,7 @@ from .data_parallel import DataParallel
 from .fp8_collectives import PendingReduceScatter, fp8_all_gather, start_reduce_scatter_mean
 
 GradientOf = Callable[[nn.Parameter], "torch.Tensor | None"]
+HasGradient = Callable[[nn.Parameter], bool]
 
 
 @dataclass
@@ -43,6 +44,7 @@ class GradientBuckets:
         data_parallel: the process group and its byte counter.
         params: every parameter, in the optimizer's order.
         gradient: reads a parameter's float32 gradient (None when it has none).
+        has_gradient: whether a parameter has a gradient, without reading it.
         is_sharded: True for parameters reduce-scattered (O3's FP8 weights), not all-reduced.
         bucket_elements: elements per bucket before a new one starts.
     """
@@ -52,12 +54,14 @@ class GradientBuckets:
         data_parallel: DataParallel,
         params: list[nn.Parameter],
         gradient: GradientOf,
+        has_gradient: HasGradient,
         is_sharded: Callable[[nn.Parameter], bool],
         bucket_elements: int = 1 << 22,
     ) -> None:
         self.data_parallel = data_parallel
         self.params = params
         self.gradient = gradient
+        self.has_gradient = has_gradient
         self.buckets: list[_Bucket] = []
         for param in reversed(params):
             sharded = is_sharded(param)
@@ -122,7 +126,7 @@ class GradientBuckets:
     def finish(self) -> tuple[dict[nn.Parameter, torch.Tensor], dict[nn.Parameter, torch.Tensor]]:
         """Averaged gradients: ``(full means of all-reduced parameters, this rank's chunk of
         the mean of sharded ones)``. Parameters without a gradient on any rank are left out."""
-        present = self.data_parallel.present_anywhere([self.gradient(p) is not None for p in self.params])
+        present = self.data_parallel.present_anywhere([self.has_gradient(p) for p in self.params])
         has_grad = {id(p) for p, flag in zip(self.params, present) if flag}
         for bucket in self.buckets[self._next :]:
             self._start(bucket)
@@ -141,5 +145,6 @@ class GradientBuckets:
                 means = fp8_all_gather(row, layout, self.data_parallel.group, self.data_parallel.stats)
                 full.update(zip(bucket.params, means))
         self.reset()
-        keep = lambda results: {p: v for p, v in results.items() if id(p) in has_grad}  # noqa: E731
-        return keep(full), keep(chunks)
+        full = {p: v for p, v in full.items() if id(p) in has_grad}
+        chunks = {p: v for p, v in chunks.items() if id(p) in has_grad}
+        return full, chunks

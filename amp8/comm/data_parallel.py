@@ -59,16 +59,12 @@ class DataParallel:
         return dist.get_rank(self.group)
 
     def present_anywhere(self, present: list[bool]) -> list[bool]:
-        """For each gradient, whether any rank has it (a rank without one sends zeros)."""
-        flags = torch.tensor(present, dtype=torch.float32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return [bool(flag) for flag in flags]
+        """For each flag, whether it is True on any rank (e.g. which gradients exist)."""
+        return [bool(flag) for flag in self.max_over_ranks(torch.tensor(present, dtype=torch.float32))]
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any rank."""
-        value = torch.tensor([float(flag)])
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value)
+        return self.present_anywhere([flag])[0]
 
     def all_gather_chunks(self, chunks: list[torch.Tensor], numels: list[int]) -> list[torch.Tensor]:
         """Full flat tensors from every rank's chunk, moved as raw bytes (FP8 chunks stay

@@ -92,7 +92,9 @@ class LowBitAdam(torch.optim.Optimizer):
         self._hook_handles: list[Any] = []
         if data_parallel is not None:
             params = [p for group in self.param_groups for p in group["params"]]
-            self._buckets = GradientBuckets(data_parallel, params, self._local_gradient, self._is_sharded)
+            self._buckets = GradientBuckets(
+                data_parallel, params, self._local_gradient, self._has_local_gradient, self._is_sharded
+            )
             if overlap_communication:
                 self._register_hooks(params)
 
@@ -188,6 +190,11 @@ class LowBitAdam(torch.optim.Optimizer):
             return None if layer.weight_grad is None else layer.weight_grad.dequantize()
         return None if param.grad is None else param.grad.float()
 
+    def _has_local_gradient(self, param: nn.Parameter) -> bool:
+        """Whether this rank's backward left ``param`` a gradient (nothing dequantized)."""
+        layer = self.fp8_layers.get(param)
+        return (layer.weight_grad if layer is not None else param.grad) is not None
+
     def stored_gradients(self) -> list[torch.Tensor]:
         """Every gradient as stored (FP8 data or ``param.grad``), for finiteness checks."""
         stored = []
@@ -207,10 +214,14 @@ class LowBitAdam(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for layer in self.fp8_layers.values():
             layer.weight_grad = None
-        self._shard_grads = {}
-        self._synchronized = False
+        self._end_round()
         if self._buckets is not None:
             self._buckets.reset()
+
+    def _end_round(self) -> None:
+        """Forget this step's averaged chunks: the next backward starts a new round."""
+        self._shard_grads = {}
+        self._synchronized = False
 
     def synchronize(self) -> None:
         """Average every gradient over the data-parallel ranks, FP8 on the wire.
@@ -291,8 +302,7 @@ class LowBitAdam(torch.optim.Optimizer):
             nonfinite = self.data_parallel.any_rank(nonfinite)
         if nonfinite:
             self.skipped_steps += 1
-            self._shard_grads = {}
-            self._synchronized = False
+            self._end_round()
             return loss
         for group in self.param_groups:
             for param in group["params"]:
@@ -301,8 +311,7 @@ class LowBitAdam(torch.optim.Optimizer):
                     self._update(param, grad, group)
         if self.sharded:
             self._gather_fp8_weights()
-        self._shard_grads = {}
-        self._synchronized = False
+        self._end_round()
         return loss
 
     def _gather_fp8_weights(self) -> None:
@@ -321,11 +330,10 @@ class LowBitAdam(torch.optim.Optimizer):
         fulls = self.data_parallel.all_gather_chunks(  # type: ignore[union-attr]
             [data for data, _ in encoded], [p.numel() for p in params]
         )
-        with torch.no_grad():
-            for param, full, (_, scale) in zip(params, fulls, encoded):
-                layer = self.fp8_layers[param]
-                layer.weight.copy_(full.view(param.shape))
-                layer.weight_scale.copy_(scale)
+        for param, full, (_, scale) in zip(params, fulls, encoded):  # step() runs under no_grad
+            layer = self.fp8_layers[param]
+            layer.weight.copy_(full.view(param.shape))
+            layer.weight_scale.copy_(scale)
 
     def _precision(self, key: str) -> Precision:
         """Storage of moment ``key`` ("exp_avg" or "exp_avg_sq"), the level's column."""
