@@ -272,7 +272,7 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
         if fp8_layer is not None:
             grad = fp8_layer.weight_grad
             grad_dtype = None if grad is None else grad.dtype
-            grad_bytes = 0 if grad is None else grad.nbytes
+            grad_bytes = fp8_layer.weight_grad_nbytes  # allocated, with or without a gradient
             weight_bytes = param.nbytes + fp8_layer.weight_scale.nbytes
             read = getattr(optimizer, "read_weight", None)
             real = read(param) if read is not None else fp8_layer.read_weight()

@@ -29,11 +29,15 @@ def process_group_size(group: dist.ProcessGroup | None = None) -> int:
 
 
 def broadcast_module(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Copy rank 0's parameters and buffers to every rank (DDP does the same at wrap)."""
+    """Copy rank 0's parameters and persistent buffers (what ``state_dict`` holds) to every
+    rank, as DDP does at wrap; FP8 tensors travel as their bytes."""
     source = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=source, group=group)
+        for tensor in model.state_dict(keep_vars=True).values():
+            data = tensor.data
+            if data.element_size() == 1 and data.is_floating_point():
+                data = data.view(torch.uint8)
+            dist.broadcast(data, src=source, group=group)
 
 
 @dataclass

@@ -98,9 +98,20 @@ class Fp8Linear(nn.Module):
         real_weight = weight.detach().float()
         self.weight = weight
         self.bias = bias
-        self.weight_grad: ScaledTensor | None = None
+        # The FP8 weight gradient lives in buffers (not in state_dict) that backward
+        # updates in place, so a compiled backward can write it; see ``weight_grad``.
+        grad_scale_shape = scaling.tile_amax(torch.zeros(weight.shape), self.weight_tile()).shape
+        self.register_buffer(
+            "_grad_data",
+            torch.zeros(weight.shape, dtype=gradient_dtype(recipe.fp8_format), device=device),
+            persistent=False,
+        )
+        self.register_buffer("_grad_scale", torch.ones(grad_scale_shape, device=device), persistent=False)
+        self.register_buffer("_grad_count", torch.zeros((), dtype=torch.int32, device=device), persistent=False)
         # An OrderedDict: RemovableHandle keeps a weak reference to it.
         self._weight_grad_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
+        # FP8 copies of an FP16 weight, by the dim their GEMM contracts; see ``fp8_weight``.
+        self._weight_cache: dict[int, ScaledTensor] = {}
         self.write_weight(real_weight)
 
     @classmethod
@@ -169,6 +180,7 @@ class Fp8Linear(nn.Module):
         """Store ``real_weight`` (any float dtype) into the weight Parameter, in place
         (see ``encode_weight``)."""
         data, scale = self.encode_weight(real_weight, generator)
+        self.drop_weight_cache()
         with torch.no_grad():
             if self.weight.dtype == data.dtype:
                 self.weight.copy_(data)
@@ -207,7 +219,13 @@ class Fp8Linear(nn.Module):
                 length = min(saved_buffer.shape[-1], buffer.shape[-1])
                 resized[..., :length] = saved_buffer[..., :length]
                 state_dict[key] = resized
+        self.drop_weight_cache()
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "Fp8Linear":
+        # ``.to()``, ``.cuda()`` and friends move the weight; the cached copies stay behind.
+        self.drop_weight_cache()
+        return super()._apply(fn, recurse)
 
     def set_weight_storage(self, weight_storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
@@ -278,30 +296,87 @@ class Fp8Linear(nn.Module):
     def fp8_weight(self, contract_dim: int = 1) -> ScaledTensor:
         """The (N, K) weight as the FP8 GEMMs get it, with scales for a GEMM contracting
         its dim ``contract_dim``: the stored FP8 weight at O3 where its scales fit, else a
-        fresh cast (from the FP8 weight's real values at O3: rowwise scales along the
-        other dim, for the input-gradient GEMM)."""
+        cast (from the FP8 weight's real values at O3: rowwise scales along the other
+        dim, for the input-gradient GEMM).
+
+        The cast of an FP16 weight is cached until the weight is next written
+        (``write_weight``, the optimizer's step, ``load_state_dict``, ``.to()``), so the
+        micro-batches of gradient accumulation cast it once per optimizer step. Call
+        ``drop_weight_cache()`` after changing ``weight`` in place by other means.
+        """
         if self.weight_storage is Precision.FP8:
             stored = self._stored_weight()
             if self.weight_tile(contract_dim) == self.weight_tile():
                 return stored
             return self.cast(Slot.WEIGHT, stored.dequantize(), contract_dim, record=False)
-        return self.cast(Slot.WEIGHT, self.read_weight(), contract_dim, record=contract_dim == 1)
+        cached = self._weight_cache.get(contract_dim)
+        if cached is None:
+            cached = self.cast(Slot.WEIGHT, self.read_weight(), contract_dim, record=contract_dim == 1)
+            self._weight_cache[contract_dim] = cached
+        return cached
+
+    def drop_weight_cache(self) -> None:
+        """Forget the cached FP8 casts of the weight (see ``fp8_weight``)."""
+        self._weight_cache.clear()
 
     # -- weight gradient -------------------------------------------------------------
+    @property
+    def weight_grad(self) -> ScaledTensor | None:
+        """The weight gradient as FP8 + scales (tiled like the weight's FP8 scales under
+        fine-grained granularities), or None when backward has not produced one since it
+        was last cleared. Assign None to clear it, or a ``ScaledTensor`` of the same shape
+        and scale layout to replace it. Like ``param.grad``, the tensors are live: a
+        later backward or clip changes them in place."""
+        if not bool(self._grad_count):
+            return None
+        return ScaledTensor(self._grad_data, self._grad_scale, self.block_size)
+
+    @weight_grad.setter
+    def weight_grad(self, value: ScaledTensor | None) -> None:
+        with torch.no_grad():
+            if value is None:
+                self._grad_count.zero_()
+                return
+            if (
+                value.dtype != self._grad_data.dtype
+                or value.shape != self._grad_data.shape
+                or value.scale.shape != self._grad_scale.shape
+            ):
+                raise ValueError(
+                    f"weight_grad of {value.dtype}, shape {tuple(value.shape)}, scales of shape "
+                    f"{tuple(value.scale.shape)} does not fit this layer's gradient: "
+                    f"{self._grad_data.dtype}, shape {tuple(self._grad_data.shape)}, scales "
+                    f"{tuple(self._grad_scale.shape)}"
+                )
+            self._grad_data.copy_(value.data)
+            self._grad_scale.copy_(value.scale)
+            self._grad_count.fill_(1)
+
+    @property
+    def weight_grad_nbytes(self) -> int:
+        """Bytes the weight-gradient buffers hold, with or without a gradient in them."""
+        return self._grad_data.nbytes + self._grad_scale.nbytes
+
     def accumulate_weight_grad(self, grad: torch.Tensor, run_hooks: bool = True) -> None:
-        """Add a float32 weight gradient to ``weight_grad``, re-stored as FP8 + scales
-        (tiled like the weight's FP8 scales under fine-grained granularities), then call
-        the weight-gradient hooks (unless ``run_hooks`` is False)."""
-        if self.weight_grad is not None:
-            grad = self.weight_grad.dequantize() + grad
-        self.weight_grad = ScaledTensor.from_float(
-            grad,
-            gradient_dtype(self.recipe.fp8_format),
-            margin=self.recipe.margin,
-            power_of_2=self.recipe.power_of_2_scales,
-            tile=self.weight_tile(),
-        )
-        if run_hooks:
+        """Add a float32 weight gradient to ``weight_grad``, re-stored as FP8 + fresh
+        scales, in place; then call the weight-gradient hooks (unless ``run_hooks`` is
+        False, and never inside a compiled graph, which cannot call back into Python: the
+        gradient reduction then starts at ``optimizer.step()``)."""
+        with torch.no_grad():
+            stored = scaling.dequantize(
+                self._grad_data, scaling.expand_scale(self._grad_scale, tuple(grad.shape), self.block_size)
+            )
+            # ``where``, not a product with the count: a stale inf in the buffer must not
+            # leak into a fresh gradient as 0 * inf.
+            total = torch.where(self._grad_count > 0, stored + grad, grad)
+            data, scale = scaling.quantize_tiles(
+                total, self._grad_data.dtype, self.weight_tile(),
+                margin=self.recipe.margin, power_of_2=self.recipe.power_of_2_scales,
+            )
+            self._grad_data.copy_(data)
+            self._grad_scale.copy_(scale)
+            self._grad_count.add_(1)
+        if run_hooks and not torch.compiler.is_compiling():
             for hook in list(self._weight_grad_hooks.values()):
                 hook(self.weight)
 
@@ -318,7 +393,15 @@ class Fp8Linear(nn.Module):
             raise ValueError(
                 f"Fp8Linear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self)
+        high_fprop, high_dgrad, _ = self.recipe.override_linear_precision
+        # The weight's FP8 casts happen here, outside the autograd.Function, so that the
+        # cache (a module attribute) is written where a compiled graph may write it.
+        w8 = self.fp8_weight() if not (high_fprop and high_dgrad) else None  # (N, K)
+        w8_dgrad = w8
+        needs_dgrad = torch.is_grad_enabled() and x.requires_grad and not high_dgrad
+        if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):
+            w8_dgrad = self.fp8_weight(contract_dim=0)  # rowwise: scales per column
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, w8, w8_dgrad)
 
     def extra_repr(self) -> str:
         """Shape, weight storage and recipe, for ``print(model)``."""
@@ -347,12 +430,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         weight: nn.Parameter,
         bias: torch.Tensor | None,
         layer: Fp8Linear,
+        w8: ScaledTensor | None,
+        w8_dgrad: ScaledTensor | None,
     ) -> torch.Tensor:
         high_fprop, high_dgrad, high_wgrad = layer.recipe.override_linear_precision
         tensorwise = layer.recipe.granularity is Granularity.TENSORWISE
         x2 = x.reshape(-1, layer.in_features)  # (M, K)
         out_dtype = x.dtype
-        w8 = layer.fp8_weight() if not (high_fprop and high_dgrad) else None  # (N, K)
         x8 = None
         if high_fprop:
             y = (x2.float() @ layer.read_weight().t()).to(out_dtype)
@@ -369,7 +453,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.w8 = w8
+        ctx.w8_dgrad = w8_dgrad
         ctx.wgrad_input = wgrad_input
         return y.reshape(*x.shape[:-1], layer.out_features)
 
@@ -378,7 +462,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer: Fp8Linear = ctx.layer
         high_fprop, high_dgrad, high_wgrad = layer.recipe.override_linear_precision
         tensorwise = layer.recipe.granularity is Granularity.TENSORWISE
-        needs_x, needs_w, needs_b, _ = ctx.needs_input_grad
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
         g2 = grad_output.reshape(-1, layer.out_features)  # (M, N)
         g8 = None
         if (needs_x and not high_dgrad) or (needs_w and not high_wgrad and tensorwise):
@@ -389,9 +473,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if high_dgrad:
                 grad_x = (g2.float() @ layer.read_weight()).to(ctx.x_dtype)
             else:
-                w8: ScaledTensor = ctx.w8
-                if layer.weight_tile(0) != layer.weight_tile(1):
-                    w8 = layer.fp8_weight(contract_dim=0)  # rowwise: scales per column
+                w8: ScaledTensor = ctx.w8_dgrad
                 grad_x = fp8_gemm(
                     g8.with_data(g8.data.contiguous()), w8.with_data(_column_major(w8.data)),
                     ctx.x_dtype, GemmRole.DGRAD,
@@ -417,5 +499,5 @@ class _Fp8LinearFunction(torch.autograd.Function):
             layer.accumulate_weight_grad(grad_w)
 
         grad_b = g2.float().sum(0).to(ctx.bias_dtype) if needs_b else None
-        ctx.w8 = ctx.wgrad_input = None
-        return grad_x, None, grad_b, None
+        ctx.w8_dgrad = ctx.wgrad_input = None
+        return grad_x, None, grad_b, None, None, None
