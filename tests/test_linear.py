@@ -247,3 +247,67 @@ def test_no_scaling_ablation_casts_plainly_and_loses_small_values() -> None:
     assert_bitwise_equal(x8.data, x.to(E4M3))
     _, scaled = _pair(32, 16, Recipe())
     assert scaling.sqnr(x, x8.dequantize()) < scaling.sqnr(x, scaled.cast(Slot.INPUT, x).dequantize()) - 10
+
+
+CACHE_RECIPES = {"tensorwise": Recipe(), "rowwise": Recipe.preset("rowwise"), "block": Recipe.preset("deepseek")}
+
+
+def _accumulating_model(level: str, recipe: Recipe):
+    import amp8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=recipe)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("recipe_name", list(CACHE_RECIPES))
+def test_cached_fp8_weight_gives_the_uncached_numerics(level: str, recipe_name: str) -> None:
+    """Gradient accumulation over 3 micro-batches: casting the weight once per step gives
+    the same bits as casting it for every micro-batch."""
+    recipe = CACHE_RECIPES[recipe_name]
+    cached, cached_optimizer = _accumulating_model(level, recipe)
+    uncached, uncached_optimizer = _accumulating_model(level, recipe)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for model, optimizer in ((cached, cached_optimizer), (uncached, uncached_optimizer)):
+            optimizer.zero_grad()
+        for _ in range(3):
+            x = torch.randn(16, 32, generator=generator)
+            for module in uncached:
+                if isinstance(module, Fp8Linear):
+                    module.drop_weight_cache()
+            y_cached, y_uncached = cached(x), uncached(x)
+            assert_bitwise_equal(y_cached, y_uncached)
+            y_cached.square().mean().backward()
+            y_uncached.square().mean().backward()
+        assert_bitwise_equal(cached[0].weight_grad.data, uncached[0].weight_grad.data)
+        cached_optimizer.step()
+        uncached_optimizer.step()
+    for value, expected in zip(cached.state_dict().values(), uncached.state_dict().values()):
+        assert_bitwise_equal(value, expected)
+
+
+def test_weight_is_cast_once_until_it_is_written() -> None:
+    model, optimizer = _accumulating_model("O2", Recipe())
+    layer = model[0]
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    first = layer.fp8_weight()
+    model(x).sum().backward()
+    assert layer.fp8_weight() is first, "a second micro-batch must reuse the cached FP8 weight"
+    optimizer.step()
+    after_step = layer.fp8_weight()
+    assert after_step is not first, "the optimizer's step writes the weight: the cache must go"
+    assert not torch.equal(after_step.data.view(torch.uint8), first.data.view(torch.uint8))
+    model.load_state_dict(model.state_dict())
+    assert layer.fp8_weight() is not after_step, "load_state_dict must drop the cache"
+    cached = layer.fp8_weight()
+    model.to("cpu")
+    assert layer.fp8_weight() is not cached, ".to() must drop the cache"
+
+
+def test_o3_fp8_weights_are_used_as_stored_not_cached() -> None:
+    model, _ = _accumulating_model("O3", Recipe())
+    layer = model[0]
+    assert layer.fp8_weight().data.data_ptr() == layer.weight.data_ptr()
