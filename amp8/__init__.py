@@ -13,6 +13,7 @@ from .levels import LEVELS, OptLevel, Precision
 from .optim.clip import clip_grad_norm_
 from .recipe import AmaxAlgo, Granularity, Recipe, RecipeName, Scaling
 from .report import PrecisionReport, report
+from .selection import SpeedRule
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "Recipe",
     "RecipeName",
     "Scaling",
+    "SpeedRule",
     "__version__",
     "clip_grad_norm_",
     "export",

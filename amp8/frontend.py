@@ -13,6 +13,7 @@ from .nn.linear import Fp8Linear
 from .nn.swap import ModuleFilter, swap_linear_layers
 from .optim.adam import LowBitAdam, check_state_precision, check_supported
 from .recipe import Granularity, Recipe
+from .selection import LayerSelection, resolve_selection
 
 
 def _is_fully_sharded(model: nn.Module) -> bool:
@@ -35,12 +36,18 @@ def initialize(
     recipe: Recipe | None = None,
     module_filter: ModuleFilter | None = None,
     process_group: dist.ProcessGroup | None = None,
+    layer_selection: LayerSelection = "auto",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``; returns ``(model, optimizer)``.
 
     At O1 and above, every ``nn.Linear`` whose features are multiples of 16, whose weight
-    is its own and that ``module_filter(module, fqn)`` accepts (all, by default) becomes
-    an ``Fp8Linear`` that reuses its Parameters; the optimizer (``torch.optim.Adam`` or
+    is its own, that ``module_filter(module, fqn)`` accepts (all, by default) and that
+    ``layer_selection`` expects to be faster in FP8 becomes an ``Fp8Linear`` that reuses
+    its Parameters. ``layer_selection="auto"`` applies the speed rule of the device the
+    layer is on (``amp8.selection.DEFAULT_RULES``: every layer on the CPU, where FP8 is
+    emulated for its numerics; large enough layers on CUDA), ``"all"`` takes every
+    eligible layer, and an ``amp8.SpeedRule`` (e.g. one measured with ``bench/linear.py
+    --sweep``) applies that rule; the optimizer (``torch.optim.Adam`` or
     ``AdamW``) is replaced by a ``LowBitAdam`` with the same param groups. O0 returns
     both unchanged. Use the returned objects from here on, and build LR schedulers after
     this call.
@@ -67,6 +74,8 @@ def initialize(
             "group amp8.initialize averages gradients in FP8 itself (and shards O3's "
             "optimizer state), so DDP and FSDP are not needed at O1-O3"
         )
+    for device_type in {param.device.type for param in model.parameters()}:
+        resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
     if recipe is None:
         recipe = Recipe()
     elif not isinstance(recipe, Recipe):
@@ -97,6 +106,7 @@ def initialize(
         model,
         lambda linear: Fp8Linear.from_linear(linear, recipe, Precision.FP16),
         module_filter,
+        layer_selection,
     )
     layers = fp8_layers(model)
     data_parallel = None

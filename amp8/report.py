@@ -19,6 +19,7 @@ from .console import default_console
 from .formats import max_value, short_name
 from .nn.linear import Fp8Linear, Slot
 from .nn.swap import high_precision_reason, shared_weight_names
+from .selection import resolve_selection
 
 FP32_ADAM_BYTES_PER_PARAM = 16
 """FP32 weight + FP32 gradient + FP32 first and second moments."""
@@ -58,6 +59,12 @@ def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _default_rule_reason(linear: nn.Linear) -> str | None:
+    """Why the default speed rule of the layer's device keeps ``linear`` in high precision."""
+    rule = resolve_selection("auto", linear.weight.device.type)
+    return None if rule is None else rule.reason(linear)
+
+
 def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     """``id(param) -> (owning module, note)``; the note says why a parameter that could
     look like an FP8 candidate stays in high precision."""
@@ -67,7 +74,11 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
         for param_name, param in module.named_parameters(recurse=False):
             note = None
             if type(module) is nn.Linear and param_name == "weight":
-                note = high_precision_reason(module, shared) or "not selected for FP8"
+                note = (
+                    high_precision_reason(module, shared)
+                    or _default_rule_reason(module)
+                    or "not selected for FP8 (module_filter or layer_selection)"
+                )
             owner = owners.setdefault(id(param), (module, note))
             if note and owner[1] is None:
                 # A tied weight: the row belongs to its first owner (the embedding), but

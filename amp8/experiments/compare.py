@@ -404,7 +404,9 @@ def train_run(
         if spec.torchao:
             model = _to_torchao(model)
         else:
-            model, optimizer = initialize(model, optimizer, spec.level, recipe=spec.recipe)
+            # Every eligible layer, on every device: the comparison is of FP8 against
+            # high precision, not of the speed rule's choice.
+            model, optimizer = initialize(model, optimizer, spec.level, recipe=spec.recipe, layer_selection="all")
     except (NotImplementedError, ImportError, RuntimeError) as error:
         result.status, result.reason = "unavailable", str(error)
         return result

@@ -10,6 +10,8 @@ from typing import Callable
 
 from torch import nn
 
+from ..selection import LayerSelection, resolve_selection
+
 ModuleFilter = Callable[[nn.Module, str], bool]
 """``fn(module, fqn) -> bool``: True to run the layer named ``fqn`` in FP8."""
 
@@ -47,12 +49,15 @@ def swap_linear_layers(
     model: nn.Module,
     make_fp8: Callable[[nn.Linear], nn.Module],
     module_filter: ModuleFilter | None = None,
+    layer_selection: LayerSelection = "all",
 ) -> dict[str, str]:
     """Replace eligible ``nn.Linear`` children of ``model`` by ``make_fp8(linear)``.
 
     Children are visited before their parents and every candidate is passed to
     ``module_filter(module, fqn)`` with its full dotted name. A layer FP8 cannot run
-    (see ``high_precision_reason``) is never swapped, whatever the filter says.
+    (see ``high_precision_reason``) is never swapped, whatever the filter says; nor is
+    one that the speed rule of ``layer_selection`` (for the device the layer's weight is
+    on, see ``amp8.selection``) finds too small to gain from FP8.
 
     Returns:
         ``{fqn: reason}`` for every ``nn.Linear`` left in high precision.
@@ -72,6 +77,9 @@ def swap_linear_layers(
             if type(child) is not nn.Linear:
                 continue
             reason = high_precision_reason(child, shared)
+            rule = resolve_selection(layer_selection, child.weight.device.type)
+            if reason is None and rule is not None:
+                reason = rule.reason(child)
             if reason is None and module_filter is not None and not module_filter(child, fqn):
                 reason = "excluded by module_filter"
             if reason is None:
