@@ -113,7 +113,8 @@ def fp8_thresholds(
     measured K and N values, the one selecting the most cells wins (then the smaller
     ``min_k * min_n``, then the smaller ``min_k``). Returns ``{"min_k", "min_n",
     "selected", "faster", "measured"}`` (``faster``: cells above ``min_speedup``, which a
-    rectangle may not all reach), or None when no cell is faster.
+    rectangle may not all reach), or None when no safe rule exists (every rule selects
+    the cell of largest K and N, so a slower cell there leaves none).
     """
     cells = [(row["k"], row["n"], row[key]) for row in rows if row.get(key) is not None]
     best: tuple[int, int, int] | None = None

@@ -99,9 +99,9 @@ def run_variant(
     reset_compiler()
     try:
         owner = build(variant, k, n, device, to_torchao)
+        module = torch.compile(owner) if compiled else owner
     except Exception as error:  # torchao's conversion, for one
         return {"error": error_text(error)}
-    module = torch.compile(owner) if compiled else owner
     on_cuda = device.type == "cuda"
     # On CUDA every variant sees BF16 activations and gradients, as in a BF16 model.
     act_dtype = torch.bfloat16 if on_cuda else torch.float32
