@@ -13,8 +13,9 @@ GPT from amp8/experiments/gpt.py, tied head):
   same autocast;
 - torchao: ``convert_to_float8_training`` (tensorwise) on the projections (not the tied
   head), torch AdamW, the same autocast, where torchao imports.
-Each run compiles the model with torch.compile; where that fails the error is recorded and
-the run falls back to eager (its ``mode`` says which ran). The first ``--warmup`` steps are
+Each run compiles every transformer block with torch.compile (``--compile-scope model``:
+the whole model); where that fails the error is recorded and the run falls back to eager
+on a fresh model (its ``mode`` says which ran). The first ``--warmup`` steps are
 untimed; the median of ``--steps`` timed steps gives step ms and tokens/s, with ratios
 against the baseline, and peak memory on CUDA. On the CPU FP8 is emulated: the numbers
 check the benchmark, not FP8's speed. Results go to ``--out``/gpt-<device>.json.
@@ -38,7 +39,9 @@ from torch import nn
 import amp8
 from amp8.console import default_console
 from amp8.experiments.gpt import GPT, PRESETS, GPTConfig
-from common import RESULTS, device_name, error_text, reset_compiler, synchronize, torchao_float8, write_result
+from common import (
+    RESULTS, device_name, error_text, graph_break_count, reset_compiler, synchronize, torchao_float8, write_result,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 RUNS = ("baseline", "amp8 O1", "amp8 O2", "torchao")
@@ -105,17 +108,29 @@ def time_steps(step: Callable[[Batch], float], batches: list[Batch], warmup: int
     return {"step_ms": 1e3 * statistics.median(times), "first_step_s": first_step_s, "final_loss": loss}
 
 
+def compile_model(model: nn.Module, scope: str) -> nn.Module:
+    """``torch.compile`` the whole model (scope "model"), or each transformer block in
+    place (scope "blocks", as torchtitan does: identical blocks share one compiled
+    graph, so a 20-block model compiles in about the time of one block)."""
+    if scope == "model":
+        return torch.compile(model)
+    for block in model.blocks:
+        block.compile()
+    return model
+
+
 def run_one(run: str, config: GPTConfig, batches: list[Batch], warmup: int, device: torch.device,
-            compile: bool, to_torchao: Callable[..., Any] | None) -> dict[str, Any]:
-    """Build, (compile,) and time one run; a compile error falls back to eager on a fresh
-    model, any other error is recorded as ``{"error"}``."""
+            compile: str | None, to_torchao: Callable[..., Any] | None) -> dict[str, Any]:
+    """Build, compile (``compile``: "blocks", "model" or None for eager) and time one
+    run; a compile error falls back to eager on a fresh model, any other error is recorded
+    as ``{"error"}``."""
     result: dict[str, Any] = {}
     for mode in (["compiled", "eager"] if compile else ["eager"]):
         reset_compiler()
         _free(device)
         try:
             model, optimizer = build(run, config, device, to_torchao)
-            module = torch.compile(model) if mode == "compiled" else model
+            module = compile_model(model, compile) if mode == "compiled" else model
             result.update(time_steps(lambda b: train_step(module, optimizer, b, device.type == "cuda"),
                                      batches, warmup, device))
         except Exception as error:  # recorded in the JSON, the next run goes on
@@ -123,7 +138,9 @@ def run_one(run: str, config: GPTConfig, batches: list[Batch], warmup: int, devi
             continue
         finally:
             model = optimizer = module = None  # free before the next run is built
-        result["mode"] = mode
+        result["mode"] = f"compiled ({compile})" if mode == "compiled" else "eager"
+        if mode == "compiled":
+            result["graph_breaks"] = graph_break_count()
         if device.type == "cuda":
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         break
@@ -173,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first; the first compiles")
     parser.add_argument("--no-compile", action="store_true", help="run every model eagerly")
+    parser.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
+                        help="torch.compile each transformer block (default) or the whole model")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
     for name in ("batch_size", "steps", "warmup"):
@@ -195,7 +214,8 @@ def main(argv: list[str] | None = None) -> Path:
         if run == "torchao" and to_torchao is None:
             results[run] = {"skipped": torchao_status}
             continue
-        results[run] = run_one(run, config, batches, args.warmup, device, not args.no_compile, to_torchao)
+        compile = None if args.no_compile else args.compile_scope
+        results[run] = run_one(run, config, batches, args.warmup, device, compile, to_torchao)
         print(f"{run} done", flush=True)
     tokens_per_step = args.batch_size * config.block_size
     add_ratios(results, tokens_per_step)
@@ -207,7 +227,7 @@ def main(argv: list[str] | None = None) -> Path:
     path = write_result("gpt", device, {
         "preset": args.preset, "config": dataclasses.asdict(config),
         "parameters": parameters, "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
-        "warmup": args.warmup, "steps": args.steps, "compile": not args.no_compile,
+        "warmup": args.warmup, "steps": args.steps, "compile": None if args.no_compile else args.compile_scope,
         "baseline": baseline, "fp8": "emulated on the CPU" if not cuda else "FP8 tensor cores",
         "torchao": torchao_status, "runs": results,
     }, args.out)
