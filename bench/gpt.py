@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> Path:
         "preset": args.preset, "config": dataclasses.asdict(config),
         "parameters": parameters, "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
         "warmup": args.warmup, "steps": args.steps, "compile": None if args.no_compile else args.compile_scope,
-        "baseline": baseline, "fp8": "emulated on the CPU" if not cuda else "FP8 tensor cores",
+        "baseline": baseline, "fp8": "emulated on the CPU" if not cuda else "torch._scaled_mm on CUDA",
         "torchao": torchao_status, "runs": results,
     }, args.out)
     print(f"wrote {path}")

@@ -71,7 +71,9 @@ def build(variant: str, k: int, n: int, device: torch.device, to_torchao: Callab
     return linear
 
 
-def step_fn(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, owner: nn.Module, autocast: bool) -> Callable[[], None]:
+def step_fn(
+    module: nn.Module, x: torch.Tensor, grad: torch.Tensor, owner: nn.Module, autocast: bool
+) -> Callable[[], None]:
     """One forward + backward of ``module`` (``owner`` or its compiled wrapper); clears the
     gradients it leaves behind, FP8 weight gradients included."""
     def step() -> None:
@@ -143,8 +145,9 @@ def layer_selection(rows: list[dict[str, Any]], m: int, grid: tuple[int, ...]) -
          "speedup_compiled": r["speedup"]["Fp8Linear compiled"]}
         for r in rows if r["m"] == m and r["k"] in grid and r["n"] in grid
     ]
-    return {"m": m, "rule": "FP8 where K >= min_k and N >= min_n; null: no measured cell is faster",
-            "cells": cells,
+    rule = ("FP8 where K >= min_k and N >= min_n (faster than the baseline on every measured "
+            "cell it selects); null: no such rule")
+    return {"m": m, "rule": rule, "cells": cells,
             "thresholds_eager": fp8_thresholds(cells, "speedup_eager"),
             "thresholds_compiled": fp8_thresholds(cells, "speedup_compiled")}
 
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> Path:
     baseline = "nn.Linear BF16 autocast" if device.type == "cuda" else "nn.Linear FP32"
     name = "linear-sweep" if args.sweep else "linear"
     payload: dict[str, Any] = {
-        "baseline": baseline, "fp8": "emulated on the CPU" if device.type == "cpu" else "FP8 tensor cores",
+        "baseline": baseline, "fp8": "emulated on the CPU" if device.type == "cpu" else "torch._scaled_mm on CUDA",
         "speedup": "faster of nn.Linear eager / compiled ms over the variant's ms",
         "warmup": args.warmup, "repeats": args.repeats, "torchao": torchao_status, "rows": [],
     }
