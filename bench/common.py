@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -65,14 +66,19 @@ def error_text(error: BaseException, limit: int = 500) -> str:
 
 
 def torchao_float8() -> tuple[Callable[..., Any] | None, str]:
-    """``(convert_to_float8_training, "available: torchao <version>")`` where torchao's float8
-    training imports, else ``(None, "unavailable: <reason>")``."""
+    """``(convert, "available: torchao <version>, tensorwise")`` where torchao's float8
+    training imports, ``convert(module, module_filter_fn=None)`` being its
+    ``convert_to_float8_training`` with the tensorwise recipe; else
+    ``(None, "unavailable: <reason>")``."""
     try:
         import torchao
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
     except Exception as error:  # ImportError, or a torchao built for another torch
         return None, f"unavailable: {error_text(error)}"
-    return convert_to_float8_training, f"available: torchao {getattr(torchao, '__version__', '?')}"
+    convert = functools.partial(convert_to_float8_training, config=config)
+    return convert, f"available: torchao {getattr(torchao, '__version__', '?')}, tensorwise"
 
 
 def graph_break_count() -> int:
