@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -56,3 +57,82 @@ def write_result(name: str, device: torch.device, payload: dict[str, Any], out_d
     path = out_dir / f"{name}-{tag}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def error_text(error: BaseException, limit: int = 500) -> str:
+    """``"Type: message"`` of ``error``, cut to ``limit`` characters for the JSON."""
+    text = f"{type(error).__name__}: {error}".strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def torchao_float8() -> tuple[Callable[..., Any] | None, str]:
+    """``(convert, "available: torchao <version>, tensorwise")`` where torchao's float8
+    training imports, ``convert(module, module_filter_fn=None)`` being its
+    ``convert_to_float8_training`` with the tensorwise recipe; else
+    ``(None, "unavailable: <reason>")``."""
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+    except Exception as error:  # ImportError, or a torchao built for another torch
+        return None, f"unavailable: {error_text(error)}"
+    convert = functools.partial(convert_to_float8_training, config=config)
+    return convert, f"available: torchao {getattr(torchao, '__version__', '?')}, tensorwise"
+
+
+def graph_break_count() -> int:
+    """Graph breaks torch.compile has recorded in this process since the last reset."""
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def reset_compiler() -> None:
+    """Forget compiled code and graph-break counts, so each case compiles afresh and
+    never falls back to eager on dynamo's recompilation limit."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
+    """Time ``fn``: ``{"ms", "first_call_s"}`` (the first call includes any compilation),
+    or ``{"error": "Type: message"}`` when a call raises, so one failing case does not
+    end a run."""
+    try:
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        first_call_s = time.perf_counter() - start
+        seconds = time_call(fn, device, warmup, repeats)
+    except Exception as error:  # compile and kernel errors alike are recorded, not raised
+        return {"error": error_text(error)}
+    return {"ms": 1e3 * seconds, "first_call_s": first_call_s}
+
+
+def fp8_thresholds(
+    rows: list[dict[str, Any]], key: str, min_speedup: float = 1.0
+) -> dict[str, int] | None:
+    """The rule "FP8 where K >= min_k and N >= min_n" read off measured (K, N) cells.
+
+    ``rows`` hold ``"k"``, ``"n"`` and a speedup under ``key`` (None where it was not
+    measured; such rows are left out). A rule is safe when every measured cell it selects
+    has a speedup above ``min_speedup``; of the safe rules with thresholds among the
+    measured K and N values, the one selecting the most cells wins (then the smaller
+    ``min_k * min_n``, then the smaller ``min_k``). Returns ``{"min_k", "min_n",
+    "selected", "faster", "measured"}`` (``faster``: cells above ``min_speedup``, which a
+    rectangle may not all reach), or None when no safe rule exists (every rule selects
+    the cell of largest K and N, so a slower cell there leaves none).
+    """
+    cells = [(row["k"], row["n"], row[key]) for row in rows if row.get(key) is not None]
+    best: tuple[int, int, int] | None = None
+    for min_k in sorted({k for k, _, _ in cells}):
+        for min_n in sorted({n for _, n, _ in cells}):
+            chosen = [s for k, n, s in cells if k >= min_k and n >= min_n]
+            if not chosen or min(chosen) <= min_speedup:
+                continue
+            candidate = (len(chosen), min_k, min_n)
+            if best is None or (candidate[0], -min_k * min_n, -min_k) > (best[0], -best[1] * best[2], -best[1]):
+                best = candidate
+    if best is None:
+        return None
+    return {"min_k": best[1], "min_n": best[2], "selected": best[0],
+            "faster": sum(s > min_speedup for _, _, s in cells), "measured": len(cells)}

@@ -1,18 +1,31 @@
-"""Fp8Linear forward + backward against nn.Linear, over a sweep of (M, K, N) shapes.
+"""Fp8Linear forward + backward against nn.Linear and torchao's float8, eager and compiled.
 
-    python bench/linear.py                 # every shape on the default device
-    python bench/linear.py --quick         # skip shapes above 1e11 FLOP (CPU-friendly)
-    python bench/linear.py --device cuda --repeats 20
+    python bench/linear.py                          # the three headline shapes
+    python bench/linear.py --quick                  # CPU-friendly: shapes up to 1e11 FLOP, 2 repeats
+    python bench/linear.py --sweep                  # sweep shapes + the (K, N) grid at M=4096
+    python bench/linear.py --device cuda --repeats 20 --out /tmp/results
 
-The baseline is nn.Linear in FP32 on the CPU and under BF16 autocast on CUDA. Both run in
-the same process on the same inputs; the ratio is baseline time / Fp8Linear time (above
-1 means FP8 is faster). Results go to bench/results/linear-<device>.json.
+Variants, side by side in one process on the same inputs: nn.Linear (the baseline: BF16
+autocast on CUDA, FP32 on the CPU, where there is no fast BF16 path), amp8's Fp8Linear,
+each eager and under torch.compile, and torchao's float8 training (tensorwise, compiled,
+as torchao recommends) where torchao imports. On CUDA every variant gets BF16 inputs and
+runs under BF16 autocast. The speedup of a variant is the faster nn.Linear (eager or
+compiled) time over its time: above 1 means faster than the best baseline. A case that
+fails (a compile error, say) is recorded in the JSON with its error and the run goes on.
+
+``--sweep`` adds, for each (K, N) of the grid at M = ``--sweep-m``, the speedups of eager
+and compiled Fp8Linear, and the K and N thresholds of the rule "FP8 where faster"
+(``fp8_thresholds`` in bench/common.py). Results go to ``--out`` (bench/results/):
+linear-<device>.json, or linear-sweep-<device>.json with ``--sweep``; the file is
+rewritten after each shape, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from rich.table import Table
@@ -21,68 +34,200 @@ from torch import nn
 from amp8 import Recipe
 from amp8.console import default_console
 from amp8.nn import Fp8Linear
-from common import device_name, time_call, write_result
+from common import (
+    RESULTS, device_name, error_text, fp8_thresholds, graph_break_count, measure, reset_compiler, torchao_float8,
+    write_result,
+)
 
-SHAPES = [
+Shape = tuple[int, int, int]
+
+HEADLINE: list[Shape] = [(1024, 2048, 1024), (4096, 8192, 16384), (8192, 8192, 8192)]
+SWEEP: list[Shape] = [
     (256, 512, 256), (1024, 1024, 1024), (1024, 2048, 1024), (2048, 4096, 2048),
     (4096, 4096, 4096), (4096, 8192, 16384), (8192, 8192, 8192),
 ]
+GRID_SIZES = (1024, 2048, 4096, 8192, 16384)
+GRID_M = 4096
 QUICK_FLOP_LIMIT = 1e11
+BASELINES = ("nn.Linear", "nn.Linear compiled")
+CANDIDATES = ("Fp8Linear", "Fp8Linear compiled", "torchao compiled")
 
 
-def step_fn(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast: bool):
-    """One forward + backward of ``layer``; clears the gradients it leaves behind."""
+def shapes_to_run(sweep: bool, sweep_m: int, grid: tuple[int, ...], quick: bool) -> list[Shape]:
+    """The (M, K, N) cases in order, without repeats; with ``quick`` only those up to
+    ``QUICK_FLOP_LIMIT`` forward + backward FLOP."""
+    shapes = SWEEP + [(sweep_m, k, n) for k in grid for n in grid] if sweep else HEADLINE
+    unique = list(dict.fromkeys(shapes))
+    return [s for s in unique if not quick or 6 * s[0] * s[1] * s[2] <= QUICK_FLOP_LIMIT]
+
+
+def build(variant: str, k: int, n: int, device: torch.device, to_torchao: Callable[..., Any] | None) -> nn.Module:
+    """A fresh one-layer module of ``variant`` (uncompiled), K inputs and N outputs."""
+    linear = nn.Linear(k, n, device=device)
+    if variant.startswith("Fp8Linear"):
+        return Fp8Linear.from_linear(linear, Recipe())
+    if variant.startswith("torchao"):
+        return to_torchao(nn.Sequential(linear))
+    return linear
+
+
+def step_fn(
+    module: nn.Module, x: torch.Tensor, grad: torch.Tensor, owner: nn.Module, autocast: bool
+) -> Callable[[], None]:
+    """One forward + backward of ``module`` (``owner`` or its compiled wrapper); clears the
+    gradients it leaves behind, FP8 weight gradients included."""
     def step() -> None:
         context = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with context:
-            y = layer(x)
+            y = module(x)
         y.backward(grad)
         x.grad = None
-        layer.weight.grad = None
-        if isinstance(layer, Fp8Linear):
-            layer.weight_grad = None
+        for param in owner.parameters():
+            param.grad = None
+        for layer in owner.modules():
+            if isinstance(layer, Fp8Linear):
+                layer.weight_grad = None
     return step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help=f"skip shapes above {QUICK_FLOP_LIMIT:g} FLOP")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    device = torch.device(args.device)
+def run_variant(
+    variant: str, shape: Shape, device: torch.device, to_torchao: Callable[..., Any] | None,
+    warmup: int, repeats: int,
+) -> dict[str, Any]:
+    """Time one variant at one shape: ``{"ms", "tflops", "first_call_s"[, "graph_breaks"]}``
+    or ``{"error"}``."""
+    m, k, n = shape
+    compiled = variant.endswith("compiled")
+    reset_compiler()
+    try:
+        owner = build(variant, k, n, device, to_torchao)
+        module = torch.compile(owner) if compiled else owner
+    except Exception as error:  # torchao's conversion, for one
+        return {"error": error_text(error)}
     on_cuda = device.type == "cuda"
-    rows = []
-    for m, k, n in SHAPES:
-        flop = 6 * m * k * n  # forward + two backward GEMMs
-        if args.quick and flop > QUICK_FLOP_LIMIT:
-            continue
-        baseline = nn.Linear(k, n, device=device)
-        fp8 = Fp8Linear.from_linear(nn.Linear(k, n, device=device), Recipe())
-        # On CUDA both layers see BF16 activations and gradients, as in a BF16 model.
-        act_dtype = torch.bfloat16 if on_cuda else torch.float32
-        x = torch.randn(m, k, device=device, dtype=act_dtype, requires_grad=True)
-        grad = torch.randn(m, n, device=device, dtype=act_dtype)
-        base_s = time_call(step_fn(baseline, x, grad, on_cuda), device, args.warmup, args.repeats)
-        fp8_s = time_call(step_fn(fp8, x, grad, False), device, args.warmup, args.repeats)
-        rows.append({
-            "m": m, "k": k, "n": n,
-            "baseline_ms": 1e3 * base_s, "fp8_ms": 1e3 * fp8_s,
-            "speedup": base_s / fp8_s,
-            "fp8_tflops": flop / fp8_s / 1e12,
-        })
-        print(f"({m}, {k}, {n}) done", flush=True)
-    baseline_name = "nn.Linear BF16 autocast" if on_cuda else "nn.Linear FP32"
-    table = Table(title=f"Fp8Linear fwd+bwd vs {baseline_name} on {device_name(device)}")
-    for column in ("M", "K", "N", "baseline ms", "Fp8Linear ms", "speedup", "FP8 TFLOP/s"):
+    # On CUDA every variant sees BF16 activations and gradients, as in a BF16 model.
+    act_dtype = torch.bfloat16 if on_cuda else torch.float32
+    x = torch.randn(m, k, device=device, dtype=act_dtype, requires_grad=True)
+    grad = torch.randn(m, n, device=device, dtype=act_dtype)
+    result = measure(step_fn(module, x, grad, owner, on_cuda), device, warmup, repeats)
+    if "ms" in result:
+        result["tflops"] = 6 * m * k * n / result["ms"] / 1e9  # forward + two backward GEMMs
+    if compiled:
+        result["graph_breaks"] = graph_break_count()
+    return result
+
+
+def run_shape(shape: Shape, device: torch.device, to_torchao: Callable[..., Any] | None,
+              warmup: int, repeats: int, compile: bool) -> dict[str, Any]:
+    """Every variant at ``shape``, with speedups against the faster baseline."""
+    m, k, n = shape
+    variants: dict[str, dict[str, Any]] = {}
+    for variant in BASELINES + CANDIDATES:
+        if variant.endswith("compiled") and not compile:
+            variants[variant] = {"skipped": "--no-compile"}
+        elif variant.startswith("torchao") and to_torchao is None:
+            variants[variant] = {"skipped": "torchao unavailable"}
+        else:
+            variants[variant] = run_variant(variant, shape, device, to_torchao, warmup, repeats)
+    baselines = [variants[b]["ms"] for b in BASELINES if "ms" in variants[b]]
+    baseline_ms = min(baselines) if baselines else None
+    speedup = {
+        c: baseline_ms / variants[c]["ms"] if baseline_ms and "ms" in variants[c] else None for c in CANDIDATES
+    }
+    return {"m": m, "k": k, "n": n, "flop": 6 * m * k * n, "variants": variants,
+            "baseline_ms": baseline_ms, "speedup": speedup}
+
+
+def layer_selection(rows: list[dict[str, Any]], m: int, grid: tuple[int, ...]) -> dict[str, Any]:
+    """The grid's speedups at M = ``m`` and the K, N thresholds they support."""
+    cells = [
+        {"k": r["k"], "n": r["n"], "speedup_eager": r["speedup"]["Fp8Linear"],
+         "speedup_compiled": r["speedup"]["Fp8Linear compiled"]}
+        for r in rows if r["m"] == m and r["k"] in grid and r["n"] in grid
+    ]
+    rule = ("FP8 where K >= min_k and N >= min_n (faster than the baseline on every measured "
+            "cell it selects); null: no such rule")
+    return {"m": m, "rule": rule, "cells": cells,
+            "thresholds_eager": fp8_thresholds(cells, "speedup_eager"),
+            "thresholds_compiled": fp8_thresholds(cells, "speedup_compiled")}
+
+
+def _ms(variant: dict[str, Any]) -> str:
+    return f"{variant['ms']:.2f}" if "ms" in variant else "error" if "error" in variant else "-"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def print_table(rows: list[dict[str, Any]], baseline: str, device: torch.device) -> None:
+    """The rows as a rich table; FP8 TFLOP/s is that of the faster Fp8Linear variant."""
+    emulated = " (CPU: FP8 GEMMs are emulated, slower than FP32 by design)" if device.type == "cpu" else ""
+    table = Table(title=f"Fp8Linear fwd+bwd vs {baseline} on {device_name(device)}{emulated}")
+    for column in ("M", "K", "N", "nn.Linear ms", "compiled ms", "Fp8Linear ms", "compiled ms",
+                   "torchao ms", "Fp8Linear", "compiled", "torchao", "FP8 TFLOP/s"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(str(row["m"]), str(row["k"]), str(row["n"]), f"{row['baseline_ms']:.2f}",
-                      f"{row['fp8_ms']:.2f}", f"{row['speedup']:.2f}x", f"{row['fp8_tflops']:.3f}")
+        v = row["variants"]
+        tflops = [v[c]["tflops"] for c in ("Fp8Linear", "Fp8Linear compiled") if "tflops" in v[c]]
+        table.add_row(
+            str(row["m"]), str(row["k"]), str(row["n"]),
+            *(_ms(v[name]) for name in BASELINES + CANDIDATES),
+            *(_x(row["speedup"][c]) for c in CANDIDATES),
+            f"{max(tflops):.3f}" if tflops else "-",
+        )
     default_console().print(table)
-    path = write_result("linear", device, {"baseline": baseline_name, "rows": rows})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; ``--quick`` lowers the repeats unless they are given."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"only shapes up to {QUICK_FLOP_LIMIT:g} FLOP; 1 warmup, 2 repeats")
+    parser.add_argument("--sweep", action="store_true", help="sweep shapes and the (K, N) grid")
+    parser.add_argument("--sweep-m", type=int, default=GRID_M, help="M of the (K, N) grid")
+    parser.add_argument("--grid", type=int, nargs="+", default=list(GRID_SIZES), help="K and N values of the grid")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls after the first (default 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default 5)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
+    args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 5
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Run the benchmark; returns the path of the JSON written."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    grid = tuple(args.grid)
+    to_torchao, torchao_status = torchao_float8()
+    baseline = "nn.Linear BF16 autocast" if device.type == "cuda" else "nn.Linear FP32"
+    name = "linear-sweep" if args.sweep else "linear"
+    payload: dict[str, Any] = {
+        "baseline": baseline, "fp8": "emulated on the CPU" if device.type == "cpu" else "torch._scaled_mm on CUDA",
+        "speedup": "faster of nn.Linear eager / compiled ms over the variant's ms",
+        "warmup": args.warmup, "repeats": args.repeats, "torchao": torchao_status, "rows": [],
+    }
+    print(f"torchao: {torchao_status}", flush=True)
+    for shape in shapes_to_run(args.sweep, args.sweep_m, grid, args.quick):
+        payload["rows"].append(run_shape(shape, device, to_torchao, args.warmup, args.repeats, not args.no_compile))
+        if args.sweep:
+            payload["layer_selection"] = layer_selection(payload["rows"], args.sweep_m, grid)
+        path = write_result(name, device, payload, args.out)
+        print(f"{shape} done", flush=True)
+    print_table(payload["rows"], baseline, device)
+    if args.sweep:
+        selection = payload["layer_selection"]
+        print(f"FP8 thresholds at M={args.sweep_m}: eager {selection['thresholds_eager']}, "
+              f"compiled {selection['thresholds_compiled']}")
+    path = write_result(name, device, payload, args.out)
     print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

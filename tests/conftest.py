@@ -16,6 +16,7 @@ from amp8.nn import Fp8Linear
 from amp8.scaling import sqnr
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(autouse=True)
@@ -60,10 +61,21 @@ def linear_pair(
     return reference, layer
 
 
-def load_example(name: str) -> ModuleType:
-    """Import ``examples/<name>.py`` as a module."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+def _load_script(path: Path, module_name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as a module."""
+    return _load_script(EXAMPLES / f"{name}.py", f"example_{name}")
+
+
+def load_bench(name: str) -> ModuleType:
+    """Import ``bench/<name>.py`` as a module, with bench/ on the path for its ``common``."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return _load_script(BENCH / f"{name}.py", f"bench_{name}")

@@ -1,0 +1,150 @@
+"""The speed benchmarks run on the CPU with tiny settings and write complete JSON; the FP8
+threshold rule reads the right K and N off a grid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import load_bench
+
+linear = load_bench("linear")
+gpt = load_bench("gpt")
+common = load_bench("common")
+
+RECORD_FIELDS = ("benchmark", "device", "torch", "date", "baseline", "fp8", "torchao")
+
+
+def _no_compiler(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("compiler unavailable in this test")
+
+
+def _assert_record(path: Path, benchmark: str) -> dict[str, Any]:
+    record = json.loads(path.read_text())
+    missing = [field for field in RECORD_FIELDS if field not in record]
+    assert not missing, f"{path.name} lacks {missing}"
+    assert record["benchmark"] == benchmark and record["torch"] == torch.__version__
+    assert record["torchao"].startswith(("available", "unavailable")), record["torchao"]
+    return record
+
+
+def _assert_timed_or_recorded(name: str, variant: dict[str, Any]) -> None:
+    assert "ms" in variant or "error" in variant or "skipped" in variant, f"{name}: {variant}"
+    if "ms" in variant:
+        assert variant["ms"] > 0 and variant["tflops"] > 0, f"{name}: {variant}"
+
+
+# -- bench/linear.py ---------------------------------------------------------------------
+def test_linear_quick_writes_every_variant(tmp_path: Path) -> None:
+    path = linear.main(["--quick", "--device", "cpu", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
+    record = _assert_record(path, "linear")
+    assert path == tmp_path / "linear-cpu.json"
+    assert record["baseline"] == "nn.Linear FP32" and record["fp8"] == "emulated on the CPU"
+    assert [(r["m"], r["k"], r["n"]) for r in record["rows"]] == [(1024, 2048, 1024)]
+    for row in record["rows"]:
+        for name, variant in row["variants"].items():
+            _assert_timed_or_recorded(name, variant)
+        assert row["variants"]["nn.Linear"]["ms"] > 0 and row["variants"]["Fp8Linear"]["ms"] > 0
+        assert row["baseline_ms"] > 0 and row["speedup"]["Fp8Linear"] > 0
+        assert set(row["speedup"]) == set(linear.CANDIDATES)
+
+
+def test_linear_records_a_failed_compile_and_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "compile", _no_compiler)
+    row = linear.run_shape((32, 64, 32), torch.device("cpu"), None, warmup=0, repeats=1, compile=True)
+    assert "compiler unavailable" in row["variants"]["Fp8Linear compiled"]["error"]
+    assert row["variants"]["Fp8Linear"]["ms"] > 0
+    assert row["speedup"]["Fp8Linear compiled"] is None and row["speedup"]["Fp8Linear"] > 0
+    assert row["variants"]["torchao compiled"] == {"skipped": "torchao unavailable"}
+
+
+def test_linear_sweep_reports_speedups_per_cell() -> None:
+    grid = (32, 64)
+    shapes = linear.shapes_to_run(True, 48, grid, quick=False)
+    assert shapes[: len(linear.SWEEP)] == linear.SWEEP
+    assert shapes[len(linear.SWEEP):] == [(48, 32, 32), (48, 32, 64), (48, 64, 32), (48, 64, 64)]
+    rows = [linear.run_shape(s, torch.device("cpu"), None, 0, 1, compile=False) for s in shapes[len(linear.SWEEP):]]
+    selection = linear.layer_selection(rows, 48, grid)
+    assert [(c["k"], c["n"]) for c in selection["cells"]] == [(32, 32), (32, 64), (64, 32), (64, 64)]
+    assert all(c["speedup_eager"] > 0 and c["speedup_compiled"] is None for c in selection["cells"])
+    assert selection["thresholds_compiled"] is None
+    assert set(selection) >= {"thresholds_eager", "rule", "m"}
+
+
+def test_quick_skips_large_shapes() -> None:
+    shapes = linear.shapes_to_run(False, 4096, (1024,), quick=True)
+    assert shapes and all(6 * m * k * n <= linear.QUICK_FLOP_LIMIT for m, k, n in shapes)
+    assert linear.shapes_to_run(False, 4096, (1024,), quick=False) == linear.HEADLINE
+
+
+# -- the threshold rule ------------------------------------------------------------------
+def _grid(faster: Any, sizes: tuple[int, ...] = (1024, 2048, 4096)) -> list[dict[str, Any]]:
+    """Cells with speedup 1.5 where ``faster(k, n)``, else 0.8."""
+    return [{"k": k, "n": n, "s": 1.5 if faster(k, n) else 0.8} for k in sizes for n in sizes]
+
+
+@pytest.mark.parametrize("faster, expected", [
+    (lambda k, n: True, {"min_k": 1024, "min_n": 1024, "selected": 9, "faster": 9}),
+    (lambda k, n: k >= 2048 and n >= 2048, {"min_k": 2048, "min_n": 2048, "selected": 4, "faster": 4}),
+    (lambda k, n: n >= 4096, {"min_k": 1024, "min_n": 4096, "selected": 3, "faster": 3}),
+    (lambda k, n: k == 4096 and n == 4096, {"min_k": 4096, "min_n": 4096, "selected": 1, "faster": 1}),
+    # L-shaped: K >= 4096 (3 cells) beats N >= 4096 and K >= 2048 (2 cells)
+    (lambda k, n: k >= 4096 or (k >= 2048 and n >= 4096), {"min_k": 4096, "min_n": 1024, "selected": 3, "faster": 4}),
+])
+def test_thresholds_select_the_largest_safe_rectangle(faster: Any, expected: dict[str, int]) -> None:
+    assert common.fp8_thresholds(_grid(faster), "s") == {**expected, "measured": 9}
+
+
+def test_thresholds_never_select_a_slower_cell() -> None:
+    # faster at large K and N except one slow cell inside that region
+    rows = _grid(lambda k, n: k >= 2048 and n >= 2048 and (k, n) != (2048, 4096))
+    result = common.fp8_thresholds(rows, "s")
+    assert result == {"min_k": 4096, "min_n": 2048, "selected": 2, "faster": 3, "measured": 9}
+    selected = [r for r in rows if r["k"] >= result["min_k"] and r["n"] >= result["min_n"]]
+    assert all(r["s"] > 1 for r in selected), selected
+    # every rectangle holds the largest cell: when that one is slower, no rule is safe
+    assert common.fp8_thresholds(_grid(lambda k, n: (k, n) != (4096, 4096)), "s") is None
+
+
+def test_thresholds_none_when_nothing_is_faster_and_skip_unmeasured() -> None:
+    assert common.fp8_thresholds(_grid(lambda k, n: False), "s") is None
+    rows = [{"k": 1024, "n": 1024, "s": None}, {"k": 2048, "n": 1024, "s": 1.2}, {"k": 1024, "n": 2048, "s": 1.0}]
+    assert common.fp8_thresholds(rows, "s") == {"min_k": 2048, "min_n": 1024, "selected": 1, "faster": 1, "measured": 2}
+    assert common.fp8_thresholds(rows, "s", min_speedup=1.3) is None
+
+
+# -- bench/gpt.py ------------------------------------------------------------------------
+def test_gpt_tiny_writes_every_run(tmp_path: Path) -> None:
+    path = gpt.main(["--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "2",
+                     "--device", "cpu", "--no-compile", "--out", str(tmp_path)])
+    record = _assert_record(path, "gpt")
+    assert record["preset"] == "tiny" and record["parameters"] > 0 and record["tokens_per_step"] == 2 * 64
+    assert set(record["runs"]) == set(gpt.RUNS)
+    for name in ("baseline", "amp8 O1", "amp8 O2"):
+        run = record["runs"][name]
+        assert run["mode"] == "eager", run
+        assert run["step_ms"] > 0 and run["tokens_per_s"] > 0 and run["vs_baseline"] > 0, run
+        assert run["final_loss"] == pytest.approx(5.55, abs=0.1), run  # ln 256 at the start
+    torchao_run = record["runs"]["torchao"]
+    assert "skipped" in torchao_run or "step_ms" in torchao_run or "error" in torchao_run, torchao_run
+
+
+def test_gpt_falls_back_to_eager_when_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "compile", _no_compiler)
+    config = gpt.PRESETS["tiny"]
+    device = torch.device("cpu")
+    batches = gpt.make_batches(config, 2, 2, device)
+    result = gpt.run_one("amp8 O1", config, batches, 1, device, compile="blocks", to_torchao=None)
+    assert result["mode"] == "eager" and "compiler unavailable" in result["compile_error"], result
+    assert result["step_ms"] > 0
+
+
+def test_gpt_1b_preset_is_about_a_billion_parameters() -> None:
+    with torch.device("meta"):
+        model = gpt.GPT(gpt.PRESETS["gpt-1b"])
+    count = sum(p.numel() for p in model.parameters())
+    assert 0.95e9 < count < 1.05e9, f"{count / 1e9:.3f}e9 parameters"
