@@ -106,33 +106,3 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
     except Exception as error:  # compile and kernel errors alike are recorded, not raised
         return {"error": error_text(error)}
     return {"ms": 1e3 * seconds, "first_call_s": first_call_s}
-
-
-def fp8_thresholds(
-    rows: list[dict[str, Any]], key: str, min_speedup: float = 1.0
-) -> dict[str, int] | None:
-    """The rule "FP8 where K >= min_k and N >= min_n" read off measured (K, N) cells.
-
-    ``rows`` hold ``"k"``, ``"n"`` and a speedup under ``key`` (None where it was not
-    measured; such rows are left out). A rule is safe when every measured cell it selects
-    has a speedup above ``min_speedup``; of the safe rules with thresholds among the
-    measured K and N values, the one selecting the most cells wins (then the smaller
-    ``min_k * min_n``, then the smaller ``min_k``). Returns ``{"min_k", "min_n",
-    "selected", "faster", "measured"}`` (``faster``: cells above ``min_speedup``, which a
-    rectangle may not all reach), or None when no safe rule exists (every rule selects
-    the cell of largest K and N, so a slower cell there leaves none).
-    """
-    cells = [(row["k"], row["n"], row[key]) for row in rows if row.get(key) is not None]
-    best: tuple[int, int, int] | None = None
-    for min_k in sorted({k for k, _, _ in cells}):
-        for min_n in sorted({n for _, n, _ in cells}):
-            chosen = [s for k, n, s in cells if k >= min_k and n >= min_n]
-            if not chosen or min(chosen) <= min_speedup:
-                continue
-            candidate = (len(chosen), min_k, min_n)
-            if best is None or (candidate[0], -min_k * min_n, -min_k) > (best[0], -best[1] * best[2], -best[1]):
-                best = candidate
-    if best is None:
-        return None
-    return {"min_k": best[1], "min_n": best[2], "selected": best[0],
-            "faster": sum(s > min_speedup for _, _, s in cells), "measured": len(cells)}

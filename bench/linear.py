@@ -15,7 +15,7 @@ fails (a compile error, say) is recorded in the JSON with its error and the run 
 
 ``--sweep`` adds, for each (K, N) of the grid at M = ``--sweep-m``, the speedups of eager
 and compiled Fp8Linear, and the K and N thresholds of the rule "FP8 where faster"
-(``fp8_thresholds`` in bench/common.py). Results go to ``--out`` (bench/results/):
+(``amp8.SpeedRule.fit``; ``amp8.SpeedRule.from_json(path)`` reads it). Results go to ``--out`` (bench/results/):
 linear-<device>.json, or linear-sweep-<device>.json with ``--sweep``; the file is
 rewritten after each shape, so a run cut short keeps what it measured.
 """
@@ -31,11 +31,13 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from amp8 import Recipe
+from dataclasses import asdict
+
+from amp8 import Recipe, SpeedRule
 from amp8.console import default_console
 from amp8.nn import Fp8Linear
 from common import (
-    RESULTS, device_name, error_text, fp8_thresholds, graph_break_count, measure, reset_compiler, torchao_float8,
+    RESULTS, device_name, error_text, graph_break_count, measure, reset_compiler, torchao_float8,
     write_result,
 )
 
@@ -138,18 +140,25 @@ def run_shape(shape: Shape, device: torch.device, to_torchao: Callable[..., Any]
             "baseline_ms": baseline_ms, "speedup": speedup}
 
 
-def layer_selection(rows: list[dict[str, Any]], m: int, grid: tuple[int, ...]) -> dict[str, Any]:
-    """The grid's speedups at M = ``m`` and the K, N thresholds they support."""
+def layer_selection(rows: list[dict[str, Any]], m: int, grid: tuple[int, ...], device: str) -> dict[str, Any]:
+    """The grid's speedups at M = ``m`` and the ``amp8.SpeedRule`` fitted to them (None
+    where no cell was measured); ``speed_rule`` (compiled, else eager) is what
+    ``amp8.SpeedRule.from_json`` reads from the JSON file."""
     cells = [
         {"k": r["k"], "n": r["n"], "speedup_eager": r["speedup"]["Fp8Linear"],
          "speedup_compiled": r["speedup"]["Fp8Linear compiled"]}
         for r in rows if r["m"] == m and r["k"] in grid and r["n"] in grid
     ]
-    rule = ("FP8 where K >= min_k and N >= min_n (faster than the baseline on every measured "
-            "cell it selects); null: no such rule")
-    return {"m": m, "rule": rule, "cells": cells,
-            "thresholds_eager": fp8_thresholds(cells, "speedup_eager"),
-            "thresholds_compiled": fp8_thresholds(cells, "speedup_compiled")}
+    rules = {}
+    for mode in ("eager", "compiled"):
+        measured = [
+            {"in_features": c["k"], "out_features": c["n"], "speedup": c[f"speedup_{mode}"]}
+            for c in cells if c[f"speedup_{mode}"] is not None
+        ]
+        source = f"bench/linear.py --sweep, {mode} Fp8Linear, M={m}, {device}"
+        rules[mode] = asdict(SpeedRule.fit(measured, source)) if measured else None
+    return {"m": m, "cells": cells, "speed_rule_eager": rules["eager"],
+            "speed_rule_compiled": rules["compiled"], "speed_rule": rules["compiled"] or rules["eager"]}
 
 
 def _ms(variant: dict[str, Any]) -> str:
@@ -217,14 +226,14 @@ def main(argv: list[str] | None = None) -> Path:
     for shape in shapes_to_run(args.sweep, args.sweep_m, grid, args.quick):
         payload["rows"].append(run_shape(shape, device, to_torchao, args.warmup, args.repeats, not args.no_compile))
         if args.sweep:
-            payload["layer_selection"] = layer_selection(payload["rows"], args.sweep_m, grid)
+            payload["layer_selection"] = layer_selection(payload["rows"], args.sweep_m, grid, device_name(device))
         path = write_result(name, device, payload, args.out)
         print(f"{shape} done", flush=True)
     print_table(payload["rows"], baseline, device)
     if args.sweep:
         selection = payload["layer_selection"]
-        print(f"FP8 thresholds at M={args.sweep_m}: eager {selection['thresholds_eager']}, "
-              f"compiled {selection['thresholds_compiled']}")
+        print(f"speed rule at M={args.sweep_m}: eager {selection['speed_rule_eager']}, "
+              f"compiled {selection['speed_rule_compiled']}")
     path = write_result(name, device, payload, args.out)
     print(f"wrote {path}")
     return path

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+import amp8
 from conftest import load_bench
 
 linear = load_bench("linear")
 gpt = load_bench("gpt")
-common = load_bench("common")
 
 RECORD_FIELDS = ("benchmark", "device", "torch", "date", "baseline", "fp8", "torchao")
 
@@ -68,53 +68,21 @@ def test_linear_sweep_reports_speedups_per_cell() -> None:
     assert shapes[: len(linear.SWEEP)] == linear.SWEEP
     assert shapes[len(linear.SWEEP):] == [(48, 32, 32), (48, 32, 64), (48, 64, 32), (48, 64, 64)]
     rows = [linear.run_shape(s, torch.device("cpu"), None, 0, 1, compile=False) for s in shapes[len(linear.SWEEP):]]
-    selection = linear.layer_selection(rows, 48, grid)
+    selection = linear.layer_selection(rows, 48, grid, "CPU")
     assert [(c["k"], c["n"]) for c in selection["cells"]] == [(32, 32), (32, 64), (64, 32), (64, 64)]
     assert all(c["speedup_eager"] > 0 and c["speedup_compiled"] is None for c in selection["cells"])
-    assert selection["thresholds_compiled"] is None
-    assert set(selection) >= {"thresholds_eager", "rule", "m"}
+    assert selection["speed_rule_compiled"] is None
+    rule = amp8.SpeedRule.from_json(json.dumps({"speed_rule": selection["speed_rule"]}))
+    assert rule == amp8.SpeedRule(**selection["speed_rule_eager"])
+    for cell in selection["cells"]:  # the rule takes no cell that was slower
+        if rule.selects(cell["k"], cell["n"]):
+            assert cell["speedup_eager"] >= 1.0, cell
 
 
 def test_quick_skips_large_shapes() -> None:
     shapes = linear.shapes_to_run(False, 4096, (1024,), quick=True)
     assert shapes and all(6 * m * k * n <= linear.QUICK_FLOP_LIMIT for m, k, n in shapes)
     assert linear.shapes_to_run(False, 4096, (1024,), quick=False) == linear.HEADLINE
-
-
-# -- the threshold rule ------------------------------------------------------------------
-def _grid(faster: Any, sizes: tuple[int, ...] = (1024, 2048, 4096)) -> list[dict[str, Any]]:
-    """Cells with speedup 1.5 where ``faster(k, n)``, else 0.8."""
-    return [{"k": k, "n": n, "s": 1.5 if faster(k, n) else 0.8} for k in sizes for n in sizes]
-
-
-@pytest.mark.parametrize("faster, expected", [
-    (lambda k, n: True, {"min_k": 1024, "min_n": 1024, "selected": 9, "faster": 9}),
-    (lambda k, n: k >= 2048 and n >= 2048, {"min_k": 2048, "min_n": 2048, "selected": 4, "faster": 4}),
-    (lambda k, n: n >= 4096, {"min_k": 1024, "min_n": 4096, "selected": 3, "faster": 3}),
-    (lambda k, n: k == 4096 and n == 4096, {"min_k": 4096, "min_n": 4096, "selected": 1, "faster": 1}),
-    # L-shaped: K >= 4096 (3 cells) beats N >= 4096 and K >= 2048 (2 cells)
-    (lambda k, n: k >= 4096 or (k >= 2048 and n >= 4096), {"min_k": 4096, "min_n": 1024, "selected": 3, "faster": 4}),
-])
-def test_thresholds_select_the_largest_safe_rectangle(faster: Any, expected: dict[str, int]) -> None:
-    assert common.fp8_thresholds(_grid(faster), "s") == {**expected, "measured": 9}
-
-
-def test_thresholds_never_select_a_slower_cell() -> None:
-    # faster at large K and N except one slow cell inside that region
-    rows = _grid(lambda k, n: k >= 2048 and n >= 2048 and (k, n) != (2048, 4096))
-    result = common.fp8_thresholds(rows, "s")
-    assert result == {"min_k": 4096, "min_n": 2048, "selected": 2, "faster": 3, "measured": 9}
-    selected = [r for r in rows if r["k"] >= result["min_k"] and r["n"] >= result["min_n"]]
-    assert all(r["s"] > 1 for r in selected), selected
-    # every rectangle holds the largest cell: when that one is slower, no rule is safe
-    assert common.fp8_thresholds(_grid(lambda k, n: (k, n) != (4096, 4096)), "s") is None
-
-
-def test_thresholds_none_when_nothing_is_faster_and_skip_unmeasured() -> None:
-    assert common.fp8_thresholds(_grid(lambda k, n: False), "s") is None
-    rows = [{"k": 1024, "n": 1024, "s": None}, {"k": 2048, "n": 1024, "s": 1.2}, {"k": 1024, "n": 2048, "s": 1.0}]
-    assert common.fp8_thresholds(rows, "s") == {"min_k": 2048, "min_n": 1024, "selected": 1, "faster": 1, "measured": 2}
-    assert common.fp8_thresholds(rows, "s", min_speedup=1.3) is None
 
 
 # -- bench/gpt.py ------------------------------------------------------------------------
