@@ -110,3 +110,23 @@ def test_compiled_data_parallel_matches_eager(tmp_path) -> None:
     for key, value in eager[0].items():
         for rank in range(2):
             assert_bitwise_equal(compiled[rank][key], value)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_inductor_fuses_the_amax_and_the_cast_into_one_kernel(scaling: str) -> None:
+    """The cast to FP8 with its amax, scale and saturation is one generated kernel: no
+    float32 intermediate goes through memory."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = Fp8Linear.from_linear(nn.Linear(256, 128), amp8.Recipe(scaling=scaling))
+
+    def cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cast_x = layer.cast(amp8.nn.Slot.INPUT, x)
+        return cast_x.data, cast_x.scale
+
+    x = torch.randn(64, 256)
+    (data, scale), sources = run_and_get_code(torch.compile(cast, fullgraph=True), x)
+    kernels = [line for source in sources for line in source.splitlines() if "= async_compile." in line]
+    assert len(kernels) == 1, f"{len(kernels)} kernels: {kernels}"
+    assert data.dtype == torch.float8_e4m3fn
+    assert_bitwise_equal(data, layer.cast(amp8.nn.Slot.INPUT, x, record=False).data)
