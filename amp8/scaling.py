@@ -8,8 +8,11 @@ inf or NaN keeps the previous scale, so one bad tensor cannot poison later casts
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from . import noise
 from .formats import max_value
 from .recipe import AmaxAlgo
 
@@ -60,26 +63,65 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 def quantize_stochastic(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, generator: torch.Generator
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, noise_key: torch.Tensor | int
 ) -> torch.Tensor:
     """``x * scale`` rounded to ``dtype`` (FP16 or BF16) up or down at random, with the
     probability that makes the expected result exact.
 
     Rounding to nearest drops every update smaller than half a unit in the last place;
     stochastic rounding keeps it on average, so a long run of tiny updates lands where a
-    float32 run lands. Saturates like ``quantize``.
+    float32 run lands. Saturates like ``quantize``. The randomness is counter-based
+    noise (``amp8.noise.uniform``) under ``noise_key`` (an int or int64 scalar tensor in
+    ``[0, 2**32)``, see ``amp8.noise.rounding_key``): the same key gives the same bits
+    eagerly and inside ``torch.compile``, on any device.
+
+    Raises:
+        TypeError: ``noise_key`` is not an int or a tensor (a ``torch.Generator`` from
+            older amp8 code: pass ``amp8.noise.rounding_key(seed, counter)`` instead).
     """
+    if isinstance(noise_key, bool) or not isinstance(noise_key, (int, torch.Tensor)):
+        raise TypeError(
+            f"noise_key must be an int or an int64 scalar tensor, got {type(noise_key).__name__}; "
+            "stochastic rounding is counter-based: pass amp8.noise.rounding_key(seed, counter)"
+        )
     limit = max_value(dtype)
     scaled = (x.float() * scale).clamp(-limit, limit)
     nearest = scaled.to(dtype)
     nearest_f = nearest.float()
-    # The neighbour on the other side of ``scaled``: ``nearest`` and ``other`` bracket it.
-    direction = torch.where(nearest_f > scaled, -torch.inf, torch.inf).to(dtype)
-    other = torch.nextafter(nearest, direction)
-    gap = (other.float() - nearest_f).abs()
+    other_f = _neighbour_towards(nearest_f, scaled, dtype)
+    gap = (other_f - nearest_f).abs()
     chance = torch.where(gap > 0, (scaled - nearest_f).abs() / gap, 0.0)
-    draw = torch.rand(scaled.shape, generator=generator, device=scaled.device)
-    return torch.where(draw < chance, other, nearest)
+    draw = noise.uniform(scaled.shape, noise_key, scaled.device)
+    return torch.where(draw < chance, other_f, nearest_f).to(dtype)
+
+
+def _neighbour_towards(nearest_f: torch.Tensor, target: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The value of ``dtype`` (FP16 or BF16) next to ``nearest_f`` (a float32 tensor of
+    values of ``dtype``) on the side of ``target``, as float32, so the two bracket it.
+
+    Worked out from the float32 bits of ``nearest_f``: ``torch.nextafter`` on the 16-bit
+    tensor, or a bit view of it, is computed in float32 once torch.compile upcasts 16-bit
+    operands, and would step to the wrong neighbour.
+    """
+    info = torch.finfo(dtype)
+    min_exponent = round(math.log2(info.tiny))  # of normal numbers: -14 (FP16), -126 (BF16)
+    mantissa_bits = round(-math.log2(info.eps))  # 10 (FP16), 7 (BF16)
+    bits = nearest_f.view(torch.int32)
+    exponent = (((bits >> 23) & 0xFF) - 127).clamp_min(min_exponent)  # zero and subnormals: the minimum
+    away = target.abs() > nearest_f.abs()
+    # Below a power of two the spacing halves (except at the bottom of the normal range).
+    power_of_two = ((bits & 0x7FFFFF) == 0) & (exponent > min_exponent)
+    gap_exponent = exponent - mantissa_bits - (power_of_two & ~away).to(torch.int32)
+    gap = _exact_power_of_two(gap_exponent)
+    return torch.where(target > nearest_f, nearest_f + gap, nearest_f - gap)
+
+
+def _exact_power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` in float32 for int32 exponents in [-149, 127], from its bits
+    (``exp2`` of a compiled kernel need not be exact)."""
+    normal = (exponent.clamp_min(-126) + 127) << 23
+    subnormal = torch.ones_like(exponent) << (exponent + 149).clamp(0, 22)
+    return torch.where(exponent >= -126, normal, subnormal).view(torch.float32)
 
 
 def quantize_blockwise(

@@ -5,8 +5,10 @@
     python bench/optimizer.py --device cuda
 
 Step time: one optimizer step over square FP8 layers holding the given number of
-parameters, with gradients already in place, against torch.optim.AdamW (foreach on the
-CPU, fused on CUDA) on an FP32 copy of the same model, in the same process. Bytes/param:
+parameters, with gradients already in place: torch.optim.AdamW (foreach on the CPU,
+fused on CUDA) on an FP32 copy of the same model, and amp8's LowBitAdam with its
+reference step (unfused) and its torch.compile'd step (fused), in the same process.
+The fused step is compiled during warm-up, outside the timing. Bytes/param:
 the precision report after one training step at each level, for amp8's byte-level GPT
 (presets small and medium; tied head, so embeddings are a small share) and for a GPT-style
 stack with an untied 4096-entry vocabulary (embeddings 20 % of its parameters, which stay
@@ -23,6 +25,7 @@ from torch import nn
 
 import amp8
 from amp8.console import default_console
+from amp8.optim import LowBitAdam
 from common import time_call, write_result
 
 WIDTH = 1024
@@ -34,8 +37,8 @@ def square_layers(parameters: int, device: torch.device) -> nn.Module:
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(count))).to(device)
 
 
-def step_times(millions: int, device: torch.device, level: str, repeats: int) -> tuple[float, float]:
-    """Median seconds per step: (torch AdamW, amp8 at ``level``)."""
+def step_times(millions: int, device: torch.device, level: str, repeats: int) -> tuple[float, float, float]:
+    """Median seconds per step: (torch AdamW, amp8 unfused, amp8 fused at ``level``)."""
     torch.manual_seed(0)
     reference = square_layers(millions * 1_000_000, device)
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -44,11 +47,18 @@ def step_times(millions: int, device: torch.device, level: str, repeats: int) ->
         param.grad = torch.randn_like(param) * 1e-3
     model = square_layers(millions * 1_000_000, device)
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level)
+    fused_optimizer = LowBitAdam.from_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, optimizer.fp8_layers, fused=True
+    )
+    unfused_optimizer = LowBitAdam.from_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, optimizer.fp8_layers, fused=False
+    )
     x = torch.randn(16, WIDTH, device=device)
     model(x).sum().backward()
     return (
         time_call(reference_optimizer.step, device, warmup=1, repeats=repeats),
-        time_call(optimizer.step, device, warmup=1, repeats=repeats),
+        time_call(unfused_optimizer.step, device, warmup=1, repeats=repeats),
+        time_call(fused_optimizer.step, device, warmup=2, repeats=repeats),
     )
 
 
@@ -117,6 +127,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 30], help="millions of parameters")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true", help="time the step only, skip bytes/param")
     args = parser.parse_args()
     device = torch.device(args.device)
     console = default_console()
@@ -124,17 +135,23 @@ def main() -> None:
     timing_rows = []
     for millions in args.sizes:
         for level in ("O1", "O2", "O3"):
-            torch_s, amp8_s = step_times(millions, device, level, args.repeats)
+            torch_s, unfused_s, fused_s = step_times(millions, device, level, args.repeats)
             timing_rows.append({"millions": millions, "level": level, "torch_adamw_ms": 1e3 * torch_s,
-                                "amp8_ms": 1e3 * amp8_s, "ratio": amp8_s / torch_s})
-    timing = Table(title="optimizer step: amp8 LowBitAdam vs torch AdamW")
-    for column in ("params", "level", "torch AdamW ms", "amp8 ms", "amp8 / torch"):
+                                "amp8_ms": 1e3 * unfused_s, "ratio": unfused_s / torch_s,
+                                "amp8_fused_ms": 1e3 * fused_s, "fused_ratio": fused_s / torch_s,
+                                "fused_speedup": unfused_s / fused_s})
+    timing = Table(title="optimizer step: amp8 LowBitAdam (unfused, fused) vs torch AdamW")
+    for column in ("params", "level", "torch AdamW ms", "amp8 ms", "amp8 fused ms", "amp8 / torch",
+                   "fused / torch", "unfused / fused"):
         timing.add_column(column, justify="right")
     for row in timing_rows:
         timing.add_row(f"{row['millions']}M", row["level"], f"{row['torch_adamw_ms']:.1f}",
-                       f"{row['amp8_ms']:.1f}", f"{row['ratio']:.2f}x")
+                       f"{row['amp8_ms']:.1f}", f"{row['amp8_fused_ms']:.1f}", f"{row['ratio']:.2f}x",
+                       f"{row['fused_ratio']:.2f}x", f"{row['fused_speedup']:.2f}x")
     console.print(timing)
 
+    if args.no_memory:
+        return
     memory_rows = {
         name: {level: bytes_per_param(name, level, device) for level in amp8.LEVELS} for name in MODELS
     }

@@ -20,6 +20,13 @@ import multiprocess
 from amp8.nn import Fp8Linear
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
+@pytest.fixture(autouse=True)
+def fresh_compiler() -> None:
+    """Each test compiles from scratch: earlier tests' graphs must not count towards
+    Dynamo's recompile limit, nor be reused."""
+    torch._dynamo.reset()
+
+
 CASES = {
     "O1-tensorwise": ("O1", amp8.Recipe()),
     "O2-rowwise": ("O2", amp8.Recipe.preset("rowwise")),

@@ -149,13 +149,14 @@ class Fp8Linear(nn.Module):
     def encode_weight(
         self,
         real_weight: torch.Tensor,
-        generator: torch.Generator | None = None,
+        noise_key: torch.Tensor | int | None = None,
         amax_value: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data, scale)`` that store ``real_weight`` in this layer's weight dtype.
 
         FP16 storage takes one power-of-two scale (with one binade of headroom), rounded
-        stochastically when a ``generator`` is given; FP8 storage takes the recipe's
+        stochastically under ``noise_key`` when one is given (see
+        ``scaling.quantize_stochastic``); FP8 storage takes the recipe's
         weight scales at its granularity, and they feed the GEMMs directly. ``amax_value``
         replaces the amax of ``real_weight`` (to encode one chunk of a tensorwise-scaled
         weight sharded over ranks).
@@ -172,14 +173,19 @@ class Fp8Linear(nn.Module):
             amaxes, dtype, margin=margin, power_of_2=power_of_2, previous=previous
         )
         full_scale = scaling.expand_scale(scale, tuple(real_weight.shape), self.block_size)
-        if generator is not None and self.weight_storage is Precision.FP16:
-            return scaling.quantize_stochastic(real_weight, full_scale, dtype, generator), scale
+        if noise_key is not None and self.weight_storage is Precision.FP16:
+            return scaling.quantize_stochastic(real_weight, full_scale, dtype, noise_key), scale
         return scaling.quantize(real_weight, full_scale, dtype), scale
 
-    def write_weight(self, real_weight: torch.Tensor, generator: torch.Generator | None = None) -> None:
-        """Store ``real_weight`` (any float dtype) into the weight Parameter, in place
-        (see ``encode_weight``)."""
-        data, scale = self.encode_weight(real_weight, generator)
+    def write_weight(self, real_weight: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
+        """Store ``real_weight`` (any float dtype) into the weight Parameter, in place,
+        rounded stochastically under ``noise_key`` when one is given (see
+        ``encode_weight``)."""
+        self.store_weight(*self.encode_weight(real_weight, noise_key))
+
+    def store_weight(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store already encoded weight ``data`` and its ``scale`` (as ``encode_weight``
+        returns them), in place, and drop the FP8 casts cached from the old weight."""
         self.drop_weight_cache()
         with torch.no_grad():
             if self.weight.dtype == data.dtype:

@@ -5,6 +5,12 @@ back at the precisions of the opt level: Adam's first moment in FP8 (E4M3) and s
 in FP16 at O2 and O3, each with one scale per block; weights of FP8 layers in FP16 with
 stochastic rounding (O1, O2), or FP8 weights beside FP16 master weights (O3). A step with
 any non-finite gradient changes nothing and is counted in ``skipped_steps``.
+
+Each tensor's update runs either as the reference below (``_update``: one eager torch
+operation at a time) or fused (``amp8/optim/fused.py`` compiled by ``torch.compile``).
+Stochastic rounding draws counter-based noise (``amp8/noise.py``): draw number ``n`` of
+the optimizer uses ``noise.rounding_key(seed, n)``, whichever path runs, so both paths
+round alike and a checkpoint resumes the same noise from ``(seed, n)``.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from .. import scaling
+from .. import noise, scaling
+from ..formats import E4M3
 from ..levels import O1, OptLevel, Precision
 from ..nn.linear import Fp8Linear
 from ..comm.buckets import GradientBuckets
 from ..comm.data_parallel import DataParallel
+from . import fused as fused_step
 from . import state as state_storage
 
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
@@ -41,12 +49,19 @@ class LowBitAdam(torch.optim.Optimizer):
             columns set what the optimizer stores.
         fp8_layers: ``{weight Parameter: Fp8Linear}`` for the weights of FP8 layers.
         state_block_size: elements per scale of low-bit moments (0: one scale per tensor).
-        seed: seeds the stochastic rounding of FP16 weights (saved in ``state_dict``).
+        seed: seeds the stochastic rounding of FP16 weights (an int >= 0; saved in
+            ``state_dict`` with the count of draws so far).
         data_parallel: the process group to average gradients over in FP8; at a level
             that shards the optimizer (O3), each rank keeps the master weights and moments
             of one chunk of every FP8 layer's weight.
         overlap_communication: in data parallel, start each bucket's FP8 all-to-all
             during backward, as soon as its gradients are final (else all at ``step``).
+        fused: run each tensor's update as one ``torch.compile``d function
+            (``amp8.optim.fused``): True anywhere (the CPU compiles it to C++), False
+            never, None (default) for parameters on CUDA only. Where the fused step does
+            not apply (the chunks of weights sharded over data-parallel ranks), those
+            tensors take the reference step. Both round with the same noise; they agree
+            up to the compiler's reordering of float32 arithmetic.
     """
 
     def __init__(
@@ -65,8 +80,13 @@ class LowBitAdam(torch.optim.Optimizer):
         seed: int = 0,
         data_parallel: DataParallel | None = None,
         overlap_communication: bool = True,
+        fused: bool | None = None,
     ) -> None:
         check_state_precision(level)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} is not valid; use an int >= 0")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused={fused!r} is not valid; use True, False or None (fused on CUDA only)")
         if isinstance(state_block_size, bool) or not isinstance(state_block_size, int) or state_block_size < 0:
             raise ValueError(f"state_block_size={state_block_size!r} is not valid; use an int >= 0")
         defaults = dict(
@@ -78,9 +98,11 @@ class LowBitAdam(torch.optim.Optimizer):
         self.fp8_layers: dict[nn.Parameter, Fp8Linear] = dict(fp8_layers or {})
         self.state_block_size = state_block_size
         self.seed = seed
+        self.rounding_counter = 0  # stochastic-rounding draws so far
+        self.fused = fused
+        self._fused_steps = fused_step.FusedAdam()
         self.skipped_steps = 0
         self.data_parallel = data_parallel
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._shard_grads: dict[nn.Parameter, torch.Tensor] = {}
         self._synchronized = False
         # State is complete from the start, so a fresh optimizer's state_dict has the
@@ -125,7 +147,6 @@ class LowBitAdam(torch.optim.Optimizer):
         for key in _MOMENTS:
             zeros = torch.zeros(shape_source.shape, dtype=torch.float32, device=param.device)
             self._store_moment(param, param_state, key, zeros)
-        self._generator(param.device)
 
     # -- sharding --------------------------------------------------------------------
     @property
@@ -247,13 +268,12 @@ class LowBitAdam(torch.optim.Optimizer):
         self._synchronized = True
 
     # -- weights ---------------------------------------------------------------------
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """The stochastic-rounding generator for ``device``, seeded from ``seed``."""
-        if device not in self._generators:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed)
-            self._generators[device] = generator
-        return self._generators[device]
+    def _next_noise_key(self) -> torch.Tensor:
+        """The noise key of the next stochastic rounding (an int64 CPU scalar, which
+        serves tensors on any device), counting the draw."""
+        key = noise.rounding_key(self.seed, self.rounding_counter)
+        self.rounding_counter += 1
+        return torch.tensor(key, dtype=torch.int64)
 
     def _store_master(self, param_state: dict[str, Any], value: torch.Tensor) -> None:
         # One power-of-two scale for the tensor, stochastic rounding as for FP16 weights.
@@ -261,9 +281,7 @@ class LowBitAdam(torch.optim.Optimizer):
             scaling.amax(value), torch.float16, margin=1, power_of_2=True,
             previous=param_state.get(_MASTER + state_storage.SCALE_SUFFIX),
         )
-        param_state[_MASTER] = scaling.quantize_stochastic(
-            value, scale, torch.float16, self._generator(value.device)
-        )
+        param_state[_MASTER] = scaling.quantize_stochastic(value, scale, torch.float16, self._next_noise_key())
         param_state[_MASTER + state_storage.SCALE_SUFFIX] = scale
 
     def read_weight(self, param: nn.Parameter) -> torch.Tensor:
@@ -285,7 +303,7 @@ class LowBitAdam(torch.optim.Optimizer):
             if not self._is_sharded(param):
                 layer.write_weight(value)  # type: ignore[union-attr]
         elif layer is not None:
-            layer.write_weight(value, generator=self._generator(value.device))
+            layer.write_weight(value, noise_key=self._next_noise_key())
         else:
             param.copy_(value)
 
@@ -306,6 +324,9 @@ class LowBitAdam(torch.optim.Optimizer):
             return loss
         for group in self.param_groups:
             for param in group["params"]:
+                if self._runs_fused(param):
+                    self._fused_update(param, group)
+                    continue
                 grad = self.gradient(param)
                 if grad is not None:
                     self._update(param, grad, group)
@@ -332,14 +353,92 @@ class LowBitAdam(torch.optim.Optimizer):
         )
         for param, full, (_, scale) in zip(params, fulls, encoded):  # step() runs under no_grad
             layer = self.fp8_layers[param]
-            layer.weight.copy_(full.view(param.shape))
-            layer.weight_scale.copy_(scale)
+            layer.store_weight(full.view(param.shape), scale)
 
     def _precision(self, key: str) -> Precision:
         """Storage of moment ``key`` ("exp_avg" or "exp_avg_sq"), the level's column."""
         return getattr(self.level, key)
 
+    # -- the fused step ---------------------------------------------------------------
+    def _runs_fused(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s update takes the fused step (see ``fused`` in the class
+        docstring); sharded weights keep the reference step."""
+        wanted = param.device.type == "cuda" if self.fused is None else self.fused
+        return wanted and not self._is_sharded(param)
+
+    def _fused_update(self, param: nn.Parameter, group: dict[str, Any]) -> None:
+        """``param``'s update through ``fused.adam_tensor_step``: the same operations as
+        ``_update``, read from and written to the stored tensors."""
+        layer = self.fp8_layers.get(param)
+        if layer is not None:
+            scaled_grad = layer.weight_grad
+            if scaled_grad is None:
+                return
+            grad, grad_scale = scaled_grad.data, scaled_grad.scale
+            grad_storage = _scale_storage(grad, grad_scale, scaled_grad.block_size)
+        else:
+            if param.grad is None:
+                return
+            grad, grad_scale, grad_storage = param.grad, None, fused_step.Storage()
+        param_state = self.state[param]
+        moments = [_stored(param_state, key) for key in _MOMENTS]
+        if _MASTER in param_state:
+            kind = fused_step.WeightKind.MASTER
+            weight, weight_scale = _stored(param_state, _MASTER)[:2]
+        elif layer is not None:
+            kind = fused_step.WeightKind.FP16_SCALED
+            weight, weight_scale = layer.weight.detach(), layer.weight_scale
+        else:
+            kind, weight, weight_scale = fused_step.WeightKind.PLAIN, param.detach(), None
+        fp8_storage, fp8_previous = fused_step.Storage(), False
+        if kind is fused_step.WeightKind.MASTER:
+            fp8_storage, fp8_previous = _fp8_weight_storage(layer)  # type: ignore[arg-type]
+        storages = (grad_storage, moments[0][2], moments[1][2], fp8_storage)
+        if any(storage is None for storage in storages):  # a scale layout the fused step lacks
+            reference_grad = self.gradient(param)
+            self._update(param, reference_grad, group)  # type: ignore[arg-type]
+            return
+        weight_decay = group["weight_decay"]
+        decay = (
+            fused_step.Decay.NONE if weight_decay == 0
+            else fused_step.Decay.DECOUPLED if group["decoupled_weight_decay"] else fused_step.Decay.L2
+        )
+        layout = fused_step.Layout(
+            grad=grad_storage, exp_avg=moments[0][2], exp_avg_sq=moments[1][2],  # type: ignore[arg-type]
+            weight=kind, decay=decay, maximize=bool(group["maximize"]),
+            fp8_weight=fp8_storage,  # type: ignore[arg-type]
+            fp8_margin=layer.recipe.margin if layer is not None else 0,
+            fp8_power_of_2=layer.recipe.power_of_2_scales if layer is not None else False,
+            fp8_previous_scale=fp8_previous,
+        )
+        param_state["step"] += 1
+        (beta1, beta2) = group["betas"]
+        scalars = fused_step.coefficients(
+            group["lr"], beta1, beta2, group["eps"], weight_decay, group["decoupled_weight_decay"],
+            float(param_state["step"]),
+        )
+        noise_key = self._next_noise_key() if kind is not fused_step.WeightKind.PLAIN else torch.zeros((), dtype=torch.int64)
+        tensors = fused_step.Tensors(
+            grad, grad_scale, moments[0][0], moments[0][1], moments[1][0], moments[1][1],
+            weight, weight_scale, layer.weight_scale if layer is not None and fp8_previous else None,
+        )
+        result = self._fused_steps(layout, tensors, scalars, noise_key)
+        for key, data, scale in zip(
+            _MOMENTS, (result.exp_avg, result.exp_avg_sq), (result.exp_avg_scale, result.exp_avg_sq_scale)
+        ):
+            param_state[key] = data
+            if scale is not None:
+                param_state[key + state_storage.SCALE_SUFFIX] = scale
+        if kind is fused_step.WeightKind.PLAIN:
+            param.copy_(result.weight)
+        elif kind is fused_step.WeightKind.FP16_SCALED:
+            layer.store_weight(result.weight, result.weight_scale)  # type: ignore[union-attr, arg-type]
+        else:
+            param_state[_MASTER], param_state[_MASTER + state_storage.SCALE_SUFFIX] = result.weight, result.weight_scale
+            layer.store_weight(result.fp8_weight, result.fp8_weight_scale)  # type: ignore[union-attr, arg-type]
+
     def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        """``param``'s update, one eager operation at a time: the reference step."""
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         weight_decay = group["weight_decay"]
         if group["maximize"]:
@@ -378,11 +477,12 @@ class LowBitAdam(torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus amp8's counters and rounding generators."""
+        """torch's optimizer state dict plus amp8's counters and the stochastic-rounding
+        seed and count of draws (all the noise of the rest of the run depends on)."""
         state = super().state_dict()
         state[_EXTRA_STATE_KEY] = {
             "skipped_steps": self.skipped_steps,
-            "generators": {str(device): g.get_state() for device, g in self._generators.items()},
+            "rounding": {"seed": self.seed, "counter": self.rounding_counter},
         }
         return state
 
@@ -417,9 +517,17 @@ class LowBitAdam(torch.optim.Optimizer):
                 stacklevel=2,
             )
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self._generators = {}
-        for device_name, generator_state in extra.get("generators", {}).items():
-            self._generator(torch.device(device_name)).set_state(generator_state)
+        rounding = extra.get("rounding")
+        if rounding is not None:
+            self.seed, self.rounding_counter = int(rounding["seed"]), int(rounding["counter"])
+        elif "generators" in extra:
+            warnings.warn(
+                "amp8: the optimizer checkpoint holds torch.Generator states for stochastic "
+                "rounding, from an amp8 before counter-based rounding; they are ignored and "
+                f"rounding continues from seed {self.seed}, so the resumed run rounds with "
+                "other random bits than the saved one would have (with the same statistics)",
+                stacklevel=2,
+            )
 
     def _convert(self, param: nn.Parameter, param_state: dict[str, Any]) -> set[str]:
         """Re-store moments and master weights saved at other precisions; the names of
@@ -443,6 +551,51 @@ class LowBitAdam(torch.optim.Optimizer):
                 layer.write_weight(master)
             converted.add("master weights")
         return converted
+
+
+def _stored(
+    param_state: dict[str, Any], key: str
+) -> tuple[torch.Tensor, torch.Tensor | None, fused_step.Storage | None]:
+    """``(data, scales, storage)`` of ``param_state[key]`` as the fused step reads it."""
+    data = param_state[key]
+    scale = param_state.get(key + state_storage.SCALE_SUFFIX)
+    return data, scale, _scale_storage(data, scale, param_state.get(key + state_storage.BLOCK_SUFFIX, 0))
+
+
+def _scale_storage(data: torch.Tensor, scale: torch.Tensor | None, block_size: int) -> fused_step.Storage | None:
+    """The fused step's ``Storage`` for ``data`` with ``scale``; None for a layout it
+    does not cover (it then takes the reference step)."""
+    if scale is None:
+        return fused_step.Storage() if data.dtype == torch.float32 else None
+    if scale.dim() == 0:
+        return fused_step.Storage(data.dtype)
+    if scale.dim() == 1:
+        return fused_step.Storage(data.dtype, block_size=block_size) if block_size > 0 else None
+    if scale.dim() == data.dim() == 2:
+        rows, cols = data.shape
+        if tuple(scale.shape) == (rows, 1):
+            return fused_step.Storage(data.dtype, rows=True)
+        if block_size > 0 and tuple(scale.shape) == (-(-rows // block_size), -(-cols // block_size)):
+            return fused_step.Storage(data.dtype, tile=block_size)
+    return None
+
+
+def _fp8_weight_storage(layer: Fp8Linear) -> tuple[fused_step.Storage | None, bool]:
+    """The fused step's ``Storage`` of ``layer``'s FP8 weight and whether its current
+    scales have the shape of new ones (``encode_weight`` then falls back to them)."""
+    rows, cols = layer.weight.shape
+    tile = layer.weight_tile()
+    if tile is None:
+        storage, shape = fused_step.Storage(E4M3), ()
+    elif tile == (1, cols):
+        storage, shape = fused_step.Storage(E4M3, rows=True), (rows, 1)
+    elif tile[0] == tile[1]:
+        storage, shape = fused_step.Storage(E4M3, tile=tile[0]), (-(-rows // tile[0]), -(-cols // tile[0]))
+    else:
+        return None, False
+    if layer.weight_dtype != E4M3:
+        return None, False
+    return storage, tuple(layer.weight_scale.shape) == shape
 
 
 def _merge_string_ids(state: dict[Any, dict[str, Any]]) -> dict[int, dict[str, Any]]:

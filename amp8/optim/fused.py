@@ -1,0 +1,259 @@
+"""One fused Adam / AdamW update per tensor, written for ``torch.compile``.
+
+``adam_tensor_step`` is a pure function of the stored tensors: the gradient (FP8 data and
+scales, or a float tensor), Adam's moments (FP32, or low-bit data and scales), the weight
+(FP16 with a power-of-two scale, an FP16 master weight, or a float parameter) and 0-d
+tensors holding the step's coefficients and noise key. It returns the new stored tensors
+and changes nothing. It follows ``LowBitAdam``'s per-tensor reference step operation by
+operation, calling the same ``amp8.scaling`` functions, so that compiled (one generated
+kernel pass per tensor, plus the amax reductions that the scales need) it agrees with
+the reference up to the compiler's reordering of float32 arithmetic.
+
+What stays the same from step to step (dtypes, scale layouts, which branches run) is a
+``Layout``; everything that changes (step counts, learning rate, noise key) is a tensor,
+so one compiled graph serves every step. ``FusedAdam`` compiles one graph per layout with
+dynamic shapes, so parameters of different shapes share it.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, NamedTuple
+
+import torch
+
+from .. import scaling
+
+
+class Decay(str, Enum):
+    """How weight decay enters the step."""
+
+    NONE = "none"
+    L2 = "l2"  # Adam: added to the gradient
+    DECOUPLED = "decoupled"  # AdamW: the weight shrinks
+
+
+class WeightKind(str, Enum):
+    """What the weight input is and what the step writes back."""
+
+    PLAIN = "plain"  # a float parameter, written back as float32 values
+    FP16_SCALED = "fp16_scaled"  # FP16 data * power-of-two scale, stochastic rounding
+    MASTER = "master"  # FP16 master (stochastic) plus the FP8 weight re-encoded from it
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How one tensor is stored: ``dtype`` None is float32 without scales; otherwise
+    data of ``dtype`` with float32 scales: per tensor (``block_size`` 0), per flat block
+    of ``block_size`` elements, per row of a matrix (``rows``), or per ``tile`` x ``tile``
+    block of a matrix (``tile`` > 0)."""
+
+    dtype: torch.dtype | None = None
+    block_size: int = 0
+    rows: bool = False
+    tile: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything about one tensor's update that is fixed between steps."""
+
+    grad: Storage
+    exp_avg: Storage
+    exp_avg_sq: Storage
+    weight: WeightKind
+    decay: Decay
+    maximize: bool
+    # The FP8 weight re-encoded from the master weight (WeightKind.MASTER only).
+    fp8_weight: Storage = Storage()
+    fp8_margin: int = 0
+    fp8_power_of_2: bool = False
+    fp8_previous_scale: bool = False
+
+
+class Tensors(NamedTuple):
+    """The stored tensors one update reads; a scale is None where the storage has none."""
+
+    grad: torch.Tensor
+    grad_scale: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_scale: torch.Tensor | None
+    exp_avg_sq: torch.Tensor
+    exp_avg_sq_scale: torch.Tensor | None
+    weight: torch.Tensor  # FP16 data, FP16 master, or the float parameter
+    weight_scale: torch.Tensor | None
+    fp8_weight_scale: torch.Tensor | None  # the FP8 weight's current scales (MASTER)
+
+
+class Coefficients(NamedTuple):
+    """The step's scalars as 0-d float32 tensors (CPU tensors serve any device), each
+    computed in float64 as the reference step computes it, then rounded once."""
+
+    lerp_weight: torch.Tensor  # 1 - beta1
+    beta2: torch.Tensor
+    one_minus_beta2: torch.Tensor
+    neg_step_size: torch.Tensor  # -lr / (1 - beta1**step)
+    bias_correction2_sqrt: torch.Tensor  # (1 - beta2**step) ** 0.5
+    eps: torch.Tensor
+    decay: torch.Tensor  # 1 - lr * weight_decay (decoupled) or weight_decay (L2)
+
+
+class Result(NamedTuple):
+    """The new stored tensors. ``weight`` is float32 values for PLAIN, FP16 data for
+    FP16_SCALED, the FP16 master for MASTER; ``fp8_weight`` only for MASTER."""
+
+    exp_avg: torch.Tensor
+    exp_avg_scale: torch.Tensor | None
+    exp_avg_sq: torch.Tensor
+    exp_avg_sq_scale: torch.Tensor | None
+    weight: torch.Tensor
+    weight_scale: torch.Tensor | None
+    fp8_weight: torch.Tensor | None
+    fp8_weight_scale: torch.Tensor | None
+
+
+_FP16_WEIGHT_MARGIN = 1  # as Fp8Linear's FP16 weights and LowBitAdam's master weights
+
+
+def coefficients(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float
+) -> Coefficients:
+    """The ``Coefficients`` of Adam step number ``step`` (1.0 for the first step)."""
+    values = (
+        1 - beta1, beta2, 1 - beta2, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, eps,
+        1 - lr * weight_decay if decoupled else weight_decay,
+    )
+    return Coefficients(*(torch.tensor(value, dtype=torch.float32) for value in values))
+
+
+def _load(data: torch.Tensor, scale: torch.Tensor | None, storage: Storage) -> torch.Tensor:
+    """float32 values of a stored tensor (as ``amp8.optim.state.load``)."""
+    if storage.dtype is None or scale is None:
+        return data.float()
+    if storage.rows:  # (R, 1) scales broadcast
+        return scaling.dequantize(data, scale)
+    if storage.tile:
+        return scaling.dequantize(data, scaling.expand_scale(scale, tuple(data.shape), storage.tile))
+    return scaling.dequantize_blockwise(data, scale, storage.block_size)
+
+
+def _store(value: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(data, scales)`` storing float32 ``value`` (as ``amp8.optim.state.store``)."""
+    if storage.dtype is None:
+        return value, None
+    if storage.rows:
+        scale = scaling.scale_from_amax(value.abs().amax(dim=1, keepdim=True), storage.dtype)
+        return scaling.quantize(value, scale, storage.dtype), scale
+    if storage.tile:
+        return scaling.quantize_tiles(value, storage.dtype, (storage.tile, storage.tile))
+    return scaling.quantize_blockwise(value, storage.dtype, storage.block_size)
+
+
+def _encode_fp8_weight(
+    value: torch.Tensor, previous: torch.Tensor | None, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 weight and its scales (as ``Fp8Linear.encode_weight`` for FP8 storage)."""
+    storage = layout.fp8_weight
+    dtype = storage.dtype
+    assert dtype is not None  # Layout construction guarantees it
+    if storage.rows:
+        amaxes = value.abs().amax(dim=1, keepdim=True)
+    elif storage.tile:
+        amaxes = scaling.tile_amax(value, (storage.tile, storage.tile))
+    else:
+        amaxes = scaling.amax(value)
+    scale = scaling.scale_from_amax(
+        amaxes, dtype, margin=layout.fp8_margin, power_of_2=layout.fp8_power_of_2, previous=previous
+    )
+    full_scale = scaling.expand_scale(scale, tuple(value.shape), storage.tile)
+    return scaling.quantize(value, full_scale, dtype), scale
+
+
+def adam_tensor_step(
+    layout: Layout, tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor
+) -> Result:
+    """One Adam / AdamW update of one tensor; see the module docstring.
+
+    ``noise_key`` (an int64 0-d tensor in ``[0, 2**32)``) drives the stochastic rounding
+    of FP16 weights and masters, as in ``scaling.quantize_stochastic``.
+    """
+    grad = _load(tensors.grad, tensors.grad_scale, layout.grad)
+    if layout.maximize:
+        grad = -grad
+    exp_avg = _load(tensors.exp_avg, tensors.exp_avg_scale, layout.exp_avg)
+    exp_avg_sq = _load(tensors.exp_avg_sq, tensors.exp_avg_sq_scale, layout.exp_avg_sq)
+    if layout.weight is WeightKind.PLAIN:
+        weight = tensors.weight.float()
+    else:
+        weight = scaling.dequantize(tensors.weight, tensors.weight_scale)
+    if layout.decay is Decay.DECOUPLED:
+        weight = weight * scalars.decay
+    elif layout.decay is Decay.L2:
+        grad = grad + scalars.decay * weight
+    # The reference's lerp_, mul_/addcmul_, sqrt/div/add_ and addcdiv_, as expressions.
+    exp_avg = torch.lerp(exp_avg, grad, scalars.lerp_weight)
+    exp_avg_sq = exp_avg_sq * scalars.beta2 + scalars.one_minus_beta2 * grad * grad
+    denom = torch.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
+    weight = weight + scalars.neg_step_size * exp_avg / denom
+    exp_avg_data, exp_avg_scale = _store(exp_avg, layout.exp_avg)
+    exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, layout.exp_avg_sq)
+    fp8_weight = fp8_weight_scale = None
+    if layout.weight is WeightKind.PLAIN:
+        weight_data, weight_scale = weight, None
+    else:
+        weight_scale = scaling.scale_from_amax(
+            scaling.amax(weight), torch.float16, margin=_FP16_WEIGHT_MARGIN, power_of_2=True,
+            previous=tensors.weight_scale,
+        )
+        weight_data = scaling.quantize_stochastic(weight, weight_scale, torch.float16, noise_key)
+        if layout.weight is WeightKind.MASTER:
+            previous = tensors.fp8_weight_scale if layout.fp8_previous_scale else None
+            fp8_weight, fp8_weight_scale = _encode_fp8_weight(weight, previous, layout)
+    return Result(
+        exp_avg_data, exp_avg_scale, exp_avg_sq_data, exp_avg_sq_scale,
+        weight_data, weight_scale, fp8_weight, fp8_weight_scale,
+    )
+
+
+# Inductor otherwise folds ``x.to(float16).float()`` into ``x`` inside a kernel, which
+# would skip the rounding that stochastic rounding brackets.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+StepFunction = Callable[[Tensors, Coefficients, torch.Tensor], Result]
+
+
+class FusedAdam:
+    """``adam_tensor_step`` compiled once per ``Layout`` (``torch.compile``, full graph,
+    dynamic shapes), for one optimizer. ``compile=False`` runs the same function eagerly."""
+
+    def __init__(self, compile: bool = True) -> None:
+        self.compile = compile
+        self._steps: dict[Layout, StepFunction] = {}
+
+    def __call__(self, layout: Layout, tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor) -> Result:
+        """``adam_tensor_step(layout, tensors, scalars, noise_key)``, compiled."""
+        step = self._steps.get(layout)
+        if step is None:
+            step = self._steps[layout] = self._build(layout)
+        return step(tensors, scalars, noise_key)
+
+    def _build(self, layout: Layout) -> StepFunction:
+        def step(tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor) -> Result:
+            return adam_tensor_step(layout, tensors, scalars, noise_key)
+
+        if not self.compile:
+            return step
+        # torch.compile keeps its graphs, and its limit of recompiles, per code object;
+        # a private copy of the code gives every layout of every optimizer its own, so
+        # one optimizer's graphs never push another's past that limit (and back to eager).
+        private = types.FunctionType(
+            step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__
+        )
+        return torch.compile(private, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+
+    @property
+    def layouts(self) -> tuple[Layout, ...]:
+        """The layouts compiled so far."""
+        return tuple(self._steps)
