@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -79,3 +81,18 @@ def load_bench(name: str) -> ModuleType:
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     return _load_script(BENCH / f"{name}.py", f"bench_{name}")
+
+
+def resume_from_checkpoint(
+    build: Callable[[], tuple[nn.Module, Any]], model: nn.Module, optimizer: Any
+) -> tuple[nn.Module, Any]:
+    """A fresh ``build()`` restored from ``model`` and ``optimizer``'s state dicts, saved
+    with ``torch.save`` and read back with ``torch.load(weights_only=True)``."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed_model, resumed_optimizer = build()
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    return resumed_model, resumed_optimizer

@@ -1,4 +1,3 @@
-import io
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
 from amp8.scaling import sqnr
 from amp8.tensor import ScaledTensor
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, resume_from_checkpoint
 
 HYPERPARAMETERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -133,14 +132,7 @@ def test_checkpoint_restores_exactly_and_training_continues_identically(level: s
 
     model, optimizer = build()
     first_half = _train(model, optimizer, batches[:3])
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=True)
-
-    resumed_model, resumed_optimizer = build()
-    resumed_model.load_state_dict(checkpoint["model"])
-    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    resumed_model, resumed_optimizer = resume_from_checkpoint(build, model, optimizer)
     for key, value in model.state_dict().items():
         assert_bitwise_equal(resumed_model.state_dict()[key], value)
     for param, resumed_param in zip(model.parameters(), resumed_model.parameters()):

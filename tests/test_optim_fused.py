@@ -3,7 +3,6 @@ counter-based stochastic rounding both use. Compiles run on the CPU through Indu
 C++ backend; tensors are small and each test compiles one or two graphs."""
 
 import copy
-import io
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from amp8.optim import LowBitAdam
 from amp8.optim import state as state_storage
 from amp8.optim.fused import COMPILE_OPTIONS
 from amp8.scaling import sqnr
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, resume_from_checkpoint
 
 STEPS = 4
 
@@ -230,13 +229,7 @@ def test_fused_checkpoint_resumes_bit_for_bit() -> None:
 
     model, optimizer = build()
     first_half = _train(model, optimizer, batches[:2])
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=True)
-    resumed_model, resumed_optimizer = build()
-    resumed_model.load_state_dict(checkpoint["model"])
-    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    resumed_model, resumed_optimizer = resume_from_checkpoint(build, model, optimizer)
     assert resumed_optimizer.rounding_counter == optimizer.rounding_counter == 2 * 2
     second_half = _train(resumed_model, resumed_optimizer, batches[2:])
     assert first_half + second_half == uninterrupted
