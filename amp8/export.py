@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .nn.linear import Fp8Linear
+from .tensor import local_tensor
 
 
 def export(
@@ -24,6 +25,13 @@ def export(
     masters = getattr(optimizer, "read_weight", None)
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
+            if local_tensor(module.weight) is not module.weight:
+                raise ValueError(
+                    f"{name}.weight is sharded over data-parallel ranks (O3 in a process "
+                    "group); export holds whole weights: export a model initialized in one "
+                    "process and loaded from the checkpoint (torch.distributed.checkpoint "
+                    "reshards it on load)"
+                )
             has_master = optimizer is not None and "master" in optimizer.state.get(module.weight, {})
             real_weights[name] = masters(module.weight) if has_master else module.read_weight()
     exported = copy.deepcopy(model)

@@ -16,12 +16,15 @@ from .recipe import Granularity, Recipe
 from .selection import LayerSelection, resolve_selection
 
 
-def _is_fully_sharded(model: nn.Module) -> bool:
+def _wrapped(model: nn.Module) -> str | None:
+    """The name of the first module (``""``: the model) that DDP, DataParallel or FSDP
+    already wraps, else None."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch built without distributed support
-        return False
-    return isinstance(model, FSDPModule)
+        FSDPModule = ()  # noqa: N806
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FSDPModule)
+    return next((name for name, module in model.named_modules() if isinstance(module, wrappers)), None)
 
 
 def fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
@@ -55,9 +58,12 @@ def initialize(
     Data parallel: called in every process of a ``torch.distributed`` group of more than
     one rank (``process_group``, default the world), it copies rank 0's parameters and
     buffers to all ranks, and the returned optimizer averages every gradient over the
-    ranks in FP8 before each step; at O3 each rank keeps the master weights and moments
-    of its chunk of every FP8 layer's weight. Pass the bare model: amp8 replaces DDP and
-    FSDP for the levels that swap layers (O0 leaves the model to them).
+    ranks in FP8 before each step. At O3 it also applies FSDP2's ``fully_shard`` to every
+    FP8 layer (for its weight) and to the model (for nothing, as FSDP2's root): each rank
+    keeps its rows of the FP8 weights, their master weights and moments, and FSDP2
+    all-gathers the FP8 weights around each layer's forward and backward. Pass the bare
+    model: amp8 does DDP's and FSDP's job at O1-O3 and refuses a model they wrap (O0
+    leaves the model to them).
 
     Raises:
         ValueError: unknown opt level (or an override amp8 cannot store), a model amp8
@@ -68,11 +74,14 @@ def initialize(
     level = resolve_level(opt_level)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or _is_fully_sharded(model):
+    wrapped = _wrapped(model) if level.swaps_layers else None
+    if wrapped is not None:
+        where = "model" if wrapped == "" else f"model.{wrapped}"
         raise TypeError(
-            f"model is wrapped in {type(model).__name__}; pass the bare model: in a process "
-            "group amp8.initialize averages gradients in FP8 itself (and shards O3's "
-            "optimizer state), so DDP and FSDP are not needed at O1-O3"
+            f"{where} is wrapped in {type(model.get_submodule(wrapped)).__name__}; call "
+            "amp8.initialize on the bare model, before any DDP or fully_shard: in a process "
+            "group it averages gradients in FP8 itself, and at O3 it applies fully_shard "
+            "to the FP8 layers' weights itself"
         )
     for device_type in {param.device.type for param in model.parameters()}:
         resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
@@ -113,10 +122,21 @@ def initialize(
     if distributed:
         broadcast_module(model, process_group)
         data_parallel = DataParallel(process_group)
-    new_optimizer = None
-    if optimizer is not None:
-        new_optimizer = LowBitAdam.from_optimizer(optimizer, level, layers, data_parallel=data_parallel)
+    master_weights = {}
     if level.weight is not Precision.FP16:
+        if level.master_weight is not None:
+            master_weights = {layer: layer.read_weight() for layer in layers.values()}
         for layer in layers.values():
             layer.set_weight_storage(level.weight)
+    if distributed and level.shard_optimizer:
+        from .comm.fsdp import shard_weights  # FSDP2 is missing from torch builds without distributed
+
+        shard_weights(model, layers.values(), data_parallel)  # new weight Parameters
+    new_optimizer = None
+    if optimizer is not None:
+        new_optimizer = LowBitAdam.from_optimizer(
+            optimizer, level, fp8_layers(model), data_parallel=data_parallel,
+            replaced={old: layer.weight for old, layer in layers.items()},
+            master_weights={layer.weight: real for layer, real in master_weights.items()},
+        )
     return model, new_optimizer

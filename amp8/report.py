@@ -19,6 +19,7 @@ from .console import default_console
 from .formats import max_value, short_name
 from .nn.linear import Fp8Linear, Slot
 from .nn.swap import high_precision_reason, shared_weight_names
+from .tensor import local_tensor
 from .selection import resolve_selection
 
 FP32_ADAM_BYTES_PER_PARAM = 16
@@ -102,8 +103,9 @@ class PrecisionReport:
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
     None), granularity (the recipe's), scale (None when the weight has several),
     scale_min, scale_max (the range of the weight's FP8 scales), amax, underflow,
-    saturated (FP8 layers' weights only, else None), bytes (weight + gradient + optimizer
-    state, scales included).
+    saturated (FP8 layers' weights only, else None; over this rank's rows of a weight
+    sharded over data-parallel ranks), bytes (what this process stores: weight + gradient
+    + optimizer state, scales included; a sharded weight counts its own rows).
     """
 
     rows: list[dict[str, Any]]
@@ -284,7 +286,7 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
             grad = fp8_layer.weight_grad
             grad_dtype = None if grad is None else grad.dtype
             grad_bytes = fp8_layer.weight_grad_nbytes  # allocated, with or without a gradient
-            weight_bytes = param.nbytes + fp8_layer.weight_scale.nbytes
+            weight_bytes = local_tensor(param).nbytes + fp8_layer.weight_scale.nbytes
             read = getattr(optimizer, "read_weight", None)
             real = read(param) if read is not None else fp8_layer.read_weight()
             stats: dict[str, Any] = _fp8_cast_stats(fp8_layer, real)

@@ -73,3 +73,10 @@ class ScaledTensor:
     def nbytes(self) -> int:
         """Bytes held: the data plus its scales."""
         return self.data.nbytes + self.scale.nbytes
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process stores of ``tensor``: the local shard of a ``DTensor`` (a weight
+    FSDP2 shards over data-parallel ranks), or ``tensor`` itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor

@@ -1,14 +1,18 @@
-"""Bytes on the wire and step time of gradient averaging: FP32 DDP, BF16 DDP, amp8 FP8.
+"""Bytes on the wire and step time of data parallel: FP32 DDP, BF16 DDP, FP32 FSDP2 and
+amp8 (FP8 gradient averaging at O1/O2; at O3 also FSDP2's FP8 weight all-gathers).
 
     python bench/comm.py                    # two CPU processes over gloo on loopback
     python bench/comm.py --width 2048 --steps 20
 
 Each mode trains the same MLP for a few steps on two processes. Bytes per step and rank
 are counted from the tensors each rank hands to collectives, as the collectives'
-algorithms move them (DDP's ring all-reduce: 2 (W-1)/W of each bucket; amp8: see
-amp8.comm.WireStats), and, as a cross-check, read from the loopback interface's transmit
-counter (TCP headers included, both ranks together, and any other loopback traffic on the
-machine). Step time is the median over the timed steps. Results: bench/results/comm-cpu.json.
+algorithms move them (ring all-reduce: 2 (W-1)/W of the buffer; ring reduce-scatter:
+(W-1)/W; all-gather: the shard to each other rank; amp8: see amp8.comm.WireStats), and,
+as a cross-check, read from the loopback interface's transmit counter (TCP headers
+included, both ranks together, and any other loopback traffic on the machine). Step time
+is the median over the timed steps. O3 compares with FP32 FSDP2 (both shard the weights
+and gather them for forward and backward); O1/O2 with DDP. Results:
+bench/results/comm-cpu.json.
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ import torch.multiprocessing as mp
 from rich.table import Table
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import amp8
+from amp8.comm import WireStats
+from amp8.comm.fsdp import ByteAllGather
 from amp8.console import default_console
 from common import write_result
 
 LOOPBACK_TX = Path("/sys/class/net/lo/statistics/tx_bytes")
-MODES = ("fp32_ddp", "bf16_ddp", "amp8_o1", "amp8_o2", "amp8_o3")
+MODES = ("fp32_ddp", "bf16_ddp", "fp32_fsdp", "amp8_o1", "amp8_o2", "amp8_o3")
 
 
 def _loopback_bytes() -> int | None:
@@ -52,6 +60,29 @@ def _counting_hook(compress: bool):
     return hook
 
 
+class _CountingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter, counting what a ring reduce-scatter sends: (W-1)/W of the input."""
+
+    def __init__(self, stats: WireStats) -> None:
+        self.stats = stats
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        world = dist.get_world_size(group)
+        self.stats.add("reduce_scatter", input_tensor.nbytes * (world - 1) // world)
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _fully_shard_fp32(model: nn.Module, stats: WireStats) -> None:
+    """FSDP2 on every Linear and the root, its collectives counted into ``stats``."""
+    for module in [*(m for m in model.modules() if isinstance(m, nn.Linear)), model]:
+        fully_shard(module)
+        module.set_custom_all_gather(ByteAllGather(stats))
+        module.set_custom_reduce_scatter(_CountingReduceScatter(stats))
+
+
 def _worker(rank: int, world: int, folder: str, width: int, steps: int, mode: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store-{mode}", rank=rank, world_size=world)
@@ -59,18 +90,22 @@ def _worker(rank: int, world: int, folder: str, width: int, steps: int, mode: st
     model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(4)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     counter = {"bytes": 0}
+    stats = WireStats()
     if mode.endswith("ddp"):
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
         model.register_comm_hook(counter, _counting_hook(compress=mode == "bf16_ddp"))
+    elif mode == "fp32_fsdp":
+        _fully_shard_fp32(model, stats)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # over the sharded Parameters
     else:
         model, optimizer = amp8.initialize(model, optimizer, opt_level=mode[-2:].upper())
+        stats = optimizer.data_parallel.stats
     times, wire_before = [], None
     for step in range(steps + 2):
         if step == 2:  # two warm-up steps
             dist.barrier()
             counter["bytes"] = 0
-            if not mode.endswith("ddp"):
-                optimizer.data_parallel.stats.bytes_by_kind.clear()
+            stats.bytes_by_kind.clear()
             wire_before = _loopback_bytes()
         x = torch.randn(32, width, generator=torch.Generator().manual_seed(step * world + rank))
         start = time.perf_counter()
@@ -81,9 +116,11 @@ def _worker(rank: int, world: int, folder: str, width: int, steps: int, mode: st
             times.append(time.perf_counter() - start)
     dist.barrier()
     wire_after = _loopback_bytes()
-    sent = counter["bytes"] if mode.endswith("ddp") else optimizer.data_parallel.stats.total
+    sent = counter["bytes"] if mode.endswith("ddp") else stats.total
+    by_kind = {"all_reduce": counter["bytes"]} if mode.endswith("ddp") else stats.bytes_by_kind
     result = {
         "bytes_per_step": sent / steps,
+        "bytes_per_step_by_collective": {kind: count / steps for kind, count in by_kind.items()},
         "loopback_bytes_per_step": None if wire_before is None else (wire_after - wire_before) / steps,
         "step_ms": 1e3 * statistics.median(times),
         "params": sum(p.numel() for p in model.parameters()),
@@ -104,18 +141,23 @@ def main() -> None:
             mp.start_processes(_worker, args=(world, folder, args.width, args.steps, mode), nprocs=world,
                                start_method="spawn")
             results[mode] = torch.load(os.path.join(folder, f"{mode}-0.pt"))
-    base = results["fp32_ddp"]
+    base, base_fsdp = results["fp32_ddp"], results["fp32_fsdp"]
     table = Table(title=f"gradient averaging, {world} CPU processes over gloo, {base['params']:,} parameters")
-    for column in ("mode", "bytes/step/rank", "vs FP32 DDP", "vs BF16 DDP", "loopback bytes/step", "step ms", "time vs FP32 DDP"):
+    columns = ("mode", "bytes/step/rank", "vs FP32 DDP", "vs BF16 DDP", "vs FP32 FSDP2",
+               "loopback bytes/step", "step ms", "time vs FP32 DDP", "time vs FP32 FSDP2")
+    for column in columns:
         table.add_column(column, justify="right")
     for mode, row in results.items():
         row["bytes_vs_fp32_ddp"] = row["bytes_per_step"] / base["bytes_per_step"]
         row["bytes_vs_bf16_ddp"] = row["bytes_per_step"] / results["bf16_ddp"]["bytes_per_step"]
+        row["bytes_vs_fp32_fsdp"] = row["bytes_per_step"] / base_fsdp["bytes_per_step"]
         row["time_vs_fp32_ddp"] = row["step_ms"] / base["step_ms"]
+        row["time_vs_fp32_fsdp"] = row["step_ms"] / base_fsdp["step_ms"]
         loopback = row["loopback_bytes_per_step"]
         table.add_row(mode, f"{row['bytes_per_step']:,.0f}", f"{row['bytes_vs_fp32_ddp']:.3f}x",
-                      f"{row['bytes_vs_bf16_ddp']:.3f}x", "-" if loopback is None else f"{loopback:,.0f}",
-                      f"{row['step_ms']:.1f}", f"{row['time_vs_fp32_ddp']:.2f}x")
+                      f"{row['bytes_vs_bf16_ddp']:.3f}x", f"{row['bytes_vs_fp32_fsdp']:.3f}x",
+                      "-" if loopback is None else f"{loopback:,.0f}",
+                      f"{row['step_ms']:.1f}", f"{row['time_vs_fp32_ddp']:.2f}x", f"{row['time_vs_fp32_fsdp']:.2f}x")
     default_console().print(table)
     print(f"wrote {write_result('comm', torch.device('cpu'), {'world': world, 'width': args.width, 'modes': results})}")
 

@@ -1,13 +1,14 @@
 """Data-parallel training at any opt level, with FP8 gradients on the wire.
 
     torchrun --nproc_per_node 2 examples/ddp.py --opt-level O2      # CPU (gloo) or GPUs (NCCL)
-    torchrun --nproc_per_node 2 examples/ddp.py --opt-level O3      # shards O3's optimizer state
+    torchrun --nproc_per_node 2 examples/ddp.py --opt-level O3      # FP8 weights sharded by FSDP2
 
 Each rank trains the same MLP regressor on its own slice of every batch. amp8.initialize,
 called in every process after init_process_group, copies rank 0's weights to all ranks
-and returns an optimizer that averages gradients over the ranks in FP8 (at O3 it also
-keeps only this rank's chunk of the master weights and moments). Do not wrap the model
-in DDP or FSDP: amp8 does their job at O1-O3. Every rank prints its precision report.
+and returns an optimizer that averages gradients over the ranks in FP8. At O3 it applies
+FSDP2's fully_shard itself: each rank keeps only its rows of the FP8 weights and of their
+master weights and moments. Do not wrap the model in DDP or fully_shard: amp8 does their
+job at O1-O3. Every rank prints its precision report (its own rows at O3).
 """
 
 from __future__ import annotations

@@ -41,3 +41,22 @@ def run(fn: Callable[..., Any], folder: Path, *args: Any, world: int = 2) -> lis
                 process.kill()
             raise TimeoutError(f"{fn.__name__} did not finish in {TIMEOUT_S} s")
     return [torch.load(folder / f"result-{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every DTensor (a weight sharded over the ranks) gathered
+    whole on every rank, moved as bytes (gloo has no FP8 dtype); call it on every rank."""
+    state = {}
+    for key, value in model.state_dict().items():
+        to_local = getattr(value, "to_local", None)
+        if to_local is not None:
+            local = to_local()
+            world = dist.get_world_size()
+            rows = -(-value.shape[0] // world)
+            padded = local.new_zeros((rows, *value.shape[1:]))
+            padded[: local.shape[0]] = local
+            pieces = [torch.empty_like(padded.view(torch.uint8)) for _ in range(world)]
+            dist.all_gather(pieces, padded.view(torch.uint8))
+            value = torch.cat(pieces)[: value.shape[0]].view(local.dtype)
+        state[key] = value.detach().clone()
+    return state

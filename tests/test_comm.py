@@ -25,6 +25,22 @@ def test_layout_pack_unpack_round_trip(numels: tuple[int, ...], world: int) -> N
         assert torch.equal(row0[: end - start], flat[start:end])
 
 
+@pytest.mark.parametrize("rows", [(5, 7), (1, 3), (3, 16), (9, 1)])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_row_layout_gives_each_rank_the_rows_fully_shard_gives_it(rows: tuple[int, int], world: int) -> None:
+    """Whole rows per rank, as ``torch.chunk`` along dim 0 (FSDP2's sharding) cuts them,
+    empty chunks included when there are fewer rows than ranks."""
+    weight = torch.randn(rows)
+    layout = ShardLayout((weight.numel(), 5), world, (rows[1], 1))
+    chunks = list(torch.chunk(weight, world, dim=0))
+    chunks += [weight[:0]] * (world - len(chunks))
+    for rank, chunk in enumerate(chunks):
+        start, end = layout.shard_range(0, rank)
+        assert torch.equal(weight.flatten()[start:end], chunk.flatten())
+    packed = layout.pack([weight.flatten(), torch.randn(5)])
+    assert torch.equal(layout.unpack(packed)[0], weight.flatten())
+
+
 def _reduce(rank: int, world: int) -> dict:
     generator = torch.Generator().manual_seed(rank)
     # Rank-dependent magnitudes: rank 1's values are 1000x larger.

@@ -7,6 +7,7 @@ from torch import nn
 
 import amp8
 import multiprocess
+from torch.distributed.fsdp import fully_shard
 from amp8.scaling import sqnr
 
 
@@ -51,10 +52,32 @@ def _levels(rank: int, world: int) -> dict:
         optimizer.data_parallel.stats.bytes_by_kind.clear()
         _train(model, optimizer, 5, rank, world)
         results[level] = {
-            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "state": multiprocess.full_state(model),
             "bytes_per_step": optimizer.data_parallel.stats.total / 5,
+            "bytes_by_kind": {k: v / 5 for k, v in optimizer.data_parallel.stats.bytes_by_kind.items()},
             "report": amp8.report(model, optimizer).to_dict(),
+            "weights": {
+                name: {
+                    "type": type(layer.weight).__name__,
+                    "placements": str(getattr(layer.weight, "placements", None)),
+                    "local_shape": tuple(getattr(layer.weight, "to_local", lambda: layer.weight)().shape),
+                    "master_numel": optimizer.state[layer.weight].get("master", torch.empty(0)).numel(),
+                    "exp_avg_numel": optimizer.state[layer.weight]["exp_avg"].numel(),
+                }
+                for name, layer in model.named_modules() if isinstance(layer, amp8.nn.Fp8Linear)
+            },
         }
+        if level == "O3":
+            try:
+                amp8.export(model, optimizer)
+            except ValueError as error:
+                results["export_error"] = str(error)
+    sharded_first = _model()
+    fully_shard(sharded_first)
+    try:
+        amp8.initialize(sharded_first, torch.optim.AdamW(sharded_first.parameters()), "O3")
+    except TypeError as error:
+        results["wrong_order_error"] = str(error)
     try:
         amp8.initialize(_model(), None, "O3", recipe=amp8.Recipe(granularity="rowwise"))
     except ValueError as error:
@@ -80,14 +103,19 @@ def _levels(rank: int, world: int) -> dict:
     return results
 
 
+def _held_weights(model: nn.Module) -> torch.Tensor:
+    """Every parameter's real values as the model holds them (FP16 or FP8 weights), flat."""
+    held = {id(m.weight): m.read_weight() for m in model.modules() if isinstance(m, amp8.nn.Fp8Linear)}
+    return torch.cat([held.get(id(p), p.detach().float()).flatten() for p in model.parameters()])
+
+
 def _single_process_reference() -> dict:
     results = {}
-    for level in ("O0", "O2"):
+    for level in ("O0", "O2", "O3"):
         model = _model()
         model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
         losses = _train(model, optimizer, 5, 0, 1)
-        read = getattr(optimizer, "read_weight", lambda p: p.detach().float())
-        results[level] = {"losses": losses, "weights": torch.cat([read(p).flatten() for p in model.parameters()])}
+        results[level] = {"losses": losses, "weights": _held_weights(model)}
     return results
 
 
@@ -107,19 +135,26 @@ def test_ranks_hold_identical_parameters(two_rank_results, level: str) -> None:
         assert torch.equal(a, b), f"{level}: {key} differs between ranks"
 
 
-def test_two_ranks_track_one_process_on_the_concatenated_batch(two_rank_results) -> None:
-    """Two ranks at O2 against one process at O2 and at O0 on the same 32-sample batches:
-    the weights after 5 steps stay as close to the one-process O2 run as FP8 noise allows
-    (SQNR of the weights, floor 25 dB)."""
-    reference = _single_process_reference()
+@pytest.fixture(scope="module")
+def single_process_reference() -> dict:
+    return _single_process_reference()
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_two_ranks_track_one_process_on_the_concatenated_batch(
+    two_rank_results, single_process_reference, level: str
+) -> None:
+    """Two ranks against one process at the same level and at O0 on the same 32-sample
+    batches: the weights after 5 steps stay as close to the one-process run as FP8 noise
+    allows (SQNR of the weights, floor 25 dB; at O3 the FP8 weights the model holds)."""
     model = _model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
-    model.load_state_dict(two_rank_results[0]["O2"]["state"])
-    two_rank = torch.cat([optimizer.read_weight(p).flatten() for p in model.parameters()])
-    one_process = sqnr(reference["O2"]["weights"], two_rank)
-    assert one_process >= 25.0, f"two ranks vs one process at O2: {one_process:.1f} dB"
-    fp32 = sqnr(reference["O0"]["weights"], two_rank)
-    assert fp32 >= 25.0, f"two ranks at O2 vs one process at O0: {fp32:.1f} dB"
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    model.load_state_dict(two_rank_results[0][level]["state"])
+    two_rank = _held_weights(model)
+    one_process = sqnr(single_process_reference[level]["weights"], two_rank)
+    assert one_process >= 25.0, f"two ranks vs one process at {level}: {one_process:.1f} dB"
+    fp32 = sqnr(single_process_reference["O0"]["weights"], two_rank)
+    assert fp32 >= 25.0, f"two ranks at {level} vs one process at O0: {fp32:.1f} dB"
 
 
 def test_nan_on_one_rank_makes_every_rank_skip(two_rank_results) -> None:
@@ -127,12 +162,48 @@ def test_nan_on_one_rank_makes_every_rank_skip(two_rank_results) -> None:
         assert result["nan"] == {"skipped": 1, "unchanged": True}
 
 
-def test_o3_shards_master_weights_and_moments(two_rank_results) -> None:
-    report = two_rank_results[0]["O3"]["report"]
+def test_o3_shards_weights_master_weights_and_moments(two_rank_results) -> None:
+    """Each rank holds its rows of every FP8 weight (an FSDP2 DTensor) and the master
+    weights and moments of those rows; per-rank bytes: 1/N weight + 1 FP8 gradient buffer
+    + (2 + 1 + 2)/N optimizer state, within the 1 + 1 + 5/N contract."""
     world = 2
-    assert report["fp8_bytes_per_param"] <= 1 + 1 + 5 / world + 0.02
-    row = report["rows"][0]
-    assert (row["weight"], row["master"], row["exp_avg"]) == ("float8_e4m3fn", "float16", "float8_e4m3fn")
+    for result in two_rank_results:
+        for name, weight in result["O3"]["weights"].items():
+            rows, columns = result["O3"]["state"][f"{name}.weight"].shape
+            assert weight["type"] == "DTensor" and weight["placements"] == "(Shard(dim=0),)", name
+            assert weight["local_shape"] == (rows // world, columns), name
+            assert weight["master_numel"] == weight["exp_avg_numel"] == rows * columns // world, name
+        report = result["O3"]["report"]
+        assert report["fp8_bytes_per_param"] <= 1 + 1 + 5 / world + 0.02
+        row = report["rows"][0]
+        assert (row["weight"], row["master"], row["exp_avg"]) == ("float8_e4m3fn", "float16", "float8_e4m3fn")
+        numel = row["numel"]
+        expected = numel // world * (1 + 2 + 1 + 2) + numel + 4 * 5 + 4  # data + 5 scales + step
+        assert row["bytes"] == expected
+
+
+def test_o3_gathers_fp8_weights_and_reduce_scatters_fp8_gradients(two_rank_results) -> None:
+    """Per step and rank at O3: FSDP2 all-gathers each FP8 weight for forward and again
+    for backward (1 byte per element, half of each weight sent), the gradients of the
+    sharded weights go out in one FP8 all-to-all, and the replicated parameters' FP8
+    all-reduce adds its all-gather."""
+    model = _model()
+    fp8_numel = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    other_numel = sum(p.numel() for p in model.parameters()) - fp8_numel
+    sent = two_rank_results[0]["O3"]["bytes_by_kind"]
+    weight_gathers = 2 * fp8_numel // 2
+    replicated_gather = other_numel // 2
+    assert weight_gathers <= sent["all_gather"] <= weight_gathers + replicated_gather + 64, sent
+    assert sent["all_to_all"] <= (fp8_numel + other_numel) // 2 + 64, sent
+
+
+def test_fully_sharded_model_is_refused_with_the_order_to_follow(two_rank_results) -> None:
+    message = two_rank_results[0]["wrong_order_error"]
+    assert "model is wrapped in FSDPSequential" in message and "before any DDP or fully_shard" in message
+
+
+def test_export_of_sharded_weights_says_how_to_get_whole_ones(two_rank_results) -> None:
+    assert "sharded over data-parallel ranks" in two_rank_results[0]["export_error"]
 
 
 def test_fp8_reduction_moves_about_a_quarter_of_fp32_bytes(two_rank_results) -> None:
@@ -145,9 +216,12 @@ def test_fp8_reduction_moves_about_a_quarter_of_fp32_bytes(two_rank_results) -> 
     assert sent <= 0.27 * fp32_ddp, f"{sent} bytes vs FP32 DDP {fp32_ddp}"
 
 
+DELAYED = amp8.Recipe(scaling="delayed", amax_history_len=4)
+
+
 def _build_o3():
     model = _model()
-    return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O3")
+    return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O3", recipe=DELAYED)
 
 
 def _checkpoint_o3(rank: int, world: int, folder: str) -> dict:
@@ -158,6 +232,7 @@ def _checkpoint_o3(rank: int, world: int, folder: str) -> dict:
         return {"model": m.state_dict(), "optimizer": {f"rank{rank}": o.state_dict()}}
 
     dcp.save(state(model, optimizer), checkpoint_id=f"{folder}/o3")
+    saved = multiprocess.full_state(model)
     uninterrupted = _train(model, optimizer, 3, rank, world, start=3)
     resumed_model, resumed_optimizer = _build_o3()
     target = state(resumed_model, resumed_optimizer)
@@ -166,14 +241,30 @@ def _checkpoint_o3(rank: int, world: int, folder: str) -> dict:
     resumed_optimizer.load_state_dict(target["optimizer"][f"rank{rank}"])
     resumed = _train(resumed_model, resumed_optimizer, 3, rank, world, start=3)
     master = resumed_optimizer.state[resumed_model[0].weight]["master"]
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "master_numel": master.numel()}
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "master_numel": master.numel(), "saved": saved}
 
 
 def test_sharded_o3_checkpoint_resumes_identically(tmp_path) -> None:
+    """O3 under delayed scaling: every rank's amax histories agree (one all-reduce per step),
+    so the checkpoint's one copy of them resumes every rank exactly."""
     results = multiprocess.run(_checkpoint_o3, tmp_path, str(tmp_path))
+    for key in (k for k in results[0]["saved"] if k.endswith((".scale", ".amax_history"))):
+        assert torch.equal(results[0]["saved"][key], results[1]["saved"][key]), key
     for result in results:
         assert result["resumed"] == result["uninterrupted"]
         assert result["master_numel"] == 64 * 32 // 2, "each rank keeps half of the master weight"
+    # The sharded checkpoint loads whole into a model in one process (no process group).
+    model, _ = amp8.initialize(_model(), None, "O3", recipe=DELAYED)
+    target = {"model": model.state_dict()}
+    dcp.load(target, checkpoint_id=f"{tmp_path}/o3")
+    model.load_state_dict(target["model"])
+    for key, value in model.state_dict().items():
+        saved = results[0]["saved"][key]
+        if value.element_size() == 1:
+            value, saved = value.view(torch.uint8), saved.view(torch.uint8)
+        assert torch.equal(value, saved), key
+    exported = amp8.export(model)
+    torch.testing.assert_close(exported[0].weight, model[0].read_weight(), atol=0, rtol=0)
 
 
 def _overlap(rank: int, world: int) -> dict:
@@ -196,7 +287,7 @@ def _overlap(rank: int, world: int) -> dict:
                     started_during_backward.append(optimizer._buckets.started)
                 optimizer.step()
             results[(overlap, level)] = {
-                "state": {k: v.clone() for k, v in model.state_dict().items() if not k.endswith((".scale", ".amax_history"))},
+                "state": {k: v for k, v in multiprocess.full_state(model).items() if not k.endswith((".scale", ".amax_history"))},
                 "started": started_during_backward,
             }
     return results

@@ -98,9 +98,18 @@ def test_scheduler_built_before_initialize() -> None:
         amp8.initialize(model, optimizer)
 
 
-def test_wrapped_model_is_rejected() -> None:
-    with pytest.raises(TypeError, match="pass the bare model"):
-        amp8.initialize(nn.DataParallel(_model()))
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_wrapped_model_is_rejected(level: str) -> None:
+    with pytest.raises(TypeError, match="model is wrapped in DataParallel; call amp8.initialize on the bare model"):
+        amp8.initialize(nn.DataParallel(_model()), opt_level=level)
+    inner = nn.Sequential(nn.DataParallel(_model()))
+    with pytest.raises(TypeError, match=r"model\.0 is wrapped in DataParallel.*before any DDP or fully_shard"):
+        amp8.initialize(inner, opt_level=level)
+
+
+def test_o0_leaves_a_wrapped_model_alone() -> None:
+    wrapped = nn.DataParallel(_model())
+    assert amp8.initialize(wrapped, opt_level="O0")[0] is wrapped
 
 
 def test_not_a_module() -> None:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, row_size
 from .fp8_collectives import PendingReduceScatter, fp8_all_gather, start_reduce_scatter_mean
 
 GradientOf = Callable[[nn.Parameter], "torch.Tensor | None"]
@@ -110,8 +110,10 @@ class GradientBuckets:
         return grad.flatten()
 
     def _start(self, bucket: _Bucket) -> None:
+        # A sharded weight's chunks are whole rows: the rows its FSDP2 shard holds.
+        rows = tuple(row_size(p.shape) for p in bucket.params) if bucket.sharded else None
         bucket.pending = start_reduce_scatter_mean(
-            [self._flat(p) for p in bucket.params], self.data_parallel.group, self.data_parallel.stats
+            [self._flat(p) for p in bucket.params], self.data_parallel.group, self.data_parallel.stats, rows
         )
 
     def reset(self) -> None:

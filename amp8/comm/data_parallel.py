@@ -1,16 +1,17 @@
 """Data parallelism for amp8 models: FP8 gradient averaging and O3's sharded state.
 
-amp8 does not wrap the model (DDP's reducer reads ``param.grad``, and the weight
+amp8 does not wrap the model in DDP (its reducer reads ``param.grad``, and the weight
 gradients of FP8 layers live on the layers in FP8). ``initialize`` in a process group of
 more than one rank broadcasts rank 0's parameters and buffers, and gives the optimizer a
 ``DataParallel``; the optimizer's ``GradientBuckets`` average every gradient over the
-ranks with FP8 on the wire (for O3's sharded weights, a reduce-scatter: each rank gets the
-mean of the chunk whose master weights and moments it owns), and after the step the
-optimizer all-gathers the FP8 weights through ``all_gather_chunks``.
+ranks with FP8 on the wire. At O3 the FP8 weights are sharded by FSDP2 (``fsdp.py``), and
+their gradients are reduce-scattered: each rank gets the mean of the rows whose FP8
+weights, master weights and moments it holds.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,11 @@ from torch import nn
 
 from .fp8_collectives import WireStats
 from .layout import ShardLayout
+
+
+def row_size(shape: torch.Size | tuple[int, ...]) -> int:
+    """Elements per row (dim 0) of a tensor of ``shape``, the unit a shard holds whole."""
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
 def process_group_size(group: dist.ProcessGroup | None = None) -> int:
@@ -70,21 +76,6 @@ class DataParallel:
         """True on every rank when ``flag`` is True on any rank."""
         return self.present_anywhere([flag])[0]
 
-    def all_gather_chunks(self, chunks: list[torch.Tensor], numels: list[int]) -> list[torch.Tensor]:
-        """Full flat tensors from every rank's chunk, moved as raw bytes (FP8 chunks stay
-        the same bytes), identical on all ranks. ``chunks[i]`` is this rank's
-        ``shard_range`` of tensor ``i`` of ``numels[i]`` elements."""
-        layout = ShardLayout(tuple(numels), self.world)
-        dtype = chunks[0].dtype
-        row = torch.cat([
-            torch.cat([chunk.view(torch.uint8), chunk.new_zeros(size - chunk.numel()).view(torch.uint8)])
-            for chunk, size in zip(chunks, layout.chunks)
-        ])
-        gathered = [torch.empty_like(row) for _ in range(self.world)]
-        dist.all_gather(gathered, row, group=self.group)
-        self.stats.add("all_gather", row.nbytes * (self.world - 1))
-        return [flat.view(dtype) for flat in layout.unpack(torch.stack(gathered))]
-
     def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         """Elementwise max of ``values`` over ranks (float32 on the wire: 4 bytes each)."""
         values = values.float().clone()
@@ -92,6 +83,8 @@ class DataParallel:
         self.stats.add("all_reduce", 2 * values.nbytes * (self.world - 1) // self.world)
         return values
 
-    def shard_range(self, numel: int) -> tuple[int, int]:
-        """``[start, end)`` of this rank's chunk of a tensor of ``numel`` elements."""
-        return ShardLayout((numel,), self.world).shard_range(0, self.rank)
+    def shard_range(self, shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+        """``[start, end)`` of the flat elements of this rank's rows of a tensor of
+        ``shape``: the rows FSDP2 gives this rank."""
+        layout = ShardLayout((math.prod(shape),), self.world, (row_size(shape),))
+        return layout.shard_range(0, self.rank)

@@ -93,10 +93,12 @@ def start_reduce_scatter_mean(
     flats: list[torch.Tensor],
     group: dist.ProcessGroup | None = None,
     stats: WireStats | None = None,
+    row_sizes: tuple[int, ...] | None = None,
 ) -> PendingReduceScatter:
-    """Cast ``flats`` to per-piece-scaled E4M3 and start the all-to-all (asynchronous)."""
+    """Cast ``flats`` to per-piece-scaled E4M3 and start the all-to-all (asynchronous);
+    ``row_sizes`` keeps each rank's chunk to whole rows (see ``ShardLayout``)."""
     world = dist.get_world_size(group)
-    layout = ShardLayout(tuple(flat.numel() for flat in flats), world)
+    layout = ShardLayout(tuple(flat.numel() for flat in flats), world, row_sizes)
     data, scales = _quantize_pieces(layout.pack([flat.float() for flat in flats]), layout)
     received_data = torch.empty_like(_byte_view(data))
     received_scales = torch.empty_like(scales)

@@ -1,8 +1,10 @@
 """How a list of flat tensors is cut into one chunk per rank and packed for collectives.
 
-Tensor ``t`` of ``numel`` elements is zero-padded to ``world * chunk_t`` elements, with
-``chunk_t = ceil(numel / world)``; rank ``r`` owns elements ``[r * chunk_t, (r + 1) *
-chunk_t)``. Packed, the tensors form a ``(world, columns)`` matrix whose row ``r`` holds
+Tensor ``t`` of ``numel`` elements in rows of ``row_t`` elements is zero-padded to ``world
+* chunk_t`` elements, with ``chunk_t = ceil(numel / (world * row_t)) * row_t``; rank ``r``
+owns elements ``[r * chunk_t, (r + 1) * chunk_t)``. Rows of one element cut a tensor as
+evenly as it goes; rows of a weight's ``in_features`` give each rank the rows FSDP2's
+``fully_shard`` gives it (``torch.chunk`` along dim 0). Packed, the tensors form a ``(world, columns)`` matrix whose row ``r`` holds
 rank ``r``'s chunk of every tensor side by side, so one all-to-all moves every chunk to
 its owner and one all-gather brings every owner's chunk back.
 """
@@ -16,15 +18,18 @@ import torch
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Chunking of tensors with ``numels`` elements over ``world`` ranks."""
+    """Chunking of tensors with ``numels`` elements over ``world`` ranks, whole rows of
+    ``row_sizes`` elements per chunk (one element per row when None)."""
 
     numels: tuple[int, ...]
     world: int
+    row_sizes: tuple[int, ...] | None = None
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        """Elements of each tensor per rank (the last rank's chunk may be padding)."""
-        return tuple(-(-numel // self.world) for numel in self.numels)
+        """Elements of each tensor per rank (the last ranks' chunks may be padding)."""
+        rows = self.row_sizes or (1,) * len(self.numels)
+        return tuple(-(-numel // (self.world * row)) * row for numel, row in zip(self.numels, rows))
 
     @property
     def offsets(self) -> tuple[int, ...]:

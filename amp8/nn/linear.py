@@ -23,7 +23,7 @@ from ..formats import E4M3, forward_dtype, gradient_dtype
 from ..gemm import GemmRole, fp8_gemm
 from ..levels import Precision
 from ..recipe import Granularity, Recipe, Scaling
-from ..tensor import ScaledTensor
+from ..tensor import ScaledTensor, local_tensor
 
 _WEIGHT_STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
 # Headroom of one binade above the FP16 weight's amax, so growth between rescales fits.
@@ -135,11 +135,12 @@ class Fp8Linear(nn.Module):
         return self.recipe.block_size if self.recipe.granularity is Granularity.BLOCK else 0
 
     def read_weight(self) -> torch.Tensor:
-        """The weight's real values in float32."""
+        """The weight's real values in float32 (this rank's rows, outside forward and
+        backward, when FSDP2 shards the weight: see ``amp8.comm.fsdp``)."""
         return self._stored_weight().dequantize()
 
     def _stored_weight(self) -> ScaledTensor:
-        return ScaledTensor(self.weight.detach(), self.weight_scale, self.block_size)
+        return ScaledTensor(local_tensor(self.weight).detach(), self.weight_scale, self.block_size)
 
     def weight_tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
@@ -185,11 +186,12 @@ class Fp8Linear(nn.Module):
 
     def store_weight(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Store already encoded weight ``data`` and its ``scale`` (as ``encode_weight``
-        returns them), in place, and drop the FP8 casts cached from the old weight."""
+        returns them), in place, and drop the FP8 casts cached from the old weight. For a
+        weight FSDP2 shards, ``data`` is this rank's rows."""
         self.drop_weight_cache()
         with torch.no_grad():
             if self.weight.dtype == data.dtype:
-                self.weight.copy_(data)
+                local_tensor(self.weight).copy_(data)
             else:
                 self.weight.data = data
             if self.weight_scale.shape == scale.shape:
@@ -449,7 +451,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         else:
             x8 = layer.cast(Slot.INPUT, x2)
             y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), out_dtype, GemmRole.FPROP)
-        if bias is not None:
+        y = y.view(*x.shape[:-1], layer.out_features)
+        if bias is not None:  # the sum is a new tensor, not a view (FSDP2 warns of views)
             y = y + bias.to(out_dtype)
         if high_wgrad or not tensorwise:
             wgrad_input = x2
@@ -461,7 +464,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.w8_dgrad = w8_dgrad
         ctx.wgrad_input = wgrad_input
-        return y.reshape(*x.shape[:-1], layer.out_features)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

@@ -16,8 +16,9 @@ round alike and a checkpoint resumes the same noise from ``(seed, n)``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ from .. import noise, scaling
 from ..formats import E4M3
 from ..levels import O1, OptLevel, Precision
 from ..nn.linear import Fp8Linear
+from ..recipe import Scaling
+from ..tensor import local_tensor
 from ..comm.buckets import GradientBuckets
 from ..comm.data_parallel import DataParallel
 from . import fused as fused_step
@@ -53,7 +56,8 @@ class LowBitAdam(torch.optim.Optimizer):
             ``state_dict`` with the count of draws so far).
         data_parallel: the process group to average gradients over in FP8; at a level
             that shards the optimizer (O3), each rank keeps the master weights and moments
-            of one chunk of every FP8 layer's weight.
+            of its rows of every FP8 layer's weight, whose FP8 data FSDP2 must already
+            shard (``amp8.comm.fsdp.shard_weights``; ``amp8.initialize`` does it).
         overlap_communication: in data parallel, start each bucket's FP8 all-to-all
             during backward, as soon as its gradients are final (else all at ``step``).
         fused: run each tensor's update as one ``torch.compile``d function
@@ -62,6 +66,9 @@ class LowBitAdam(torch.optim.Optimizer):
             not apply (the chunks of weights sharded over data-parallel ranks), those
             tensors take the reference step. Both round with the same noise; they agree
             up to the compiler's reordering of float32 arithmetic.
+        master_weights: ``{weight Parameter: full float32 weight}`` to take O3's master
+            weights from, where the layers already store less precise FP8 weights
+            (default: each layer's stored weight).
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class LowBitAdam(torch.optim.Optimizer):
         data_parallel: DataParallel | None = None,
         overlap_communication: bool = True,
         fused: bool | None = None,
+        master_weights: Mapping[nn.Parameter, torch.Tensor] | None = None,
     ) -> None:
         check_state_precision(level)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -105,11 +113,20 @@ class LowBitAdam(torch.optim.Optimizer):
         self.data_parallel = data_parallel
         self._shard_grads: dict[nn.Parameter, torch.Tensor] = {}
         self._synchronized = False
+        unsharded = [p for p in self.fp8_layers if self._is_sharded(p) and not _is_dtensor(p)]
+        if unsharded:
+            raise ValueError(
+                f"opt level {level.name} in data parallel keeps each rank's rows of the FP8 "
+                f"weights, but an FP8 layer's weight of shape {tuple(unsharded[0].shape)} is "
+                "not sharded; let amp8.initialize build the optimizer, or shard the weights "
+                "with amp8.comm.fsdp.shard_weights first"
+            )
         # State is complete from the start, so a fresh optimizer's state_dict has the
         # structure a checkpoint loads into (torch.distributed.checkpoint needs that).
+        master_weights = master_weights or {}
         for group in self.param_groups:
             for param in group["params"]:
-                self._init_state(param)
+                self._init_state(param, master_weights.get(param))
         self._buckets: GradientBuckets | None = None
         self._hook_handles: list[Any] = []
         if data_parallel is not None:
@@ -127,7 +144,10 @@ class LowBitAdam(torch.optim.Optimizer):
         for param in params:
             layer = self.fp8_layers.get(param)
             if layer is not None:
-                self._hook_handles.append(layer.register_weight_grad_hook(buckets.grad_ready))  # type: ignore[union-attr]
+                # The hook gets the layer's weight as it is in backward: under FSDP2 the
+                # gathered Parameter, not the sharded one the buckets know.
+                hook = functools.partial(_ready, buckets.grad_ready, param)  # type: ignore[union-attr]
+                self._hook_handles.append(layer.register_weight_grad_hook(hook))
             else:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(buckets.grad_ready))  # type: ignore[union-attr]
 
@@ -136,12 +156,14 @@ class LowBitAdam(torch.optim.Optimizer):
         the last: they start no communication (as ``DistributedDataParallel.no_sync``)."""
         return self._buckets.paused() if self._buckets is not None else contextlib.nullcontext()
 
-    def _init_state(self, param: nn.Parameter) -> None:
-        """Step 0, zero moments at the level's precisions, and the master weight."""
+    def _init_state(self, param: nn.Parameter, master_weight: torch.Tensor | None = None) -> None:
+        """Step 0, zero moments at the level's precisions, and the master weight (from
+        ``master_weight``, else from the layer)."""
         param_state = self.state[param]
         layer = self.fp8_layers.get(param)
         if layer is not None and self.level.master_weight is not None:
-            self._store_master(param_state, self._own_chunk(param, layer.read_weight()))
+            real = master_weight if master_weight is not None else layer.read_weight()
+            self._store_master(param_state, self._own_chunk(param, real))
         shape_source = param_state.get(_MASTER, param)
         param_state["step"] = torch.zeros((), dtype=torch.float32)
         for key in _MOMENTS:
@@ -158,10 +180,14 @@ class LowBitAdam(torch.optim.Optimizer):
         return self.sharded and param in self.fp8_layers
 
     def _own_chunk(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
-        """The part of ``value`` (shaped like ``param``) whose state this rank keeps."""
+        """The part of ``value`` whose state this rank keeps: all of it, or for a sharded
+        weight this rank's rows, flat. ``value`` is shaped like ``param``, or is already
+        this rank's rows (what a sharded layer's ``read_weight`` returns)."""
         if not self._is_sharded(param):
             return value
-        start, end = self.data_parallel.shard_range(value.numel())  # type: ignore[union-attr]
+        if value.shape != param.shape:
+            return value.flatten()
+        start, end = self.data_parallel.shard_range(param.shape)  # type: ignore[union-attr]
         return value.flatten()[start:end]
 
     @classmethod
@@ -170,10 +196,13 @@ class LowBitAdam(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         level: OptLevel,
         fp8_layers: Mapping[nn.Parameter, Fp8Linear],
+        replaced: Mapping[nn.Parameter, nn.Parameter] | None = None,
         **options: Any,
     ) -> "LowBitAdam":
         """The low-bit equivalent of a ``torch.optim.Adam`` or ``AdamW``: same param
-        groups, same hyperparameters. ``options`` go to the constructor.
+        groups (with each Parameter that ``replaced`` maps swapped for its replacement,
+        such as the sharded weights FSDP2 puts in place), same hyperparameters.
+        ``options`` go to the constructor.
 
         Raises:
             TypeError: for any other optimizer class.
@@ -185,6 +214,7 @@ class LowBitAdam(torch.optim.Optimizer):
         groups = []
         for group in optimizer.param_groups:
             copied = {key: value for key, value in group.items() if key not in _TORCH_ONLY_KEYS}
+            copied["params"] = [(replaced or {}).get(param, param) for param in group["params"]]
             copied.setdefault("decoupled_weight_decay", decoupled)
             groups.append(copied)
         defaults = optimizer.defaults
@@ -265,7 +295,26 @@ class LowBitAdam(torch.optim.Optimizer):
         for param, chunk in chunks.items():
             self._shard_grads[param] = chunk
             self.fp8_layers[param].weight_grad = None
+        self._agree_on_delayed_scales()
         self._synchronized = True
+
+    def _agree_on_delayed_scales(self) -> None:
+        """Under delayed scaling, every rank takes the largest amaxes (and the smallest
+        scales) of all ranks into its histories, in one all-reduce: from the next step all
+        ranks cast with the same scales, and every rank's checkpoint holds the same ones.
+        Current scaling takes scales from the tensor at hand and needs none of this."""
+        layers = [layer for layer in self.fp8_layers.values() if layer.recipe.scaling is Scaling.DELAYED]
+        if not layers:
+            return
+        packed = torch.cat([torch.cat([layer.amax_history.flatten(), -layer.scale]) for layer in layers])
+        agreed = self.data_parallel.max_over_ranks(packed)  # type: ignore[union-attr]
+        offset = 0
+        for layer in layers:
+            history, scale = layer.amax_history, layer.scale
+            history.copy_(agreed[offset : offset + history.numel()].view_as(history))
+            offset += history.numel()
+            scale.copy_(-agreed[offset : offset + scale.numel()])
+            offset += scale.numel()
 
     # -- weights ---------------------------------------------------------------------
     def _next_noise_key(self) -> torch.Tensor:
@@ -331,29 +380,24 @@ class LowBitAdam(torch.optim.Optimizer):
                 if grad is not None:
                     self._update(param, grad, group)
         if self.sharded:
-            self._gather_fp8_weights()
+            self._store_sharded_weights()
         self._end_round()
         return loss
 
-    def _gather_fp8_weights(self) -> None:
-        """Every rank's new chunk of each sharded weight, cast to FP8 with one scale per
-        weight (from the amax over all ranks), all-gathered into the model."""
+    def _store_sharded_weights(self) -> None:
+        """Each rank's rows of every sharded weight, cast from its master rows to FP8 with
+        one scale per weight (from the amax over all ranks), stored in place; FSDP2
+        all-gathers them before the next forward."""
         params = [p for p in self.fp8_layers if _MASTER in self.state[p]]
         if not params:
             return
         chunks = [state_storage.load(self.state[p], _MASTER) for p in params]
-        local_amax = torch.stack([chunk.abs().amax() if chunk.numel() else torch.zeros(()) for chunk in chunks])
+        local_amax = torch.stack([chunk.abs().amax() if chunk.numel() else chunk.new_zeros(()) for chunk in chunks])
         global_amax = self.data_parallel.max_over_ranks(local_amax)  # type: ignore[union-attr]
-        encoded = [
-            self.fp8_layers[p].encode_weight(chunk, amax_value=amax)
-            for p, chunk, amax in zip(params, chunks, global_amax)
-        ]
-        fulls = self.data_parallel.all_gather_chunks(  # type: ignore[union-attr]
-            [data for data, _ in encoded], [p.numel() for p in params]
-        )
-        for param, full, (_, scale) in zip(params, fulls, encoded):  # step() runs under no_grad
+        for param, chunk, amax in zip(params, chunks, global_amax):  # step() runs under no_grad
             layer = self.fp8_layers[param]
-            layer.store_weight(full.view(param.shape), scale)
+            data, scale = layer.encode_weight(chunk, amax_value=amax)
+            layer.store_weight(data.view(local_tensor(param).shape), scale)
 
     def _precision(self, key: str) -> Precision:
         """Storage of moment ``key`` ("exp_avg" or "exp_avg_sq"), the level's column."""
@@ -551,6 +595,14 @@ class LowBitAdam(torch.optim.Optimizer):
                 layer.write_weight(master)
             converted.add("master weights")
         return converted
+
+
+def _ready(grad_ready: Callable[[nn.Parameter], None], param: nn.Parameter, _weight: nn.Parameter) -> None:
+    grad_ready(param)
+
+
+def _is_dtensor(param: nn.Parameter) -> bool:
+    return hasattr(param, "to_local")
 
 
 def _stored(
