@@ -10,7 +10,9 @@ algorithms move them (ring all-reduce: 2 (W-1)/W of the buffer; ring reduce-scat
 (W-1)/W; all-gather: the shard to each other rank; amp8: see amp8.comm.WireStats), and,
 as a cross-check, read from the loopback interface's transmit counter (TCP headers
 included, both ranks together, and any other loopback traffic on the machine). Step time
-is the median over the timed steps. O3 compares with FP32 FSDP2 (both shard the weights
+is the median over the timed steps; the reduction alone (FP32 and BF16 all-reduce against
+amp8's FP8 all-reduce of one flat gradient of the model's size) is timed apart from the
+FP8 GEMMs, with the SQNR of its mean. O3 compares with FP32 FSDP2 (both shard the weights
 and gather them for forward and backward); O1/O2 with DDP. Results:
 bench/results/comm-cpu.json.
 """
@@ -34,9 +36,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import amp8
-from amp8.comm import WireStats
+from amp8.comm import WireStats, fp8_all_reduce_mean
 from amp8.comm.fsdp import ByteAllGather
 from amp8.console import default_console
+from amp8.scaling import sqnr
 from common import write_result
 
 LOOPBACK_TX = Path("/sys/class/net/lo/statistics/tx_bytes")
@@ -129,6 +132,43 @@ def _worker(rank: int, world: int, folder: str, width: int, steps: int, mode: st
     dist.destroy_process_group()
 
 
+def _collective_worker(rank: int, world: int, folder: str, numel: int, repeats: int) -> None:
+    """The gradient reduction alone, on one flat gradient of ``numel`` float32 values:
+    FP32 and BF16 all-reduce against amp8's FP8 all-reduce; median times and the SQNR of
+    amp8's mean against the FP32 all-reduce's."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store-collective", rank=rank, world_size=world)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+
+    def fp32() -> torch.Tensor:
+        total = grad.clone()
+        dist.all_reduce(total)
+        return total / world
+
+    def bf16() -> torch.Tensor:
+        total = grad.bfloat16()
+        dist.all_reduce(total)
+        return total.float() / world
+
+    def fp8() -> torch.Tensor:
+        return fp8_all_reduce_mean([grad])[0]
+
+    result = {}
+    for name, reduce in (("fp32_all_reduce", fp32), ("bf16_all_reduce", bf16), ("amp8_fp8_all_reduce", fp8)):
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            mean = reduce()
+            times.append(time.perf_counter() - start)
+        result[name] = {"ms": 1e3 * statistics.median(times[1:]), "mean": mean}
+    exact = result["fp32_all_reduce"].pop("mean")
+    for name in ("bf16_all_reduce", "amp8_fp8_all_reduce"):
+        result[name]["sqnr_db"] = sqnr(exact, result[name].pop("mean"))
+    torch.save(result, os.path.join(folder, f"collective-{rank}.pt"))
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -141,6 +181,10 @@ def main() -> None:
             mp.start_processes(_worker, args=(world, folder, args.width, args.steps, mode), nprocs=world,
                                start_method="spawn")
             results[mode] = torch.load(os.path.join(folder, f"{mode}-0.pt"))
+        numel = results["fp32_ddp"]["params"]
+        mp.start_processes(_collective_worker, args=(world, folder, numel, args.steps), nprocs=world,
+                           start_method="spawn")
+        collectives = torch.load(os.path.join(folder, "collective-0.pt"))
     base, base_fsdp = results["fp32_ddp"], results["fp32_fsdp"]
     table = Table(title=f"gradient averaging, {world} CPU processes over gloo, {base['params']:,} parameters")
     columns = ("mode", "bytes/step/rank", "vs FP32 DDP", "vs BF16 DDP", "vs FP32 FSDP2",
@@ -159,7 +203,15 @@ def main() -> None:
                       "-" if loopback is None else f"{loopback:,.0f}",
                       f"{row['step_ms']:.1f}", f"{row['time_vs_fp32_ddp']:.2f}x", f"{row['time_vs_fp32_fsdp']:.2f}x")
     default_console().print(table)
-    print(f"wrote {write_result('comm', torch.device('cpu'), {'world': world, 'width': args.width, 'modes': results})}")
+    reduction = Table(title=f"the reduction alone: one gradient of {numel:,} float32 values, median of {args.steps}")
+    for column in ("collective", "ms", "time vs FP32", "SQNR vs FP32 (dB)"):
+        reduction.add_column(column, justify="right")
+    for name, row in collectives.items():
+        row["time_vs_fp32"] = row["ms"] / collectives["fp32_all_reduce"]["ms"]
+        shown = "-" if "sqnr_db" not in row else f"{row['sqnr_db']:.1f}"
+        reduction.add_row(name, f"{row['ms']:.1f}", f"{row['time_vs_fp32']:.2f}x", shown)
+    default_console().print(reduction)
+    print(f"wrote {write_result('comm', torch.device('cpu'), {'world': world, 'width': args.width, 'modes': results, 'reduction_alone': collectives})}")
 
 
 if __name__ == "__main__":
