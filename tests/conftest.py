@@ -83,6 +83,18 @@ def load_bench(name: str) -> ModuleType:
     return _load_script(BENCH / f"{name}.py", f"bench_{name}")
 
 
+def train_steps(model: nn.Module, optimizer: Any, batches: list[torch.Tensor]) -> list[float]:
+    """One optimizer step per batch on the loss ``mean(model(x) ** 2)``; the losses."""
+    losses = []
+    for x in batches:
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def resume_from_checkpoint(
     build: Callable[[], tuple[nn.Module, Any]], model: nn.Module, optimizer: Any
 ) -> tuple[nn.Module, Any]:

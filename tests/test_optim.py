@@ -9,7 +9,7 @@ from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
 from amp8.scaling import sqnr
 from amp8.tensor import ScaledTensor
-from conftest import assert_bitwise_equal, resume_from_checkpoint
+from conftest import assert_bitwise_equal, resume_from_checkpoint, train_steps
 
 HYPERPARAMETERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -105,17 +105,6 @@ def test_zero_grad_clears_fp8_and_ordinary_gradients() -> None:
     assert model[0].weight_grad is None and model[0].bias.grad is None
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[float]:
-    losses = []
-    for x in batches:
-        optimizer.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_checkpoint_restores_exactly_and_training_continues_identically(level: str, scaling: str) -> None:
@@ -128,10 +117,10 @@ def test_checkpoint_restores_exactly_and_training_continues_identically(level: s
         return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe)
 
     model, optimizer = build()
-    uninterrupted = _train(model, optimizer, batches)
+    uninterrupted = train_steps(model, optimizer, batches)
 
     model, optimizer = build()
-    first_half = _train(model, optimizer, batches[:3])
+    first_half = train_steps(model, optimizer, batches[:3])
     resumed_model, resumed_optimizer = resume_from_checkpoint(build, model, optimizer)
     for key, value in model.state_dict().items():
         assert_bitwise_equal(resumed_model.state_dict()[key], value)
@@ -145,7 +134,7 @@ def test_checkpoint_restores_exactly_and_training_continues_identically(level: s
                 assert resumed_state[key] == value, key
     expected_dtype = {"O1": torch.float32, "O2": E4M3, "O3": E4M3}[level]
     assert resumed_optimizer.state[resumed_model[0].weight]["exp_avg"].dtype == expected_dtype
-    second_half = _train(resumed_model, resumed_optimizer, batches[3:])
+    second_half = train_steps(resumed_model, resumed_optimizer, batches[3:])
     assert first_half + second_half == uninterrupted
 
 

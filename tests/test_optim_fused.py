@@ -15,7 +15,7 @@ from amp8.optim import LowBitAdam
 from amp8.optim import state as state_storage
 from amp8.optim.fused import COMPILE_OPTIONS
 from amp8.scaling import sqnr
-from conftest import assert_bitwise_equal, resume_from_checkpoint
+from conftest import assert_bitwise_equal, resume_from_checkpoint, train_steps
 
 STEPS = 4
 
@@ -202,17 +202,6 @@ def test_quantize_stochastic_rejects_a_generator() -> None:
 
 
 # -- checkpoints ----------------------------------------------------------------------
-def _train(model: nn.Module, optimizer: LowBitAdam, batches: list[torch.Tensor]) -> list[float]:
-    losses = []
-    for x in batches:
-        optimizer.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def test_fused_checkpoint_resumes_bit_for_bit() -> None:
     batches = [torch.randn(8, 32) for _ in range(4)]
 
@@ -224,14 +213,14 @@ def test_fused_checkpoint_resumes_bit_for_bit() -> None:
         return model, optimizer
 
     model, optimizer = build()
-    uninterrupted = _train(model, optimizer, batches)
+    uninterrupted = train_steps(model, optimizer, batches)
     final = [p.detach().clone() for p in model.parameters()]
 
     model, optimizer = build()
-    first_half = _train(model, optimizer, batches[:2])
+    first_half = train_steps(model, optimizer, batches[:2])
     resumed_model, resumed_optimizer = resume_from_checkpoint(build, model, optimizer)
     assert resumed_optimizer.rounding_counter == optimizer.rounding_counter == 2 * 2
-    second_half = _train(resumed_model, resumed_optimizer, batches[2:])
+    second_half = train_steps(resumed_model, resumed_optimizer, batches[2:])
     assert first_half + second_half == uninterrupted
     for param, expected in zip(resumed_model.parameters(), final):
         assert_bitwise_equal(param.detach(), expected)
