@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .nn.linear import Fp8Linear
-from .tensor import local_tensor
+from .tensor import is_sharded
 
 
 def export(
@@ -25,7 +25,7 @@ def export(
     masters = getattr(optimizer, "read_weight", None)
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
-            if local_tensor(module.weight) is not module.weight:
+            if is_sharded(module.weight):
                 raise ValueError(
                     f"{name}.weight is sharded over data-parallel ranks (O3 in a process "
                     "group); export holds whole weights: export a model initialized in one "

@@ -75,8 +75,12 @@ class ScaledTensor:
         return self.data.nbytes + self.scale.nbytes
 
 
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (a weight FSDP2 shards over data-parallel ranks)."""
+    return hasattr(tensor, "to_local")
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """What this process stores of ``tensor``: the local shard of a ``DTensor`` (a weight
-    FSDP2 shards over data-parallel ranks), or ``tensor`` itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
+    """What this process stores of ``tensor``: the local shard of a ``DTensor`` (see
+    ``is_sharded``), or ``tensor`` itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor

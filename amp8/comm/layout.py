@@ -1,12 +1,13 @@
 """How a list of flat tensors is cut into one chunk per rank and packed for collectives.
 
-Tensor ``t`` of ``numel`` elements in rows of ``row_t`` elements is zero-padded to ``world
-* chunk_t`` elements, with ``chunk_t = ceil(numel / (world * row_t)) * row_t``; rank ``r``
-owns elements ``[r * chunk_t, (r + 1) * chunk_t)``. Rows of one element cut a tensor as
-evenly as it goes; rows of a weight's ``in_features`` give each rank the rows FSDP2's
-``fully_shard`` gives it (``torch.chunk`` along dim 0). Packed, the tensors form a ``(world, columns)`` matrix whose row ``r`` holds
-rank ``r``'s chunk of every tensor side by side, so one all-to-all moves every chunk to
-its owner and one all-gather brings every owner's chunk back.
+Tensor ``t`` of ``numel`` elements in rows of ``row_t`` elements is zero-padded to
+``world * chunk_t`` elements, with ``chunk_t = ceil(numel / (world * row_t)) * row_t``;
+rank ``r`` owns elements ``[r * chunk_t, (r + 1) * chunk_t)``. Rows of one element cut a
+tensor as evenly as it goes; rows of a weight's ``in_features`` give each rank the rows
+FSDP2's ``fully_shard`` gives it (``torch.chunk`` along dim 0). Packed, the tensors form
+a ``(world, columns)`` matrix whose row ``r`` holds rank ``r``'s chunk of every tensor
+side by side, so one all-to-all moves every chunk to its owner and one all-gather brings
+every owner's chunk back.
 """
 
 from __future__ import annotations

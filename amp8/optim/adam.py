@@ -28,7 +28,7 @@ from ..formats import E4M3
 from ..levels import O1, OptLevel, Precision
 from ..nn.linear import Fp8Linear
 from ..recipe import Scaling
-from ..tensor import local_tensor
+from ..tensor import is_sharded, local_tensor
 from ..comm.buckets import GradientBuckets
 from ..comm.data_parallel import DataParallel
 from . import fused as fused_step
@@ -113,7 +113,7 @@ class LowBitAdam(torch.optim.Optimizer):
         self.data_parallel = data_parallel
         self._shard_grads: dict[nn.Parameter, torch.Tensor] = {}
         self._synchronized = False
-        unsharded = [p for p in self.fp8_layers if self._is_sharded(p) and not _is_dtensor(p)]
+        unsharded = [p for p in self.fp8_layers if self._is_sharded(p) and not is_sharded(p)]
         if unsharded:
             raise ValueError(
                 f"opt level {level.name} in data parallel keeps each rank's rows of the FP8 "
@@ -308,13 +308,11 @@ class LowBitAdam(torch.optim.Optimizer):
             return
         packed = torch.cat([torch.cat([layer.amax_history.flatten(), -layer.scale]) for layer in layers])
         agreed = self.data_parallel.max_over_ranks(packed)  # type: ignore[union-attr]
-        offset = 0
-        for layer in layers:
-            history, scale = layer.amax_history, layer.scale
-            history.copy_(agreed[offset : offset + history.numel()].view_as(history))
-            offset += history.numel()
-            scale.copy_(-agreed[offset : offset + scale.numel()])
-            offset += scale.numel()
+        sizes = [size for layer in layers for size in (layer.amax_history.numel(), layer.scale.numel())]
+        pieces = agreed.split(sizes)
+        for layer, history, negated_scale in zip(layers, pieces[::2], pieces[1::2]):
+            layer.amax_history.copy_(history.view_as(layer.amax_history))
+            layer.scale.copy_(-negated_scale)
 
     # -- weights ---------------------------------------------------------------------
     def _next_noise_key(self) -> torch.Tensor:
@@ -599,10 +597,6 @@ class LowBitAdam(torch.optim.Optimizer):
 
 def _ready(grad_ready: Callable[[nn.Parameter], None], param: nn.Parameter, _weight: nn.Parameter) -> None:
     grad_ready(param)
-
-
-def _is_dtensor(param: nn.Parameter) -> bool:
-    return hasattr(param, "to_local")
 
 
 def _stored(
