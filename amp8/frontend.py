@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm.data_parallel import DataParallel, broadcast_module, process_group_size
+from .comm.ddp import leave_to_amp8, watch_for_ddp
 from .gemm import check_fp8_device
 from .levels import OptLevel, Precision, resolve_level
 from .nn.linear import Fp8Linear
@@ -52,23 +53,27 @@ def initialize(
     eligible layer, and an ``amp8.SpeedRule`` (e.g. one measured with ``bench/linear.py
     --sweep``) applies that rule; the optimizer (``torch.optim.Adam`` or
     ``AdamW``) is replaced by a ``LowBitAdam`` with the same param groups. O0 returns
-    both unchanged. Use the returned objects from here on, and build LR schedulers after
-    this call.
+    both unchanged, and ``amp8.levels.FP8_COMPUTE_ONLY`` ("O1-compute") swaps the layers
+    but keeps weights, gradients and the optimizer as they are (any optimizer). Use the
+    returned objects from here on, and build LR schedulers after this call.
 
     Data parallel: called in every process of a ``torch.distributed`` group of more than
     one rank (``process_group``, default the world), it copies rank 0's parameters and
     buffers to all ranks, and the returned optimizer averages every gradient over the
-    ranks in FP8 before each step. At O3 it also applies FSDP2's ``fully_shard`` to every
-    FP8 layer (for its weight) and to the model (for nothing, as FSDP2's root): each rank
-    keeps its rows of the FP8 weights, their master weights and moments, and FSDP2
-    all-gathers the FP8 weights around each layer's forward and backward. Pass the bare
-    model: amp8 does DDP's and FSDP's job at O1-O3 and refuses a model they wrap (O0
-    leaves the model to them).
+    ranks in FP8 before each step. At O1 and O2 the model may then be wrapped in
+    ``DistributedDataParallel`` (apex's order): DDP averages the other gradients, through
+    ``amp8.comm.fp8_compress_hook``, and amp8 the FP8 weights' (see ``amp8.comm.ddp``).
+    At O3 it also applies FSDP2's ``fully_shard`` to every FP8 layer (for its weight) and
+    to the model (for nothing, as FSDP2's root): each rank keeps its rows of the FP8
+    weights, their master weights and moments, and FSDP2 all-gathers the FP8 weights
+    around each layer's forward and backward. Pass the bare model: amp8 refuses a model
+    that DDP or FSDP already wraps (O0 leaves the model to them).
 
     Raises:
         ValueError: unknown opt level (or an override amp8 cannot store), a model amp8
             already initialized, optimizer options amp8 does not support.
-        TypeError: a model that is not an ``nn.Module``, an optimizer other than Adam/AdamW.
+        TypeError: a model that is not an ``nn.Module``; an optimizer other than Adam/AdamW
+            at a level that stores weights or gradients scaled (O1-O3).
         RuntimeError: a parameter on a device without FP8 support.
     """
     level = resolve_level(opt_level)
@@ -89,8 +94,6 @@ def initialize(
         recipe = Recipe()
     elif not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an amp8.Recipe, got {type(recipe).__name__}")
-    if optimizer is not None:
-        check_supported(optimizer)
     already = next((name for name, m in model.named_modules() if isinstance(m, Fp8Linear)), None)
     if already is not None:
         raise ValueError(
@@ -99,6 +102,8 @@ def initialize(
         )
     if not level.swaps_layers:
         return model, optimizer
+    if optimizer is not None and level.takes_over_optimizer:
+        check_supported(optimizer)
     for device in {param.device for param in model.parameters()}:
         check_fp8_device(device)
     distributed = process_group_size(process_group) > 1
@@ -111,17 +116,22 @@ def initialize(
     check_state_precision(level)
     # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
     # them before the weights themselves drop to FP8.
+    first_storage = Precision.FP16 if level.weight is not Precision.AS_IS else Precision.AS_IS
     swap_linear_layers(
         model,
-        lambda linear: Fp8Linear.from_linear(linear, recipe, Precision.FP16),
+        lambda linear: Fp8Linear.from_linear(linear, recipe, first_storage),
         module_filter,
         layer_selection,
     )
     layers = fp8_layers(model)
+    if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
+        return model, optimizer
     data_parallel = None
     if distributed:
         broadcast_module(model, process_group)
         data_parallel = DataParallel(process_group)
+        for layer in layers.values():
+            layer.stored_weight.data_parallel = data_parallel
     master_weights = {}
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:
@@ -132,10 +142,16 @@ def initialize(
         from .comm.fsdp import shard_weights  # FSDP2 is missing from torch builds without distributed
 
         shard_weights(model, layers.values(), data_parallel)  # new weight Parameters
+        for layer in layers.values():
+            layer.stored_weight.mark(layer.weight)
+            layer.stored_weight.sharded = True
+    elif distributed:
+        leave_to_amp8(model)
+        watch_for_ddp(model, data_parallel)  # type: ignore[arg-type]
     new_optimizer = None
     if optimizer is not None:
         new_optimizer = LowBitAdam.from_optimizer(
-            optimizer, level, fp8_layers(model), data_parallel=data_parallel,
+            optimizer, level, data_parallel=data_parallel,
             replaced={old: layer.weight for old, layer in layers.items()},
             master_weights={layer.weight: real for layer, real in master_weights.items()},
         )

@@ -57,6 +57,12 @@ class OptLevel:
         """Whether this level replaces eligible layers with FP8 ones."""
         return self.gemm is Precision.FP8
 
+    @property
+    def takes_over_optimizer(self) -> bool:
+        """Whether this level stores weights or their gradients in a way only amp8's
+        optimizer can step (any scaled storage); otherwise any optimizer keeps working."""
+        return self.swaps_layers and (self.weight is not Precision.AS_IS or self.weight_grad is not Precision.AS_IS)
+
     def columns(self) -> dict[str, str]:
         """The table's columns as display strings, in table order."""
         def show(value: Precision | None, scaled: bool = False) -> str:
@@ -122,6 +128,18 @@ O3 = OptLevel(
 
 LEVELS: Mapping[str, OptLevel] = MappingProxyType({level.name: level for level in (O0, O1, O2, O3)})
 
+FP8_COMPUTE_ONLY = OptLevel(
+    name="O1-compute",
+    brief="FP8 GEMMs only: weights, gradients and the optimizer stay as the model has them.",
+    description=(
+        "Linear layers compute in FP8, but each weight stays in its own dtype and its "
+        "gradient goes to param.grad in that dtype, so any optimizer, trainer, clipping "
+        "and DDP see a plain model. No memory is saved; the GEMMs are FP8."
+    ),
+    gemm=_FP8, grad_comm=_AS_IS, weight=_AS_IS, master_weight=None,
+    weight_grad=_AS_IS, exp_avg=_AS_IS, exp_avg_sq=_AS_IS,
+)
+
 
 def resolve_level(opt_level: str | OptLevel) -> OptLevel:
     """The ``OptLevel`` named by ``opt_level`` (a name such as "O2", or an ``OptLevel``).
@@ -133,10 +151,12 @@ def resolve_level(opt_level: str | OptLevel) -> OptLevel:
         return opt_level
     if isinstance(opt_level, str) and opt_level in LEVELS:
         return LEVELS[opt_level]
+    if opt_level == FP8_COMPUTE_ONLY.name:
+        return FP8_COMPUTE_ONLY
     hint = ""
     if isinstance(opt_level, str) and opt_level[:1] == "0":
         hint = " (the prefix is the letter O, not the digit zero)"
-    names = ", ".join(repr(name) for name in LEVELS)
+    names = ", ".join(repr(name) for name in (*LEVELS, FP8_COMPUTE_ONLY.name))
     raise ValueError(f"opt_level={opt_level!r} is not an amp8 opt level{hint}; use one of {names}")
 
 

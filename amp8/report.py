@@ -285,7 +285,7 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
         if fp8_layer is not None:
             grad = fp8_layer.weight_grad
             grad_dtype = None if grad is None else grad.dtype
-            grad_bytes = fp8_layer.weight_grad_nbytes  # allocated, with or without a gradient
+            grad_bytes = 0 if grad is None else grad.nbytes  # FP8 data + scales, while there is one
             weight_bytes = local_tensor(param).nbytes + fp8_layer.weight_scale.nbytes
             read = getattr(optimizer, "read_weight", None)
             real = read(param) if read is not None else fp8_layer.read_weight()

@@ -48,10 +48,10 @@ def step_times(millions: int, device: torch.device, level: str, repeats: int) ->
     model = square_layers(millions * 1_000_000, device)
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level)
     fused_optimizer = LowBitAdam.from_optimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, optimizer.fp8_layers, fused=True
+        torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True
     )
     unfused_optimizer = LowBitAdam.from_optimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, optimizer.fp8_layers, fused=False
+        torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=False
     )
     x = torch.randn(16, WIDTH, device=device)
     model(x).sum().backward()

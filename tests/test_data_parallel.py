@@ -164,8 +164,9 @@ def test_nan_on_one_rank_makes_every_rank_skip(two_rank_results) -> None:
 
 def test_o3_shards_weights_master_weights_and_moments(two_rank_results) -> None:
     """Each rank holds its rows of every FP8 weight (an FSDP2 DTensor) and the master
-    weights and moments of those rows; per-rank bytes: 1/N weight + 1 FP8 gradient buffer
-    + (2 + 1 + 2)/N optimizer state, within the 1 + 1 + 5/N contract."""
+    weights and moments of those rows; per-rank bytes after the step: 1/N weight +
+    (2 + 1 + 2)/N optimizer state (the FP8 gradient is freed once reduce-scattered),
+    within the 1 + 1 + 5/N contract."""
     world = 2
     for result in two_rank_results:
         for name, weight in result["O3"]["weights"].items():
@@ -178,7 +179,7 @@ def test_o3_shards_weights_master_weights_and_moments(two_rank_results) -> None:
         row = report["rows"][0]
         assert (row["weight"], row["master"], row["exp_avg"]) == ("float8_e4m3fn", "float16", "float8_e4m3fn")
         numel = row["numel"]
-        expected = numel // world * (1 + 2 + 1 + 2) + numel + 4 * 5 + 4  # data + 5 scales + step
+        expected = numel // world * (1 + 2 + 1 + 2) + 4 * 4 + 4  # data + 4 scales + step
         assert row["bytes"] == expected
 
 

@@ -6,6 +6,7 @@ from amp8 import Recipe, scaling
 from amp8.formats import E4M3, E5M2, max_value
 from amp8.levels import Precision
 from amp8.nn import Fp8Linear, Slot
+from amp8.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 from conftest import linear_pair as _pair
 
@@ -40,7 +41,9 @@ def test_forward_and_gradients_against_fp32(shape, out_features, recipe_name) ->
     assert_sqnr_at_least(gx_ref, gx, 17.0)
     assert_sqnr_at_least(reference.weight.grad, layer.weight_grad.dequantize(), 17.0)
     torch.testing.assert_close(layer.bias.grad, reference.bias.grad, atol=1e-5, rtol=1e-5)
-    assert layer.weight.grad is None, "the weight gradient must live in weight_grad, in FP8"
+    assert isinstance(layer.weight.grad, WeightGrad), "weight.grad must hold the FP8 weight gradient"
+    assert layer.weight.grad.fp8.data is layer.weight_grad.data, "weight_grad is the data in weight.grad"
+    assert layer.weight.grad.nbytes == layer.weight.numel() + layer.weight_grad.scale.nbytes
 
 
 @pytest.mark.parametrize(("fmt", "grad_dtype"), [("HYBRID", E5M2), ("E4M3", E4M3)])

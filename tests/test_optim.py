@@ -291,7 +291,7 @@ def test_blockwise_state() -> None:
     model = nn.Sequential(nn.Linear(256, 64))
     model, _ = amp8.initialize(model)
     optimizer = LowBitAdam(
-        model.parameters(), level=amp8.LEVELS["O2"], fp8_layers={model[0].weight: model[0]}, state_block_size=128
+        model.parameters(), level=amp8.LEVELS["O2"], state_block_size=128
     )
     model(torch.randn(8, 256)).sum().backward()
     optimizer.step()

@@ -36,7 +36,7 @@ def _twin_optimizers(
     optimizer_class = torch.optim.Adam if options.pop("adam", False) else torch.optim.AdamW
     optimizers = [
         LowBitAdam.from_optimizer(
-            optimizer_class(m.parameters(), **options), amp8.LEVELS[level], _fp8_layers(m), fused=fused
+            optimizer_class(m.parameters(), **options), amp8.LEVELS[level], fused=fused
         )
         for m, fused in zip(models, (False, True))
     ]
@@ -130,7 +130,7 @@ def test_fused_step_with_fine_grained_scales(level: str, granularity: str, optio
 
 def test_fused_defaults_to_cuda_only() -> None:
     model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)))
-    optimizer = LowBitAdam(model.parameters(), fp8_layers=_fp8_layers(model))
+    optimizer = LowBitAdam(model.parameters())
     assert optimizer.fused is None
     assert not optimizer._runs_fused(model[0].weight), "CPU parameters take the reference step by default"
 
@@ -209,7 +209,7 @@ def test_fused_checkpoint_resumes_bit_for_bit() -> None:
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.GELU(), nn.Linear(48, 16, bias=False))
         model, _ = amp8.initialize(model, None, "O2")
-        optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=amp8.LEVELS["O2"], fp8_layers=_fp8_layers(model), fused=True)
+        optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=amp8.LEVELS["O2"], fused=True)
         return model, optimizer
 
     model, optimizer = build()
@@ -229,11 +229,11 @@ def test_fused_checkpoint_resumes_bit_for_bit() -> None:
 def test_checkpoint_with_rounding_generators_loads_with_a_warning() -> None:
     """Checkpoints from before counter-based rounding hold torch.Generator states."""
     model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)))
-    optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], fp8_layers=_fp8_layers(model), seed=5)
+    optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=5)
     state = optimizer.state_dict()
     del state["amp8"]["rounding"]
     state["amp8"]["generators"] = {"cpu": torch.Generator().manual_seed(5).get_state()}
-    fresh = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], fp8_layers=_fp8_layers(model), seed=5)
+    fresh = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=5)
     with pytest.warns(UserWarning, match="torch.Generator states for stochastic rounding"):
         fresh.load_state_dict(state)
     assert (fresh.seed, fresh.rounding_counter) == (5, 0)
@@ -241,8 +241,8 @@ def test_checkpoint_with_rounding_generators_loads_with_a_warning() -> None:
 
 def test_checkpoint_restores_seed_and_counter() -> None:
     model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)))
-    optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], fp8_layers=_fp8_layers(model), seed=3)
+    optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=3)
     optimizer.rounding_counter = 41
-    other = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], fp8_layers=_fp8_layers(model), seed=0)
+    other = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=0)
     other.load_state_dict(optimizer.state_dict())
     assert (other.seed, other.rounding_counter) == (3, 41)

@@ -44,11 +44,15 @@ def test_rows_show_what_is_stored() -> None:
 
 def test_report_reads_tensors_not_the_table() -> None:
     model, optimizer = _trained()
+    model(torch.randn(4, 32)).sum().backward()
+    row = amp8.report(model, optimizer).rows[0]
+    # FP16 weight, FP8 gradient, FP32 m and v: 2 + 1 + 8 bytes, plus 3 scales.
+    assert row["grad"] == "float8_e5m2" and row["bytes"] == row["numel"] * 11 + 4 + 4 + 4
     model[0].weight_grad = None
     row = amp8.report(model, optimizer).rows[0]
     assert row["grad"] is None, "a cleared gradient must show as None"
-    # Its FP8 buffer stays allocated and is counted: 2 + 1 + 8 bytes, plus scales.
-    assert row["bytes"] == row["numel"] * 11 + 4 + 4 + 4
+    # A cleared FP8 gradient frees its bytes, as param.grad = None does.
+    assert row["bytes"] == row["numel"] * 10 + 4 + 4
 
 
 def test_o0_report_is_plain_fp32() -> None:
@@ -115,8 +119,8 @@ def test_highlights_name_hot_spots_and_the_largest_tensors() -> None:
     )
     assert lines[1] == "underflow hot spots: 0.weight 0.2%"
     assert lines[2] == "saturation hot spots: 0.weight 1e+02%"
-    # FP16 weights (4 KiB) and their FP8 gradient buffers (2 KiB), allocated with the layer.
-    assert lines[3] == "largest: 0.weight 6.0 KiB (43%), 2.weight 6.0 KiB (43%)"
+    # FP16 weights (4 KiB): no gradient yet.
+    assert lines[3] == "largest: 0.weight 4.0 KiB (40%), 2.weight 4.0 KiB (40%)"
 
 
 def test_highlights_at_o0_and_without_false_saturation() -> None:

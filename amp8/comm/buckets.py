@@ -72,16 +72,16 @@ class GradientBuckets:
             last.params.append(param)
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._next = 0
-        self._paused = False
+        self.is_paused = False
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Inside: backward starts no communication (gradient-accumulation micro-batches)."""
-        self._paused, previous = True, self._paused
+        self.is_paused, previous = True, self.is_paused
         try:
             yield
         finally:
-            self._paused = previous
+            self.is_paused = previous
 
     @property
     def started(self) -> int:
@@ -89,10 +89,11 @@ class GradientBuckets:
         return sum(bucket.pending is not None for bucket in self.buckets)
 
     def grad_ready(self, param: nn.Parameter) -> None:
-        """Hook target: ``param``'s gradient for this backward is complete."""
-        if self._paused:
+        """Hook target: ``param``'s gradient for this backward is complete (ignored for a
+        parameter these buckets do not hold, and inside ``paused()`` or DDP's ``no_sync``)."""
+        bucket = self._bucket_of.get(id(param))
+        if self.is_paused or not self.data_parallel.backward_sync or bucket is None:
             return
-        bucket = self._bucket_of[id(param)]
         if id(param) in bucket.ready:  # a second backward without paused(): a new pass
             self.reset()
         bucket.ready.add(id(param))

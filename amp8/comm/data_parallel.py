@@ -1,10 +1,9 @@
 """Data parallelism for amp8 models: FP8 gradient averaging and O3's sharded state.
 
-amp8 does not wrap the model in DDP (its reducer reads ``param.grad``, and the weight
-gradients of FP8 layers live on the layers in FP8). ``initialize`` in a process group of
-more than one rank broadcasts rank 0's parameters and buffers, and gives the optimizer a
-``DataParallel``; the optimizer's ``GradientBuckets`` average every gradient over the
-ranks with FP8 on the wire. At O3 the FP8 weights are sharded by FSDP2 (``fsdp.py``), and
+``initialize`` in a process group of more than one rank broadcasts rank 0's parameters
+and buffers, and gives the optimizer a ``DataParallel``; the optimizer's
+``GradientBuckets`` average every gradient over the ranks with FP8 on the wire (only the
+FP8 weights' once the user's DDP runs the model, see ``ddp.py``). At O3 the FP8 weights are sharded by FSDP2 (``fsdp.py``), and
 their gradients are reduce-scattered: each rank gets the mean of the rows whose FP8
 weights, master weights and moments it holds.
 """
@@ -13,11 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..stored_weight import StoredWeight
 from .fp8_collectives import WireStats
 from .layout import ShardLayout
 
@@ -53,10 +54,15 @@ class DataParallel:
     Attributes:
         group: the process group (None: the default group).
         stats: bytes this rank sent, by collective.
+        ddp: the user's ``DistributedDataParallel`` around the model, once amp8 has seen
+            it (``amp8.comm.ddp``): it averages every gradient but the FP8 weights'.
+        backward_sync: False while the next backward is inside the DDP's ``no_sync()``.
     """
 
     group: dist.ProcessGroup | None = None
     stats: WireStats = field(default_factory=WireStats)
+    ddp: Any = None
+    backward_sync: bool = True
 
     @property
     def world(self) -> int:
@@ -88,3 +94,20 @@ class DataParallel:
         ``shape``: the rows FSDP2 gives this rank."""
         layout = ShardLayout((math.prod(shape),), self.world, (row_size(shape),))
         return layout.shard_range(0, self.rank)
+
+
+def agree_on_delayed_scales(data_parallel: DataParallel | None, weights: list[StoredWeight]) -> None:
+    """Under delayed scaling, every rank takes the largest amaxes (and the smallest scales)
+    of all ranks into its layers' histories, in one all-reduce: from the next step all
+    ranks cast with the same scales, and every rank's checkpoint holds the same ones.
+    Current scaling takes scales from the tensor at hand and needs none of this."""
+    states = [state for handle in weights if (state := handle.delayed_scaling_state()) is not None]
+    if data_parallel is None or not states:
+        return
+    packed = torch.cat([torch.cat([history.flatten(), -scale]) for history, scale in states])
+    agreed = data_parallel.max_over_ranks(packed)
+    sizes = [size for history, scale in states for size in (history.numel(), scale.numel())]
+    pieces = agreed.split(sizes)
+    for (history, scale), new_history, negated_scale in zip(states, pieces[::2], pieces[1::2]):
+        history.copy_(new_history.view_as(history))
+        scale.copy_(-negated_scale)

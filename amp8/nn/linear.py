@@ -2,49 +2,37 @@
 
 The layer reuses the caller's ``weight`` and ``bias`` Parameters. The weight's data is
 stored as FP16 (O1, O2) or FP8 (O3) holding ``w * weight_scale``; ``weight_scale`` is a
-buffer beside it. The weight gradient never goes to ``weight.grad``: the backward pass
-stores it in ``layer.weight_grad`` as a ``ScaledTensor`` (FP8 data + float32 scale), where
-the amp8 optimizer and gradient reduction read it. See DESIGN.md, "Weight gradients".
+buffer beside it. ``layer.stored_weight`` (an ``amp8.StoredWeight``) is the one place that
+knows that storage, and where the weight gradient goes: backward hands each new FP8 weight
+gradient to it, and it lands in ``weight.grad`` as a ``WeightGrad`` (FP8 data + scales,
+the gradient of the real weight), where torch's ``zero_grad`` and ``clip_grad_norm_`` find
+it. See DESIGN.md, "Weight gradients".
 """
 
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from enum import IntEnum
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .. import scaling
-from ..formats import E4M3, forward_dtype, gradient_dtype
+from ..formats import forward_dtype, gradient_dtype
 from ..gemm import GemmRole, fp8_gemm
 from ..levels import Precision
 from ..recipe import Granularity, Recipe, Scaling
-from ..tensor import ScaledTensor, local_tensor
+from ..stored_weight import StoredWeight
+from ..tensor import ScaledTensor
 
-_WEIGHT_STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
-# Headroom of one binade above the FP16 weight's amax, so growth between rescales fits.
-_FP16_WEIGHT_MARGIN = 1
 _GEMM_ALIGNMENT = 16
-
-
 class Slot(IntEnum):
     """Rows of a layer's ``scale`` and ``amax_history`` buffers."""
 
     INPUT = 0
     WEIGHT = 1
     GRAD_OUTPUT = 2
-
-
-def _check_weight_storage(weight_storage: Precision) -> None:
-    if weight_storage not in _WEIGHT_STORAGE_DTYPES:
-        raise ValueError(
-            f"weight_storage={weight_storage!r} is not valid; use one of "
-            f"{[p.value for p in _WEIGHT_STORAGE_DTYPES]}"
-        )
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -77,6 +65,10 @@ class Fp8Linear(nn.Module):
         scale: (3,) float32, the FP8 scale last used for input, weight, grad_output
             (the smallest of a tensor's scales under fine-grained granularities).
         amax_history: (3, L) float32, newest first; L is 1 under current scaling.
+
+    amp8's own tensors keep their dtypes through ``model.to(dtype)``, ``.half()`` and
+    ``.bfloat16()``: scales and histories stay float32 and the weight stays in its FP16 or
+    FP8 storage (the bias follows the cast, as in any module).
     """
 
     def __init__(
@@ -87,10 +79,8 @@ class Fp8Linear(nn.Module):
         weight_storage: Precision = Precision.FP16,
     ) -> None:
         super().__init__()
-        _check_weight_storage(weight_storage)
         self.out_features, self.in_features = weight.shape
         self.recipe = recipe
-        self.weight_storage = weight_storage
         device = weight.device
         self.register_buffer("weight_scale", torch.ones((), device=device))
         self.register_buffer("scale", torch.ones(len(Slot), device=device))
@@ -98,21 +88,16 @@ class Fp8Linear(nn.Module):
         real_weight = weight.detach().float()
         self.weight = weight
         self.bias = bias
-        # The FP8 weight gradient lives in buffers (not in state_dict) that backward
-        # updates in place, so a compiled backward can write it; see ``weight_grad``.
-        grad_scale_shape = scaling.tile_amax(torch.zeros(weight.shape), self.weight_tile()).shape
-        self.register_buffer(
-            "_grad_data",
-            torch.zeros(weight.shape, dtype=gradient_dtype(recipe.fp8_format), device=device),
-            persistent=False,
-        )
-        self.register_buffer("_grad_scale", torch.ones(grad_scale_shape, device=device), persistent=False)
-        self.register_buffer("_grad_count", torch.zeros((), dtype=torch.int32, device=device), persistent=False)
-        # An OrderedDict: RemovableHandle keeps a weak reference to it.
-        self._weight_grad_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
         # FP8 copies of an FP16 weight, by the dim their GEMM contracts; see ``fp8_weight``.
         self._weight_cache: dict[int, ScaledTensor] = {}
-        self.write_weight(real_weight)
+        self.stored_weight = StoredWeight(self, recipe, weight_storage, self.drop_weight_cache)
+        # Backward writes the scales of each new FP8 weight gradient here, in place, and
+        # returns its data as the gradient of ``_grad_sink``; see ``_new_weight_grad``.
+        self.register_buffer(
+            "_grad_scale", torch.ones(self.stored_weight.grad_scale_shape, device=device), persistent=False
+        )
+        self._make_grad_sink()
+        self.stored_weight.write(real_weight)
 
     @classmethod
     def from_linear(
@@ -123,81 +108,68 @@ class Fp8Linear(nn.Module):
         layer.train(linear.training)
         return layer
 
-    # -- weight storage --------------------------------------------------------------
+    # -- the weight gradient's way out of backward -------------------------------------
+    def _make_grad_sink(self) -> None:
+        """A leaf that holds no memory (one element, expanded to the weight's shape) and
+        requires grad: backward returns each new FP8 weight gradient as its gradient, and
+        its hook, which runs eagerly also after a compiled backward, hands it on. The
+        gradient cannot be returned for the weight itself: autograd would cast it to the
+        weight's dtype."""
+        dtype = gradient_dtype(self.recipe.fp8_format)
+        sink = torch.zeros((), dtype=dtype, device=self.weight_scale.device).expand(self.weight.shape)
+        sink.requires_grad_(True)
+        sink.register_post_accumulate_grad_hook(self._new_weight_grad)
+        self._grad_sink = sink
+
+    def _new_weight_grad(self, sink: torch.Tensor) -> None:
+        data, sink.grad = sink.grad, None
+        self.stored_weight.add_grad(data, self._grad_scale.clone())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_grad_sink", None)  # a leaf with a hook does not pickle; rebuilt below
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._make_grad_sink()
+        if self.weight_storage is not Precision.AS_IS:  # a copied Parameter loses its mark
+            self.stored_weight.mark(self.weight)
+
+    # -- weight storage (see ``amp8.StoredWeight``) ------------------------------------
+    @property
+    def weight_storage(self) -> Precision:
+        """How the weight is stored: ``Precision.FP16`` or ``Precision.FP8``."""
+        return self.stored_weight.storage
+
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the weight is stored in (float16 or float8_e4m3fn)."""
-        return _WEIGHT_STORAGE_DTYPES[self.weight_storage]
+        return self.stored_weight.dtype
 
     @property
     def block_size(self) -> int:
         """Elements per block edge of this layer's scales (0 unless the recipe is "block")."""
-        return self.recipe.block_size if self.recipe.granularity is Granularity.BLOCK else 0
+        return self.stored_weight.block_size
 
     def read_weight(self) -> torch.Tensor:
         """The weight's real values in float32 (this rank's rows, outside forward and
         backward, when FSDP2 shards the weight: see ``amp8.comm.fsdp``)."""
-        return self._stored_weight().dequantize()
+        return self.stored_weight.read()
 
-    def _stored_weight(self) -> ScaledTensor:
-        return ScaledTensor(local_tensor(self.weight).detach(), self.weight_scale, self.block_size)
+    def write_weight(self, real_weight: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
+        """Store ``real_weight`` (any float dtype) into the weight Parameter, in place,
+        rounded stochastically under ``noise_key`` when one is given."""
+        self.stored_weight.write(real_weight, noise_key)
 
     def weight_tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
         ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
-        return self.recipe.tile(tuple(self.weight.shape), contract_dim, weight=True)
+        return self.stored_weight.tile(contract_dim)
 
-    def encode_weight(
-        self,
-        real_weight: torch.Tensor,
-        noise_key: torch.Tensor | int | None = None,
-        amax_value: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(data, scale)`` that store ``real_weight`` in this layer's weight dtype.
-
-        FP16 storage takes one power-of-two scale (with one binade of headroom), rounded
-        stochastically under ``noise_key`` when one is given (see
-        ``scaling.quantize_stochastic``); FP8 storage takes the recipe's
-        weight scales at its granularity, and they feed the GEMMs directly. ``amax_value``
-        replaces the amax of ``real_weight`` (to encode one chunk of a tensorwise-scaled
-        weight sharded over ranks).
-        """
-        dtype = self.weight_dtype
-        if self.weight_storage is Precision.FP8:
-            margin, power_of_2 = self.recipe.margin, self.recipe.power_of_2_scales
-            tile = self.weight_tile()
-        else:
-            margin, power_of_2, tile = _FP16_WEIGHT_MARGIN, True, None
-        amaxes = scaling.tile_amax(real_weight, tile) if amax_value is None else amax_value
-        previous = self.weight_scale if self.weight_scale.shape == amaxes.shape else None
-        scale = scaling.scale_from_amax(
-            amaxes, dtype, margin=margin, power_of_2=power_of_2, previous=previous
-        )
-        full_scale = scaling.expand_scale(scale, tuple(real_weight.shape), self.block_size)
-        if noise_key is not None and self.weight_storage is Precision.FP16:
-            return scaling.quantize_stochastic(real_weight, full_scale, dtype, noise_key), scale
-        return scaling.quantize(real_weight, full_scale, dtype), scale
-
-    def write_weight(self, real_weight: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
-        """Store ``real_weight`` (any float dtype) into the weight Parameter, in place,
-        rounded stochastically under ``noise_key`` when one is given (see
-        ``encode_weight``)."""
-        self.store_weight(*self.encode_weight(real_weight, noise_key))
-
-    def store_weight(self, data: torch.Tensor, scale: torch.Tensor) -> None:
-        """Store already encoded weight ``data`` and its ``scale`` (as ``encode_weight``
-        returns them), in place, and drop the FP8 casts cached from the old weight. For a
-        weight FSDP2 shards, ``data`` is this rank's rows."""
-        self.drop_weight_cache()
-        with torch.no_grad():
-            if self.weight.dtype == data.dtype:
-                local_tensor(self.weight).copy_(data)
-            else:
-                self.weight.data = data
-            if self.weight_scale.shape == scale.shape:
-                self.weight_scale.copy_(scale)
-            else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
-                self.weight_scale = scale.clone()
+    def set_weight_storage(self, weight_storage: Precision) -> None:
+        """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
+        self.stored_weight.restore(weight_storage)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Load, converting a weight saved at another storage (another opt level, or a
@@ -212,7 +184,7 @@ class Fp8Linear(nn.Module):
             if saved_scale is None:
                 saved_scale = torch.ones((), device=saved.device)
             real = ScaledTensor(saved, saved_scale.to(saved.device), self.recipe.block_size).dequantize()
-            state_dict[weight_key], state_dict[scale_key] = self.encode_weight(real.to(self.weight.device))
+            state_dict[weight_key], state_dict[scale_key] = self.stored_weight.encode(real.to(self.weight.device))
             warnings.warn(
                 f"amp8: converted {weight_key} from {saved.dtype} to {self.weight_dtype} storage "
                 f"(scales of shape {tuple(saved_scale.shape)} to {tuple(state_dict[scale_key].shape)})",
@@ -231,16 +203,22 @@ class Fp8Linear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "Fp8Linear":
-        # ``.to()``, ``.cuda()`` and friends move the weight; the cached copies stay behind.
+        """``.to()``, ``.cuda()``, ``.half()`` and friends: move amp8's tensors to the new
+        device, keeping their dtypes (a float32 scale of 2**17 would be inf in FP16)."""
         self.drop_weight_cache()
-        return super()._apply(fn, recurse)
-
-    def set_weight_storage(self, weight_storage: Precision) -> None:
-        """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
-        _check_weight_storage(weight_storage)
-        real_weight = self.read_weight()
-        self.weight_storage = weight_storage
-        self.write_weight(real_weight)
+        kept = {name: (buffer, buffer.dtype) for name, buffer in self._buffers.items() if buffer is not None}
+        weight_dtype, stored = self.weight.dtype, self.weight.data
+        super()._apply(fn, recurse)
+        device = self.weight.device
+        for name, (original, dtype) in kept.items():
+            buffer = self._buffers[name]
+            if buffer is not None and buffer.dtype != dtype:
+                self._buffers[name] = original.to(device)
+        if self.weight.dtype != weight_dtype and self.weight_storage is not Precision.AS_IS:
+            self.weight.data = stored.to(device)
+        if self._grad_sink.device != device:
+            self._make_grad_sink()
+        return self
 
     # -- FP8 scales ------------------------------------------------------------------
     def fp8_dtype(self, slot: Slot) -> torch.dtype:
@@ -312,8 +290,10 @@ class Fp8Linear(nn.Module):
         micro-batches of gradient accumulation cast it once per optimizer step. Call
         ``drop_weight_cache()`` after changing ``weight`` in place by other means.
         """
+        if self.weight_storage is Precision.AS_IS:  # the user's optimizer writes it: no cache
+            return self.cast(Slot.WEIGHT, self.read_weight(), contract_dim, record=contract_dim == 1)
         if self.weight_storage is Precision.FP8:
-            stored = self._stored_weight()
+            stored = self.stored_weight.stored()
             if self.weight_tile(contract_dim) == self.weight_tile():
                 return stored
             return self.cast(Slot.WEIGHT, stored.dequantize(), contract_dim, record=False)
@@ -331,69 +311,14 @@ class Fp8Linear(nn.Module):
     @property
     def weight_grad(self) -> ScaledTensor | None:
         """The weight gradient as FP8 + scales (tiled like the weight's FP8 scales under
-        fine-grained granularities), or None when backward has not produced one since it
-        was last cleared. Assign None to clear it, or a ``ScaledTensor`` of the same shape
-        and scale layout to replace it. Like ``param.grad``, the tensors are live: a
-        later backward or clip changes them in place."""
-        if not bool(self._grad_count):
-            return None
-        return ScaledTensor(self._grad_data, self._grad_scale, self.block_size)
+        fine-grained granularities), or None: the FP8 tensors inside ``weight.grad`` (see
+        ``amp8.StoredWeight.grad``). Assign None to clear it, or a ``ScaledTensor`` of the
+        gradient's dtype, shape and scale layout to replace it."""
+        return self.stored_weight.grad()
 
     @weight_grad.setter
     def weight_grad(self, value: ScaledTensor | None) -> None:
-        with torch.no_grad():
-            if value is None:
-                self._grad_count.zero_()
-                return
-            if (
-                value.dtype != self._grad_data.dtype
-                or value.shape != self._grad_data.shape
-                or value.scale.shape != self._grad_scale.shape
-            ):
-                raise ValueError(
-                    f"weight_grad of {value.dtype}, shape {tuple(value.shape)}, scales of shape "
-                    f"{tuple(value.scale.shape)} does not fit this layer's gradient: "
-                    f"{self._grad_data.dtype}, shape {tuple(self._grad_data.shape)}, scales "
-                    f"{tuple(self._grad_scale.shape)}"
-                )
-            self._grad_data.copy_(value.data)
-            self._grad_scale.copy_(value.scale)
-            self._grad_count.fill_(1)
-
-    @property
-    def weight_grad_nbytes(self) -> int:
-        """Bytes the weight-gradient buffers hold, with or without a gradient in them."""
-        return self._grad_data.nbytes + self._grad_scale.nbytes
-
-    def accumulate_weight_grad(self, grad: torch.Tensor, run_hooks: bool = True) -> None:
-        """Add a float32 weight gradient to ``weight_grad``, re-stored as FP8 + fresh
-        scales, in place; then call the weight-gradient hooks (unless ``run_hooks`` is
-        False, and never inside a compiled graph, which cannot call back into Python: the
-        gradient reduction then starts at ``optimizer.step()``)."""
-        with torch.no_grad():
-            stored = scaling.dequantize(
-                self._grad_data, scaling.expand_scale(self._grad_scale, tuple(grad.shape), self.block_size)
-            )
-            # ``where``, not a product with the count: a stale inf in the buffer must not
-            # leak into a fresh gradient as 0 * inf.
-            total = torch.where(self._grad_count > 0, stored + grad, grad)
-            data, scale = scaling.quantize_tiles(
-                total, self._grad_data.dtype, self.weight_tile(),
-                margin=self.recipe.margin, power_of_2=self.recipe.power_of_2_scales,
-            )
-            self._grad_data.copy_(data)
-            self._grad_scale.copy_(scale)
-            self._grad_count.add_(1)
-        if run_hooks and not torch.compiler.is_compiling():
-            for hook in list(self._weight_grad_hooks.values()):
-                hook(self.weight)
-
-    def register_weight_grad_hook(self, hook: Callable[[nn.Parameter], None]) -> RemovableHandle:
-        """Call ``hook(weight)`` each time backward has added to ``weight_grad`` (the FP8
-        counterpart of ``Tensor.register_post_accumulate_grad_hook``)."""
-        handle = RemovableHandle(self._weight_grad_hooks)
-        self._weight_grad_hooks[handle.id] = hook
-        return handle
+        self.stored_weight.set_grad(value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + b`` for ``x`` of shape (..., in_features)."""
@@ -409,7 +334,10 @@ class Fp8Linear(nn.Module):
         needs_dgrad = torch.is_grad_enabled() and x.requires_grad and not high_dgrad
         if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):
             w8_dgrad = self.fp8_weight(contract_dim=0)  # rowwise: scales per column
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, w8, w8_dgrad)
+        sink = self._grad_sink if self.weight.requires_grad and self.weight_storage is not Precision.AS_IS else None
+        out_dtype = _output_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):  # the GEMMs choose their own dtypes
+            return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, w8, w8_dgrad, sink, out_dtype)
 
     def extra_repr(self) -> str:
         """Shape, weight storage and recipe, for ``print(model)``."""
@@ -440,11 +368,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer: Fp8Linear,
         w8: ScaledTensor | None,
         w8_dgrad: ScaledTensor | None,
+        grad_sink: torch.Tensor | None,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
         high_fprop, high_dgrad, high_wgrad = layer.recipe.override_linear_precision
         tensorwise = layer.recipe.granularity is Granularity.TENSORWISE
         x2 = x.reshape(-1, layer.in_features)  # (M, K)
-        out_dtype = x.dtype
         x8 = None
         if high_fprop:
             y = (x2.float() @ layer.read_weight().t()).to(out_dtype)
@@ -459,9 +388,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         else:
             wgrad_input = x8 if x8 is not None else layer.cast(Slot.INPUT, x2)
         ctx.layer = layer
+        ctx.plain_wgrad = layer.weight_storage is Precision.AS_IS
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.weight_dtype = weight.dtype
         ctx.w8_dgrad = w8_dgrad
         ctx.wgrad_input = wgrad_input
         return y
@@ -471,7 +402,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer: Fp8Linear = ctx.layer
         high_fprop, high_dgrad, high_wgrad = layer.recipe.override_linear_precision
         tensorwise = layer.recipe.granularity is Granularity.TENSORWISE
-        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
+        needs_x, needs_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        needs_w = ctx.needs_input_grad[1] if ctx.plain_wgrad else ctx.needs_input_grad[6]
         g2 = grad_output.reshape(-1, layer.out_features)  # (M, N)
         g8 = None
         if (needs_x and not high_dgrad) or (needs_w and not high_wgrad and tensorwise):
@@ -505,8 +437,32 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
                     torch.float32, GemmRole.WGRAD,
                 )
-            layer.accumulate_weight_grad(grad_w)
 
         grad_b = g2.float().sum(0).to(ctx.bias_dtype) if needs_b else None
         ctx.w8_dgrad = ctx.wgrad_input = None
-        return grad_x, None, grad_b, None, None, None
+        if not needs_w:
+            return grad_x, None, grad_b, None, None, None, None, None
+        if ctx.plain_wgrad:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear
+            return grad_x, grad_w.to(ctx.weight_dtype), grad_b, None, None, None, None, None
+        return grad_x, None, grad_b, None, None, None, _weight_grad_to_fp8(layer, grad_w), None
+
+
+def _weight_grad_to_fp8(layer: Fp8Linear, grad_w: torch.Tensor) -> torch.Tensor:
+    """The float32 weight gradient cast to FP8 with fresh scales: the scales go to the
+    layer's ``_grad_scale`` buffer (in place, so a compiled backward can write them), the
+    data is returned as the gradient of the layer's ``_grad_sink``."""
+    data, scale = scaling.quantize_tiles(
+        grad_w, layer.stored_weight.grad_dtype, layer.weight_tile(),
+        margin=layer.recipe.margin, power_of_2=layer.recipe.power_of_2_scales,
+    )
+    with torch.no_grad():
+        layer._grad_scale.copy_(scale)
+    return data
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` would return for ``x``: autocast's where it is on."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype

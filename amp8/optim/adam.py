@@ -25,12 +25,11 @@ from torch import nn
 
 from .. import noise, scaling
 from ..formats import E4M3
-from ..levels import O1, OptLevel, Precision
-from ..nn.linear import Fp8Linear
-from ..recipe import Scaling
+from ..levels import O1, OptLevel, Precision, resolve_level
+from ..stored_weight import StoredWeight, encode_fp16, stored_weight
 from ..tensor import is_sharded, local_tensor
 from ..comm.buckets import GradientBuckets
-from ..comm.data_parallel import DataParallel
+from ..comm.data_parallel import DataParallel, agree_on_delayed_scales
 from . import fused as fused_step
 from . import state as state_storage
 
@@ -48,13 +47,13 @@ class LowBitAdam(torch.optim.Optimizer):
         params: parameters or param groups, as for ``torch.optim.Adam``.
         lr, betas, eps, weight_decay, maximize: as in ``torch.optim.Adam``.
         decoupled_weight_decay: AdamW's decay (``w *= 1 - lr * weight_decay``) when True.
-        level: the opt level whose ``exp_avg``, ``exp_avg_sq`` and ``master_weight``
-            columns set what the optimizer stores.
-        fp8_layers: ``{weight Parameter: Fp8Linear}`` for the weights of FP8 layers.
+        level: the opt level (or its name) whose ``exp_avg``, ``exp_avg_sq`` and
+            ``master_weight`` columns set what the optimizer stores.
         state_block_size: elements per scale of low-bit moments (0: one scale per tensor).
         seed: seeds the stochastic rounding of FP16 weights (an int >= 0; saved in
             ``state_dict`` with the count of draws so far).
-        data_parallel: the process group to average gradients over in FP8; at a level
+        data_parallel: the process group to average gradients over in FP8 (default: the
+            one ``amp8.initialize`` found for these weights, if any); at a level
             that shards the optimizer (O3), each rank keeps the master weights and moments
             of its rows of every FP8 layer's weight, whose FP8 data FSDP2 must already
             shard (``amp8.comm.fsdp.shard_weights``; ``amp8.initialize`` does it).
@@ -81,8 +80,7 @@ class LowBitAdam(torch.optim.Optimizer):
         *,
         decoupled_weight_decay: bool = False,
         maximize: bool = False,
-        level: OptLevel = O1,
-        fp8_layers: Mapping[nn.Parameter, Fp8Linear] | None = None,
+        level: OptLevel | str = O1,
         state_block_size: int = DEFAULT_STATE_BLOCK_SIZE,
         seed: int = 0,
         data_parallel: DataParallel | None = None,
@@ -90,7 +88,9 @@ class LowBitAdam(torch.optim.Optimizer):
         fused: bool | None = None,
         master_weights: Mapping[nn.Parameter, torch.Tensor] | None = None,
     ) -> None:
+        level = resolve_level(level)
         check_state_precision(level)
+        _check_hyperparameters(lr, betas, eps, weight_decay)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed={seed!r} is not valid; use an int >= 0")
         if fused is not None and not isinstance(fused, bool):
@@ -103,7 +103,14 @@ class LowBitAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.level = level
-        self.fp8_layers: dict[nn.Parameter, Fp8Linear] = dict(fp8_layers or {})
+        # The weights of FP8 layers, found from the Parameters: amp8.initialize attached a
+        # StoredWeight to each.
+        self.weights: dict[nn.Parameter, StoredWeight] = {
+            param: handle for group in self.param_groups for param in group["params"]
+            if (handle := stored_weight(param)) is not None
+        }
+        if data_parallel is None:
+            data_parallel = next((h.data_parallel for h in self.weights.values() if h.data_parallel), None)
         self.state_block_size = state_block_size
         self.seed = seed
         self.rounding_counter = 0  # stochastic-rounding draws so far
@@ -113,7 +120,7 @@ class LowBitAdam(torch.optim.Optimizer):
         self.data_parallel = data_parallel
         self._shard_grads: dict[nn.Parameter, torch.Tensor] = {}
         self._synchronized = False
-        unsharded = [p for p in self.fp8_layers if self._is_sharded(p) and not is_sharded(p)]
+        unsharded = [p for p in self.weights if self._is_sharded(p) and not is_sharded(p)]
         if unsharded:
             raise ValueError(
                 f"opt level {level.name} in data parallel keeps each rank's rows of the FP8 "
@@ -129,40 +136,58 @@ class LowBitAdam(torch.optim.Optimizer):
                 self._init_state(param, master_weights.get(param))
         self._buckets: GradientBuckets | None = None
         self._hook_handles: list[Any] = []
-        if data_parallel is not None:
-            params = [p for group in self.param_groups for p in group["params"]]
+        if data_parallel is not None and overlap_communication:
+            self._register_hooks([p for group in self.param_groups for p in group["params"]])
+
+    def _reduction(self) -> GradientBuckets | None:
+        """The gradient buckets: every gradient, or only the FP8 weights' once the user's
+        DDP (which averages the others) runs the model; None outside data parallel."""
+        data_parallel = self.data_parallel
+        if data_parallel is None:
+            return None
+        covered = [
+            p for group in self.param_groups for p in group["params"]
+            if data_parallel.ddp is None or p in self.weights
+        ]
+        if self._buckets is None or len(self._buckets.params) != len(covered):
+            paused = self._buckets is not None and self._buckets.is_paused
             self._buckets = GradientBuckets(
-                data_parallel, params, self._local_gradient, self._has_local_gradient, self._is_sharded
+                data_parallel, covered, self._local_gradient, self._has_local_gradient, self._is_sharded
             )
-            if overlap_communication:
-                self._register_hooks(params)
+            self._buckets.is_paused = paused
+        return self._buckets
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        buckets = self._reduction()
+        if buckets is not None:
+            buckets.grad_ready(param)
 
     def _register_hooks(self, params: list[nn.Parameter]) -> None:
-        """Tell the buckets when each gradient is final: through the FP8 layer's
-        weight-gradient hook, or the parameter's post-accumulate-grad hook."""
-        buckets = self._buckets
+        """Tell the buckets when each gradient is final: through the stored weight's
+        grad-ready hook, or the parameter's post-accumulate-grad hook."""
         for param in params:
-            layer = self.fp8_layers.get(param)
-            if layer is not None:
+            handle = self.weights.get(param)
+            if handle is not None:
                 # The hook gets the layer's weight as it is in backward: under FSDP2 the
                 # gathered Parameter, not the sharded one the buckets know.
-                hook = functools.partial(_ready, buckets.grad_ready, param)  # type: ignore[union-attr]
-                self._hook_handles.append(layer.register_weight_grad_hook(hook))
+                hook = functools.partial(_ready, self._grad_ready, param)
+                self._hook_handles.append(handle.register_grad_ready_hook(hook))
             else:
-                self._hook_handles.append(param.register_post_accumulate_grad_hook(buckets.grad_ready))  # type: ignore[union-attr]
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
 
     def no_sync(self) -> Any:
         """Context for the backward passes of gradient-accumulation micro-batches except
         the last: they start no communication (as ``DistributedDataParallel.no_sync``)."""
-        return self._buckets.paused() if self._buckets is not None else contextlib.nullcontext()
+        buckets = self._reduction()
+        return buckets.paused() if buckets is not None else contextlib.nullcontext()
 
     def _init_state(self, param: nn.Parameter, master_weight: torch.Tensor | None = None) -> None:
         """Step 0, zero moments at the level's precisions, and the master weight (from
-        ``master_weight``, else from the layer)."""
+        ``master_weight``, else from the stored weight)."""
         param_state = self.state[param]
-        layer = self.fp8_layers.get(param)
-        if layer is not None and self.level.master_weight is not None:
-            real = master_weight if master_weight is not None else layer.read_weight()
+        handle = self.weights.get(param)
+        if handle is not None and self.level.master_weight is not None:
+            real = master_weight if master_weight is not None else handle.read()
             self._store_master(param_state, self._own_chunk(param, real))
         shape_source = param_state.get(_MASTER, param)
         param_state["step"] = torch.zeros((), dtype=torch.float32)
@@ -177,12 +202,12 @@ class LowBitAdam(torch.optim.Optimizer):
         return self.data_parallel is not None and self.level.shard_optimizer
 
     def _is_sharded(self, param: nn.Parameter) -> bool:
-        return self.sharded and param in self.fp8_layers
+        return self.sharded and param in self.weights
 
     def _own_chunk(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
         """The part of ``value`` whose state this rank keeps: all of it, or for a sharded
         weight this rank's rows, flat. ``value`` is shaped like ``param``, or is already
-        this rank's rows (what a sharded layer's ``read_weight`` returns)."""
+        this rank's rows (what a sharded ``StoredWeight.read`` returns)."""
         if not self._is_sharded(param):
             return value
         if value.shape != param.shape:
@@ -195,14 +220,14 @@ class LowBitAdam(torch.optim.Optimizer):
         cls,
         optimizer: torch.optim.Optimizer,
         level: OptLevel,
-        fp8_layers: Mapping[nn.Parameter, Fp8Linear],
         replaced: Mapping[nn.Parameter, nn.Parameter] | None = None,
         **options: Any,
     ) -> "LowBitAdam":
         """The low-bit equivalent of a ``torch.optim.Adam`` or ``AdamW``: same param
         groups (with each Parameter that ``replaced`` maps swapped for its replacement,
         such as the sharded weights FSDP2 puts in place), same hyperparameters.
-        ``options`` go to the constructor.
+        ``options`` go to the constructor. The weights of FP8 layers are found from the
+        Parameters themselves (``amp8.stored_weight``).
 
         Raises:
             TypeError: for any other optimizer class.
@@ -222,7 +247,7 @@ class LowBitAdam(torch.optim.Optimizer):
             groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
             weight_decay=defaults["weight_decay"],
             decoupled_weight_decay=defaults.get("decoupled_weight_decay", decoupled),
-            maximize=defaults.get("maximize", False), level=level, fp8_layers=fp8_layers,
+            maximize=defaults.get("maximize", False), level=level,
             **options,
         )
 
@@ -236,38 +261,43 @@ class LowBitAdam(torch.optim.Optimizer):
 
     def _local_gradient(self, param: nn.Parameter) -> torch.Tensor | None:
         """``param``'s gradient as this rank's backward left it, in float32."""
-        layer = self.fp8_layers.get(param)
-        if layer is not None:
-            return None if layer.weight_grad is None else layer.weight_grad.dequantize()
+        handle = self.weights.get(param)
+        if handle is not None:
+            grad = handle.grad()
+            return None if grad is None else grad.dequantize()
         return None if param.grad is None else param.grad.float()
 
     def _has_local_gradient(self, param: nn.Parameter) -> bool:
         """Whether this rank's backward left ``param`` a gradient (nothing dequantized)."""
-        layer = self.fp8_layers.get(param)
-        return (layer.weight_grad if layer is not None else param.grad) is not None
+        handle = self.weights.get(param)
+        return (handle.grad() if handle is not None else param.grad) is not None
 
     def stored_gradients(self) -> list[torch.Tensor]:
         """Every gradient as stored (FP8 data or ``param.grad``), for finiteness checks."""
         stored = []
         for group in self.param_groups:
             for param in group["params"]:
-                layer = self.fp8_layers.get(param)
+                handle = self.weights.get(param)
+                grad = None if handle is None else handle.grad()
                 if param in self._shard_grads:
                     stored.append(self._shard_grads[param])
-                elif layer is not None and layer.weight_grad is not None:
-                    stored.append(layer.weight_grad.data)
-                elif layer is None and param.grad is not None:
+                elif grad is not None:
+                    stored.append(grad.data)
+                elif handle is None and param.grad is not None:
                     stored.append(param.grad)
         return stored
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``param.grad`` as torch does, and drop the FP8 weight gradients."""
+        """Clear ``param.grad`` as torch does (the FP8 weight gradients included), and the
+        gradients that sharded weights keep on their handles."""
         super().zero_grad(set_to_none=set_to_none)
-        for layer in self.fp8_layers.values():
-            layer.weight_grad = None
+        for handle in self.weights.values():
+            if handle.sharded:
+                handle.clear_grad()
         self._end_round()
-        if self._buckets is not None:
-            self._buckets.reset()
+        buckets = self._reduction()
+        if buckets is not None:
+            buckets.reset()
 
     def _end_round(self) -> None:
         """Forget this step's averaged chunks: the next backward starts a new round."""
@@ -282,37 +312,21 @@ class LowBitAdam(torch.optim.Optimizer):
         chunk of the mean, for the step. ``step`` calls this when needed; call it yourself
         before anything that must see averaged gradients, such as clipping.
         """
-        if self._buckets is None or self._synchronized:
+        buckets = self._reduction()
+        if buckets is None or self._synchronized:
             return
-        means, chunks = self._buckets.finish()
+        means, chunks = buckets.finish()
         for param, mean in means.items():
-            layer = self.fp8_layers.get(param)
-            if layer is not None:
-                layer.weight_grad = None
-                layer.accumulate_weight_grad(mean.view(param.shape), run_hooks=False)
+            handle = self.weights.get(param)
+            if handle is not None:
+                handle.set_grad_from_float(mean.view(param.shape))
             else:
                 param.grad = mean.view(param.shape).to(param.dtype)
         for param, chunk in chunks.items():
             self._shard_grads[param] = chunk
-            self.fp8_layers[param].weight_grad = None
-        self._agree_on_delayed_scales()
+            self.weights[param].clear_grad()
+        agree_on_delayed_scales(self.data_parallel, list(self.weights.values()))  # type: ignore[arg-type]
         self._synchronized = True
-
-    def _agree_on_delayed_scales(self) -> None:
-        """Under delayed scaling, every rank takes the largest amaxes (and the smallest
-        scales) of all ranks into its histories, in one all-reduce: from the next step all
-        ranks cast with the same scales, and every rank's checkpoint holds the same ones.
-        Current scaling takes scales from the tensor at hand and needs none of this."""
-        layers = [layer for layer in self.fp8_layers.values() if layer.recipe.scaling is Scaling.DELAYED]
-        if not layers:
-            return
-        packed = torch.cat([torch.cat([layer.amax_history.flatten(), -layer.scale]) for layer in layers])
-        agreed = self.data_parallel.max_over_ranks(packed)  # type: ignore[union-attr]
-        sizes = [size for layer in layers for size in (layer.amax_history.numel(), layer.scale.numel())]
-        pieces = agreed.split(sizes)
-        for layer, history, negated_scale in zip(layers, pieces[::2], pieces[1::2]):
-            layer.amax_history.copy_(history.view_as(layer.amax_history))
-            layer.scale.copy_(-negated_scale)
 
     # -- weights ---------------------------------------------------------------------
     def _next_noise_key(self) -> torch.Tensor:
@@ -323,13 +337,10 @@ class LowBitAdam(torch.optim.Optimizer):
         return torch.tensor(key, dtype=torch.int64)
 
     def _store_master(self, param_state: dict[str, Any], value: torch.Tensor) -> None:
-        # One power-of-two scale for the tensor, stochastic rounding as for FP16 weights.
-        scale = scaling.scale_from_amax(
-            scaling.amax(value), torch.float16, margin=1, power_of_2=True,
-            previous=param_state.get(_MASTER + state_storage.SCALE_SUFFIX),
+        """Store a master weight as FP16 weights are stored (``encode_fp16``)."""
+        param_state[_MASTER], param_state[_MASTER + state_storage.SCALE_SUFFIX] = encode_fp16(
+            value, self._next_noise_key(), previous=param_state.get(_MASTER + state_storage.SCALE_SUFFIX)
         )
-        param_state[_MASTER] = scaling.quantize_stochastic(value, scale, torch.float16, self._next_noise_key())
-        param_state[_MASTER + state_storage.SCALE_SUFFIX] = scale
 
     def read_weight(self, param: nn.Parameter) -> torch.Tensor:
         """The real float32 values of ``param``: its master weight where this rank keeps
@@ -337,20 +348,20 @@ class LowBitAdam(torch.optim.Optimizer):
         param_state = self.state[param]
         if _MASTER in param_state and not self._is_sharded(param):
             return state_storage.load(param_state, _MASTER)
-        layer = self.fp8_layers.get(param)
-        return layer.read_weight() if layer is not None else param.detach().float()
+        handle = self.weights.get(param)
+        return handle.read() if handle is not None else param.detach().float()
 
     def write_weight(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Store float32 ``value`` into ``param``: its master weight and FP8 storage (O3),
         its FP16 storage with stochastic rounding (O1, O2), or the parameter itself."""
-        layer = self.fp8_layers.get(param)
+        handle = self.weights.get(param)
         param_state = self.state[param]
         if _MASTER in param_state:
             self._store_master(param_state, value)
             if not self._is_sharded(param):
-                layer.write_weight(value)  # type: ignore[union-attr]
-        elif layer is not None:
-            layer.write_weight(value, noise_key=self._next_noise_key())
+                handle.write(value)  # type: ignore[union-attr]
+        elif handle is not None:
+            handle.write(value, noise_key=self._next_noise_key())
         else:
             param.copy_(value)
 
@@ -386,16 +397,16 @@ class LowBitAdam(torch.optim.Optimizer):
         """Each rank's rows of every sharded weight, cast from its master rows to FP8 with
         one scale per weight (from the amax over all ranks), stored in place; FSDP2
         all-gathers them before the next forward."""
-        params = [p for p in self.fp8_layers if _MASTER in self.state[p]]
+        params = [p for p in self.weights if _MASTER in self.state[p]]
         if not params:
             return
         chunks = [state_storage.load(self.state[p], _MASTER) for p in params]
         local_amax = torch.stack([chunk.abs().amax() if chunk.numel() else chunk.new_zeros(()) for chunk in chunks])
         global_amax = self.data_parallel.max_over_ranks(local_amax)  # type: ignore[union-attr]
         for param, chunk, amax in zip(params, chunks, global_amax):  # step() runs under no_grad
-            layer = self.fp8_layers[param]
-            data, scale = layer.encode_weight(chunk, amax_value=amax)
-            layer.store_weight(data.view(local_tensor(param).shape), scale)
+            handle = self.weights[param]
+            data, scale = handle.encode(chunk, amax_value=amax)
+            handle.store(data.view(local_tensor(param).shape), scale)
 
     def _precision(self, key: str) -> Precision:
         """Storage of moment ``key`` ("exp_avg" or "exp_avg_sq"), the level's column."""
@@ -411,9 +422,9 @@ class LowBitAdam(torch.optim.Optimizer):
     def _fused_update(self, param: nn.Parameter, group: dict[str, Any]) -> None:
         """``param``'s update through ``fused.adam_tensor_step``: the same operations as
         ``_update``, read from and written to the stored tensors."""
-        layer = self.fp8_layers.get(param)
-        if layer is not None:
-            scaled_grad = layer.weight_grad
+        handle = self.weights.get(param)
+        if handle is not None:
+            scaled_grad = handle.grad()
             if scaled_grad is None:
                 return
             grad, grad_scale = scaled_grad.data, scaled_grad.scale
@@ -427,14 +438,14 @@ class LowBitAdam(torch.optim.Optimizer):
         if _MASTER in param_state:
             kind = fused_step.WeightKind.MASTER
             weight, weight_scale = _stored(param_state, _MASTER)[:2]
-        elif layer is not None:
+        elif handle is not None:
             kind = fused_step.WeightKind.FP16_SCALED
-            weight, weight_scale = layer.weight.detach(), layer.weight_scale
+            weight, weight_scale = handle.param.detach(), handle.scale
         else:
             kind, weight, weight_scale = fused_step.WeightKind.PLAIN, param.detach(), None
         fp8_storage, fp8_previous = fused_step.Storage(), False
         if kind is fused_step.WeightKind.MASTER:
-            fp8_storage, fp8_previous = _fp8_weight_storage(layer)  # type: ignore[arg-type]
+            fp8_storage, fp8_previous = _fp8_weight_storage(handle)  # type: ignore[arg-type]
         storages = (grad_storage, moments[0][2], moments[1][2], fp8_storage)
         if any(storage is None for storage in storages):  # a scale layout the fused step lacks
             reference_grad = self.gradient(param)
@@ -449,8 +460,8 @@ class LowBitAdam(torch.optim.Optimizer):
             grad=grad_storage, exp_avg=moments[0][2], exp_avg_sq=moments[1][2],  # type: ignore[arg-type]
             weight=kind, decay=decay, maximize=bool(group["maximize"]),
             fp8_weight=fp8_storage,  # type: ignore[arg-type]
-            fp8_margin=layer.recipe.margin if layer is not None else 0,
-            fp8_power_of_2=layer.recipe.power_of_2_scales if layer is not None else False,
+            fp8_margin=handle.recipe.margin if handle is not None else 0,
+            fp8_power_of_2=handle.recipe.power_of_2_scales if handle is not None else False,
             fp8_previous_scale=fp8_previous,
         )
         param_state["step"] += 1
@@ -462,7 +473,7 @@ class LowBitAdam(torch.optim.Optimizer):
         noise_key = self._next_noise_key() if kind is not fused_step.WeightKind.PLAIN else torch.zeros((), dtype=torch.int64)
         tensors = fused_step.Tensors(
             grad, grad_scale, moments[0][0], moments[0][1], moments[1][0], moments[1][1],
-            weight, weight_scale, layer.weight_scale if layer is not None and fp8_previous else None,
+            weight, weight_scale, handle.scale if handle is not None and fp8_previous else None,
         )
         result = self._fused_steps(layout, tensors, scalars, noise_key)
         for key, data, scale in zip(
@@ -474,10 +485,10 @@ class LowBitAdam(torch.optim.Optimizer):
         if kind is fused_step.WeightKind.PLAIN:
             param.copy_(result.weight)
         elif kind is fused_step.WeightKind.FP16_SCALED:
-            layer.store_weight(result.weight, result.weight_scale)  # type: ignore[union-attr, arg-type]
+            handle.store(result.weight, result.weight_scale)  # type: ignore[union-attr, arg-type]
         else:
             param_state[_MASTER], param_state[_MASTER + state_storage.SCALE_SUFFIX] = result.weight, result.weight_scale
-            layer.store_weight(result.fp8_weight, result.fp8_weight_scale)  # type: ignore[union-attr, arg-type]
+            handle.store(result.fp8_weight, result.fp8_weight_scale)  # type: ignore[union-attr, arg-type]
 
     def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict[str, Any]) -> None:
         """``param``'s update, one eager operation at a time: the reference step."""
@@ -513,8 +524,8 @@ class LowBitAdam(torch.optim.Optimizer):
         """Store a moment at its level's precision; the FP8 first moment of an FP8
         layer's weight takes the tiles of that layer's weight scales (rowwise or block
         recipes), other low-bit moments ``state_block_size``."""
-        layer = self.fp8_layers.get(param)
-        tile = None if layer is None else layer.weight_tile()
+        handle = self.weights.get(param)
+        tile = None if handle is None else handle.tile()
         state_storage.store(param_state, key, value, self._precision(key), self.state_block_size, tile)
 
     # -- checkpoints -----------------------------------------------------------------
@@ -581,16 +592,16 @@ class LowBitAdam(torch.optim.Optimizer):
                 value = state_storage.load(param_state, key)
                 self._store_moment(param, param_state, key, value)
                 converted.add(key)
-        wants_master = self.level.master_weight is not None and param in self.fp8_layers
+        wants_master = self.level.master_weight is not None and param in self.weights
         if wants_master and _MASTER not in param_state:
-            self._store_master(param_state, self._own_chunk(param, self.fp8_layers[param].read_weight()))
+            self._store_master(param_state, self._own_chunk(param, self.weights[param].read()))
             converted.add("master weights")
         elif not wants_master and _MASTER in param_state:
-            layer = self.fp8_layers.get(param)
+            handle = self.weights.get(param)
             master = state_storage.load(param_state, _MASTER)
             del param_state[_MASTER], param_state[_MASTER + state_storage.SCALE_SUFFIX]
-            if layer is not None:
-                layer.write_weight(master)
+            if handle is not None:
+                handle.write(master)
             converted.add("master weights")
         return converted
 
@@ -626,11 +637,11 @@ def _scale_storage(data: torch.Tensor, scale: torch.Tensor | None, block_size: i
     return None
 
 
-def _fp8_weight_storage(layer: Fp8Linear) -> tuple[fused_step.Storage | None, bool]:
-    """The fused step's ``Storage`` of ``layer``'s FP8 weight and whether its current
-    scales have the shape of new ones (``encode_weight`` then falls back to them)."""
-    rows, cols = layer.weight.shape
-    tile = layer.weight_tile()
+def _fp8_weight_storage(handle: StoredWeight) -> tuple[fused_step.Storage | None, bool]:
+    """The fused step's ``Storage`` of an FP8 weight and whether its current scales have
+    the shape of new ones (``StoredWeight.encode`` then falls back to them)."""
+    rows, cols = handle.param.shape
+    tile = handle.tile()
     if tile is None:
         storage, shape = fused_step.Storage(E4M3), ()
     elif tile == (1, cols):
@@ -639,9 +650,9 @@ def _fp8_weight_storage(layer: Fp8Linear) -> tuple[fused_step.Storage | None, bo
         storage, shape = fused_step.Storage(E4M3, tile=tile[0]), (-(-rows // tile[0]), -(-cols // tile[0]))
     else:
         return None, False
-    if layer.weight_dtype != E4M3:
+    if handle.dtype != E4M3:
         return None, False
-    return storage, tuple(layer.weight_scale.shape) == shape
+    return storage, tuple(handle.scale.shape) == shape
 
 
 def _merge_string_ids(state: dict[Any, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -651,6 +662,21 @@ def _merge_string_ids(state: dict[Any, dict[str, Any]]) -> dict[int, dict[str, A
     for param_id, saved in sorted(state.items(), key=lambda item: isinstance(item[0], int)):
         merged.setdefault(int(param_id), {}).update(saved)
     return merged
+
+
+def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Refuse what ``torch.optim.Adam`` refuses, with the allowed range."""
+    problems = []
+    if not lr >= 0:
+        problems.append(f"lr={lr!r} (use lr >= 0)")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        problems.append(f"betas={betas!r} (use two values in [0, 1))")
+    if not eps >= 0:
+        problems.append(f"eps={eps!r} (use eps >= 0)")
+    if not weight_decay >= 0:
+        problems.append(f"weight_decay={weight_decay!r} (use weight_decay >= 0)")
+    if problems:
+        raise ValueError(f"LowBitAdam: invalid {'; '.join(problems)}")
 
 
 # Options of torch's Adam that LowBitAdam has no use for (implementation choices).

@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import scaling
+from ..stored_weight import encode_fp16
 
 
 class Decay(str, Enum):
@@ -114,9 +115,6 @@ class Result(NamedTuple):
     fp8_weight_scale: torch.Tensor | None
 
 
-_FP16_WEIGHT_MARGIN = 1  # as Fp8Linear's FP16 weights and LowBitAdam's master weights
-
-
 def coefficients(
     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float
 ) -> Coefficients:
@@ -154,7 +152,7 @@ def _store(value: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.T
 def _encode_fp8_weight(
     value: torch.Tensor, previous: torch.Tensor | None, layout: Layout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 weight and its scales (as ``Fp8Linear.encode_weight`` for FP8 storage)."""
+    """The FP8 weight and its scales (as ``StoredWeight.encode`` for FP8 storage)."""
     storage = layout.fp8_weight
     dtype = storage.dtype
     assert dtype is not None  # Layout construction guarantees it
@@ -203,11 +201,7 @@ def adam_tensor_step(
     if layout.weight is WeightKind.PLAIN:
         weight_data, weight_scale = weight, None
     else:
-        weight_scale = scaling.scale_from_amax(
-            scaling.amax(weight), torch.float16, margin=_FP16_WEIGHT_MARGIN, power_of_2=True,
-            previous=tensors.weight_scale,
-        )
-        weight_data = scaling.quantize_stochastic(weight, weight_scale, torch.float16, noise_key)
+        weight_data, weight_scale = encode_fp16(weight, noise_key, previous=tensors.weight_scale)
         if layout.weight is WeightKind.MASTER:
             previous = tensors.fp8_weight_scale if layout.fp8_previous_scale else None
             fp8_weight, fp8_weight_scale = _encode_fp8_weight(weight, previous, layout)

@@ -1,0 +1,297 @@
+"""``StoredWeight``: how one FP8 layer stores its weight, and where the weight's gradient
+lives. The layer, the optimizer, gradient clipping and the gradient reduction all go
+through this one handle (``amp8.stored_weight(param)`` finds it from the Parameter).
+
+Storage: the weight Parameter holds ``w * scale`` in FP16 (one power-of-two scale with a
+binade of headroom) or in FP8 (the recipe's scales at its granularity, which feed the
+GEMMs directly); the scale is the owning module's ``weight_scale`` buffer.
+
+Gradient: backward hands each new FP8 weight gradient to ``add_grad``. It lands in
+``param.grad`` as a ``WeightGrad`` (one byte per element), where ``model.zero_grad()``,
+``optimizer.zero_grad()`` and ``torch.nn.utils.clip_grad_norm_`` find it. A weight that
+FSDP2 shards keeps its gradient on the handle instead (FSDP2 would reduce a ``.grad`` it
+finds with its own collectives): amp8's gradient reduction reads it there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import scaling
+from .formats import E4M3, gradient_dtype
+from .levels import Precision
+from .recipe import Granularity, Recipe, Scaling
+from .tensor import ScaledTensor, is_sharded, local_tensor
+from .weight_grad import WeightGrad
+
+STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
+# Headroom of one binade above an FP16 tensor's amax, so growth between rescales fits.
+FP16_MARGIN = 1
+_ATTRIBUTE = "_amp8_stored_weight"
+
+
+def check_storage(storage: Precision) -> None:
+    """Raise ``ValueError`` unless ``storage`` is a weight storage amp8 has (FP16 or FP8
+    with a scale, or ``AS_IS``: the Parameter's own dtype, no scale)."""
+    if storage not in STORAGE_DTYPES and storage is not Precision.AS_IS:
+        allowed = [p.value for p in (*STORAGE_DTYPES, Precision.AS_IS)]
+        raise ValueError(f"weight_storage={storage!r} is not valid; use one of {allowed}")
+
+
+def encode_fp16(value: torch.Tensor, noise_key: torch.Tensor | int | None = None,
+                previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(FP16 data, scale)`` for float ``value`` with one power-of-two scale and a binade
+    of headroom, rounded stochastically under ``noise_key`` when one is given. The FP16
+    weights of O1/O2 and O3's FP16 master weights are stored so."""
+    scale = scaling.scale_from_amax(
+        scaling.amax(value), torch.float16, margin=FP16_MARGIN, power_of_2=True, previous=previous
+    )
+    if noise_key is None:
+        return scaling.quantize(value, scale, torch.float16), scale
+    return scaling.quantize_stochastic(value, scale, torch.float16, noise_key), scale
+
+
+def stored_weight(param: torch.Tensor) -> "StoredWeight | None":
+    """The handle of an FP8 layer's weight Parameter, or None for any other tensor."""
+    return getattr(param, _ATTRIBUTE, None)
+
+
+class StoredWeight:
+    """The stored weight of one FP8 layer (``module.weight`` and ``module.weight_scale``).
+
+    Args:
+        module: the layer that owns the Parameter and the scale buffer.
+        recipe: the layer's FP8 recipe (granularity, margin, power-of-two scales, formats).
+        storage: ``Precision.FP16`` or ``Precision.FP8``.
+        on_store: called whenever the stored weight changes (the layer drops its cached
+            FP8 casts).
+    """
+
+    def __init__(
+        self, module: nn.Module, recipe: Recipe, storage: Precision, on_store: Callable[[], None]
+    ) -> None:
+        check_storage(storage)
+        self._module = module
+        self.recipe = recipe
+        self.storage = storage
+        self._on_store = on_store
+        self.sharded = False  # set when FSDP2 shards the weight (see amp8.comm.fsdp)
+        # The data-parallel group amp8.initialize found (an amp8.comm.DataParallel), so an
+        # optimizer built over these weights averages their gradients over it.
+        self.data_parallel: Any = None
+        self._held_grad: ScaledTensor | None = None
+        self._grad_ready_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
+        if storage is not Precision.AS_IS:  # an AS_IS weight is a plain Parameter to everyone
+            self.mark(module.weight)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy`` of the model) starts with no gradient, no hooks and
+        no process group: those belong to the original's optimizer and run."""
+        state = self.__dict__.copy()
+        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), data_parallel=None)
+        return state
+
+    def mark(self, param: nn.Parameter) -> None:
+        """Attach this handle to ``param``, so ``stored_weight(param)`` finds it (also for
+        the new Parameter FSDP2 puts in place)."""
+        setattr(param, _ATTRIBUTE, self)
+
+    # -- storage ---------------------------------------------------------------------
+    @property
+    def param(self) -> nn.Parameter:
+        """The weight Parameter as the layer holds it now."""
+        return self._module.weight
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The weight's float32 scales (the layer's ``weight_scale`` buffer)."""
+        return self._module.weight_scale
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weight is stored in (float16, float8_e4m3fn, or the Parameter's
+        own dtype for ``AS_IS``)."""
+        return self.param.dtype if self.storage is Precision.AS_IS else STORAGE_DTYPES[self.storage]
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block edge of the weight's scales (0 unless the recipe is "block")."""
+        return self.recipe.block_size if self.recipe.granularity is Granularity.BLOCK else 0
+
+    def tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
+        """The tile of the weight's FP8 scales for a GEMM contracting its dim
+        ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
+        return self.recipe.tile(tuple(self.param.shape), contract_dim, weight=True)
+
+    def stored(self) -> ScaledTensor:
+        """The stored data (this rank's rows of a sharded weight) with its scales."""
+        return ScaledTensor(local_tensor(self.param).detach(), self.scale, self.block_size)
+
+    def read(self) -> torch.Tensor:
+        """The weight's real values in float32 (this rank's rows of a sharded weight,
+        outside forward and backward)."""
+        return self.stored().dequantize()
+
+    def encode(
+        self,
+        value: torch.Tensor,
+        noise_key: torch.Tensor | int | None = None,
+        amax_value: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scale)`` that store float ``value`` in this weight's storage.
+
+        FP16 storage rounds stochastically under ``noise_key`` when one is given; FP8
+        storage takes the recipe's weight scales at its granularity. ``amax_value``
+        replaces the amax of ``value`` (to encode one rank's rows of a tensorwise-scaled
+        weight with the scale of the whole).
+        """
+        if self.storage is Precision.AS_IS:
+            return value.to(self.param.dtype), torch.ones((), device=value.device)
+        previous_for = lambda shape: self.scale if self.scale.shape == shape else None  # noqa: E731
+        if self.storage is Precision.FP16 and amax_value is None:
+            return encode_fp16(value, noise_key, previous_for(torch.Size([])))
+        if self.storage is Precision.FP8:
+            margin, power_of_2, tile = self.recipe.margin, self.recipe.power_of_2_scales, self.tile()
+        else:
+            margin, power_of_2, tile = FP16_MARGIN, True, None
+        amaxes = scaling.tile_amax(value, tile) if amax_value is None else amax_value
+        scale = scaling.scale_from_amax(
+            amaxes, self.dtype, margin=margin, power_of_2=power_of_2, previous=previous_for(amaxes.shape)
+        )
+        full_scale = scaling.expand_scale(scale, tuple(value.shape), self.block_size)
+        if noise_key is not None and self.storage is Precision.FP16:
+            return scaling.quantize_stochastic(value, full_scale, self.dtype, noise_key), scale
+        return scaling.quantize(value, full_scale, self.dtype), scale
+
+    def write(self, value: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
+        """Store float ``value`` in place (stochastically rounded under ``noise_key``)."""
+        self.store(*self.encode(value, noise_key))
+
+    def store(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store already encoded ``data`` (this rank's rows of a sharded weight) and its
+        ``scale``, in place."""
+        self._on_store()
+        param, module = self.param, self._module
+        with torch.no_grad():
+            if param.dtype == data.dtype:
+                local_tensor(param).copy_(data)
+            else:
+                param.data = data
+            if module.weight_scale.shape == scale.shape:
+                module.weight_scale.copy_(scale)
+            else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
+                module.weight_scale = scale.clone()
+
+    def restore(self, storage: Precision) -> None:
+        """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
+        check_storage(storage)
+        real = self.read()
+        self.storage = storage
+        self.write(real)
+
+    def delayed_scaling_state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's ``(amax_history, scale)`` buffers under delayed scaling (which ranks
+        must agree on), else None."""
+        if self.recipe.scaling is not Scaling.DELAYED:
+            return None
+        return self._module.amax_history, self._module.scale
+
+    # -- gradient --------------------------------------------------------------------
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The FP8 dtype of the weight gradient (the recipe's gradient format)."""
+        return gradient_dtype(self.recipe.fp8_format)
+
+    def grad(self) -> ScaledTensor | None:
+        """The weight gradient as FP8 + scales, or None. Like ``param.grad`` it is live:
+        a later backward or clip changes it in place."""
+        if self.sharded:
+            return self._held_grad
+        grad = self.param.grad
+        if grad is None:
+            return None
+        if not isinstance(grad, WeightGrad):
+            raise TypeError(
+                f"the weight gradient of an FP8 layer must be an amp8 WeightGrad (FP8 + "
+                f"scale), found a {type(grad).__name__} of {grad.dtype}; clear it with "
+                "zero_grad() and let backward produce it"
+            )
+        return grad.fp8
+
+    def set_grad(self, value: ScaledTensor | None) -> None:
+        """Replace the gradient (None clears it): ``value`` must have the gradient's FP8
+        dtype, the weight's shape and the weight's scale layout."""
+        if value is not None:
+            self._check_grad(value)
+        if self.sharded:
+            self._held_grad = value
+            return
+        param = self.param
+        param.grad = None if value is None else WeightGrad(value, param.dtype)
+
+    def clear_grad(self) -> None:
+        """Drop the gradient."""
+        self.set_grad(None)
+
+    def set_grad_from_float(self, value: torch.Tensor) -> None:
+        """Store float ``value`` as the gradient, in FP8 with fresh scales."""
+        data, scale = scaling.quantize_tiles(
+            value, self.grad_dtype, self.tile(), margin=self.recipe.margin,
+            power_of_2=self.recipe.power_of_2_scales,
+        )
+        self.set_grad(ScaledTensor(data, scale, self.block_size))
+
+    def add_grad(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Backward's new FP8 gradient: it becomes the gradient, or is added to the one
+        there (gradient accumulation) and re-stored with fresh scales. Then the
+        grad-ready hooks run."""
+        current = self.grad()
+        new = ScaledTensor(data, scale, self.block_size)
+        if current is None:
+            self.set_grad(new)
+        else:
+            total = current.dequantize() + new.dequantize()
+            data, scale = scaling.quantize_tiles(
+                total, self.grad_dtype, self.tile(), margin=self.recipe.margin,
+                power_of_2=self.recipe.power_of_2_scales,
+            )
+            current.data.copy_(data)
+            current.scale.copy_(scale)
+        for hook in list(self._grad_ready_hooks.values()):
+            hook(self.param)
+
+    def register_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> RemovableHandle:
+        """Call ``hook(param)`` after each backward has added to the gradient (the FP8
+        counterpart of ``Tensor.register_post_accumulate_grad_hook``)."""
+        handle = RemovableHandle(self._grad_ready_hooks)
+        self._grad_ready_hooks[handle.id] = hook
+        return handle
+
+    @property
+    def grad_scale_shape(self) -> torch.Size:
+        """The shape of the gradient's scales (the weight's tiles)."""
+        return scaling.tile_amax(torch.zeros(self.param.shape, device="meta"), self.tile()).shape
+
+    def _check_grad(self, value: ScaledTensor) -> None:
+        expected_scale = self.grad_scale_shape
+        if value.dtype != self.grad_dtype or value.shape != self.param.shape or (
+            value.scale.shape != expected_scale
+        ):
+            raise ValueError(
+                f"a weight gradient of {value.dtype}, shape {tuple(value.shape)}, scales of shape "
+                f"{tuple(value.scale.shape)} does not fit this weight: {self.grad_dtype}, shape "
+                f"{tuple(self.param.shape)}, scales {tuple(expected_scale)}"
+            )
+
+
+def is_fp8_weight(param: torch.Tensor) -> bool:
+    """Whether ``param`` is the weight of an FP8 layer (it has a ``StoredWeight``)."""
+    return stored_weight(param) is not None
+
+
+__all__ = ["StoredWeight", "WeightGrad", "encode_fp16", "is_fp8_weight", "is_sharded", "stored_weight"]
