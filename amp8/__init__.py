@@ -14,6 +14,8 @@ from .optim.clip import clip_grad_norm_
 from .recipe import AmaxAlgo, Granularity, Recipe, RecipeName, Scaling
 from .report import PrecisionReport, report
 from .selection import SpeedRule
+from .stored_weight import StoredWeight, stored_weight
+from .weight_grad import WeightGrad
 
 __version__ = "0.1.0"
 
@@ -39,10 +41,13 @@ __all__ = [
     "RecipeName",
     "Scaling",
     "SpeedRule",
+    "StoredWeight",
+    "WeightGrad",
     "__version__",
     "clip_grad_norm_",
     "export",
     "compare",
     "initialize",
     "report",
+    "stored_weight",
 ]

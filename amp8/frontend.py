@@ -113,7 +113,8 @@ def initialize(
             f"amp8 does for tensorwise scales only; got granularity="
             f"{recipe.granularity.value!r}. Use Recipe(granularity='tensorwise') or O2"
         )
-    check_state_precision(level)
+    if level.takes_over_optimizer:
+        check_state_precision(level)
     # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
     # them before the weights themselves drop to FP8.
     first_storage = Precision.FP16 if level.weight is not Precision.AS_IS else Precision.AS_IS
@@ -145,9 +146,9 @@ def initialize(
         for layer in layers.values():
             layer.stored_weight.mark(layer.weight)
             layer.stored_weight.sharded = True
-    elif distributed:
+    if distributed:
         leave_to_amp8(model)
-        watch_for_ddp(model, data_parallel)  # type: ignore[arg-type]
+        watch_for_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]
     new_optimizer = None
     if optimizer is not None:
         new_optimizer = LowBitAdam.from_optimizer(

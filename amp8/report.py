@@ -18,6 +18,7 @@ from . import scaling
 from .console import default_console
 from .formats import max_value, short_name
 from .nn.linear import Fp8Linear, Slot
+from .levels import Precision
 from .nn.swap import high_precision_reason, shared_weight_names
 from .tensor import local_tensor
 from .selection import resolve_selection
@@ -282,7 +283,12 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
     for name, param in model.named_parameters():
         module, note = owners[id(param)]
         fp8_layer = module if isinstance(module, Fp8Linear) and param is module.weight else None
-        if fp8_layer is not None:
+        if fp8_layer is not None and fp8_layer.weight_storage is Precision.AS_IS:
+            note = note or "FP8 compute only: weight and gradient as the model keeps them"
+            grad_dtype = None if param.grad is None else param.grad.dtype
+            grad_bytes, weight_bytes = _nbytes(param.grad), param.nbytes
+            stats = _fp8_cast_stats(fp8_layer, fp8_layer.read_weight())
+        elif fp8_layer is not None:
             grad = fp8_layer.weight_grad
             grad_dtype = None if grad is None else grad.dtype
             grad_bytes = 0 if grad is None else grad.nbytes  # FP8 data + scales, while there is one

@@ -43,10 +43,15 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=0, rtol=0, equal_nan=True)
 
 
-cuda_fp8 = pytest.mark.skipif(
+_needs_fp8_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
     reason="needs a CUDA GPU with FP8 tensor cores (sm_89+); the CPU tests cover the same logic",
 )
+
+
+def cuda_fp8(test: Any) -> Any:
+    """Mark a test as CUDA-only (``pytest -m cuda`` selects them), skipped without an FP8 GPU."""
+    return pytest.mark.cuda(_needs_fp8_gpu(test))
 
 
 def linear_pair(

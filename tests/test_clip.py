@@ -57,3 +57,12 @@ def test_parameter_iterable_is_refused() -> None:
     model, _ = _model_with_grads()
     with pytest.raises(TypeError, match="torch.nn.utils.clip_grad_norm_ handles FP8 weight gradients too"):
         amp8.clip_grad_norm_(model.parameters(), 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("max_norm", "norm_type"), [(-1.0, 2.0), (float("nan"), 2.0), (1.0, 0.0), (1.0, -2.0)])
+def test_out_of_range_arguments_are_refused(max_norm: float, norm_type: float) -> None:
+    model, _ = _model_with_grads()
+    before = model[0].weight_grad.scale.clone()
+    with pytest.raises(ValueError, match="max_norm|norm_type"):
+        amp8.clip_grad_norm_(model, max_norm=max_norm, norm_type=norm_type)
+    assert torch.equal(model[0].weight_grad.scale, before), "a refused clip must change nothing"

@@ -296,3 +296,25 @@ def test_blockwise_state() -> None:
     model(torch.randn(8, 256)).sum().backward()
     optimizer.step()
     assert optimizer.state[model[0].weight]["exp_avg_scale"].shape == (256 * 64 // 128,)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"lr": -1.0}, {"betas": (1.5, 0.9)}, {"betas": (0.9, -0.1)}, {"eps": -1.0}, {"weight_decay": -0.1}],
+)
+def test_out_of_range_hyperparameters_are_refused(options: dict) -> None:
+    with pytest.raises(ValueError, match="LowBitAdam: invalid"):
+        amp8.optim.LowBitAdam(nn.Linear(16, 16).parameters(), **options)
+
+
+def test_level_is_accepted_by_name() -> None:
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(16, 16)), None, "O2")
+    optimizer = amp8.optim.LowBitAdam(model.parameters(), level="O2")
+    assert optimizer.level is amp8.LEVELS["O2"] and model[0].weight in optimizer.weights
+
+
+def test_initializing_twice_says_already_initialized() -> None:
+    model = nn.Sequential(nn.Linear(16, 16))
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+    with pytest.raises(ValueError, match="already initialized"):
+        amp8.initialize(model, optimizer, "O1")

@@ -84,6 +84,11 @@ class GradientBuckets:
             self.is_paused = previous
 
     @property
+    def all_started(self) -> bool:
+        """Whether every bucket's all-to-all of this pass has started."""
+        return self._next == len(self.buckets)
+
+    @property
     def started(self) -> int:
         """Buckets whose all-to-all is in flight or done in this pass."""
         return sum(bucket.pending is not None for bucket in self.buckets)

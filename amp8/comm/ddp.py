@@ -16,8 +16,7 @@ biases, norms and embeddings travel in FP8 as well. ``fp8_compress_hook`` is pub
 serves any DDP model, amp8 layers or not.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 from typing import Any
 
 import torch
@@ -30,7 +29,9 @@ from .data_parallel import DataParallel
 from .fp8_collectives import fp8_all_reduce_mean
 
 
-def fp8_compress_hook(state: DataParallel | dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+def fp8_compress_hook(
+    state: DataParallel | dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook that averages each gradient bucket with FP8 on the wire.
 
     Register it with ``ddp.register_comm_hook(state, amp8.comm.fp8_compress_hook)``, as
@@ -47,7 +48,7 @@ def fp8_compress_hook(state: DataParallel | dist.ProcessGroup | None, bucket: di
         group, stats = state, None
     buffer = bucket.buffer()
     (mean,) = fp8_all_reduce_mean([buffer.float()], group, stats)
-    future: torch.futures.Future = torch.futures.Future()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(mean.to(buffer.dtype).view_as(buffer))
     return future
 
@@ -74,15 +75,22 @@ def leave_to_amp8(model: nn.Module) -> None:
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
-def watch_for_ddp(model: nn.Module, data_parallel: DataParallel) -> RemovableHandle:
+def watch_for_ddp(model: nn.Module, data_parallel: DataParallel, *, sharded: bool = False) -> RemovableHandle:
     """A forward pre-hook on ``model`` that finds the DDP running it, if any: the first
     time, amp8 hands it the model's other parameters and registers ``fp8_compress_hook``;
-    every time, it reads whether this backward synchronizes (``no_sync``)."""
+    every time, it reads whether this backward synchronizes (``no_sync``). A model whose
+    FP8 weights FSDP2 shards (``sharded``, O3) refuses DDP."""
 
     def before_forward(module: nn.Module, args: Any) -> None:
         ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is None or ddp.module is not module:
             return
+        if sharded:
+            raise RuntimeError(
+                "DistributedDataParallel wraps a model whose FP8 weights amp8 sharded with "
+                "FSDP2 (opt level O3 in a process group): amp8 averages every gradient itself "
+                "there; use the model without DDP, or O1/O2 under DDP"
+            )
         if data_parallel.ddp is not ddp:
             _adopt(ddp, data_parallel)
         data_parallel.backward_sync = bool(ddp.require_backward_grad_sync)

@@ -23,7 +23,7 @@ from ..formats import forward_dtype, gradient_dtype
 from ..gemm import GemmRole, fp8_gemm
 from ..levels import Precision
 from ..recipe import Granularity, Recipe, Scaling
-from ..stored_weight import StoredWeight
+from ..stored_weight import StoredWeight, stored_weight
 from ..tensor import ScaledTensor
 
 _GEMM_ALIGNMENT = 16
@@ -326,6 +326,8 @@ class Fp8Linear(nn.Module):
             raise ValueError(
                 f"Fp8Linear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
+        if not torch.compiler.is_compiling():
+            self._check_weight_is_amp8s()
         high_fprop, high_dgrad, _ = self.recipe.override_linear_precision
         # The weight's FP8 casts happen here, outside the autograd.Function, so that the
         # cache (a module attribute) is written where a compiled graph may write it.
@@ -338,6 +340,19 @@ class Fp8Linear(nn.Module):
         out_dtype = _output_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # the GEMMs choose their own dtypes
             return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, w8, w8_dgrad, sink, out_dtype)
+
+    def _check_weight_is_amp8s(self) -> None:
+        """Refuse a weight Parameter amp8 did not place: a ``fully_shard`` (or other
+        wrapper) applied after ``amp8.initialize`` would reduce a gradient it cannot read."""
+        handle = self.stored_weight
+        if handle.sharded or handle.storage is Precision.AS_IS or stored_weight(self.weight) is handle:
+            return
+        raise RuntimeError(
+            "the weight of an Fp8Linear was replaced after amp8.initialize (by fully_shard, "
+            "or by assigning a new Parameter); for FSDP2 use opt_level='O3' in a process "
+            "group, where amp8 applies fully_shard itself, or DistributedDataParallel at "
+            "O1/O2, wrapped after amp8.initialize"
+        )
 
     def extra_repr(self) -> str:
         """Shape, weight storage and recipe, for ``print(model)``."""

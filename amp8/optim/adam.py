@@ -159,8 +159,14 @@ class LowBitAdam(torch.optim.Optimizer):
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         buckets = self._reduction()
-        if buckets is not None:
-            buckets.grad_ready(param)
+        if buckets is None:
+            return
+        self._synchronized = False  # a backward after an average starts a new round
+        buckets.grad_ready(param)
+        # Under the user's DDP, trainers clip right after backward, on DDP's averaged
+        # gradients: average the FP8 weights' ones as soon as all their buckets are out.
+        if self.data_parallel.ddp is not None and buckets.all_started:  # type: ignore[union-attr]
+            self.synchronize()
 
     def _register_hooks(self, params: list[nn.Parameter]) -> None:
         """Tell the buckets when each gradient is final: through the stored weight's
