@@ -50,3 +50,27 @@ def test_hf_transformers_trains_in_fp8() -> None:
     report = amp8.report(model, optimizer)
     assert report.fp8_share > 0.8, report.summary()
     assert optimizer.skipped_steps == 0
+
+
+def test_hf_trainer_example_trains() -> None:
+    import amp8
+
+    example = _load("hf_trainer")
+    losses, model, optimizer = example.train(example.Config(steps=3, batch_size=2))
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    assert amp8.report(model, optimizer).fp8_share > 0.8
+    assert optimizer.skipped_steps == 0
+
+
+def test_accelerate_example_trains() -> None:
+    example = _load("accelerate_train")
+    losses, _, optimizer = example.train(example.Config(epochs=2, samples=128))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert optimizer.skipped_steps == 0
+
+
+def test_lightning_example_trains() -> None:
+    example = _load("lightning_train")
+    before, after, module = example.train(example.Config(max_steps=10, samples=128))
+    assert after < 0.8 * before, f"loss {before:.4f} -> {after:.4f}"
+    assert module.amp8_optimizer.skipped_steps == 0
