@@ -6,8 +6,8 @@
 ``amp8.initialize`` comes first (in every process: ``accelerate launch`` has set up the
 process group by the time ``Accelerator()`` is built), then ``accelerator.prepare``, which
 wraps the model in ``DistributedDataParallel`` when there are several processes. DDP
-averages the biases; amp8 averages the FP8 weight gradients, FP8 on the wire, and
-``synchronize_gradients`` makes it do so before ``accelerator.clip_grad_norm_``.
+averages the biases; amp8 averages the FP8 weight gradients, FP8 on the wire, by the end of
+each synchronizing backward, so ``accelerator.clip_grad_norm_`` sees averaged gradients.
 O3 shards weights with FSDP2 inside amp8 and is not for a DDP wrapper: use O0-O2 here.
 """
 
@@ -21,7 +21,6 @@ from accelerate import Accelerator
 from torch import nn
 
 import amp8
-from amp8.integrations.accelerate import synchronize_gradients
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,6 @@ def train(config: Config = Config()) -> tuple[list[float], nn.Module, torch.opti
                 loss = nn.functional.mse_loss(model(x), target)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    synchronize_gradients(optimizer)  # average FP8 weight gradients before clipping
                     accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()

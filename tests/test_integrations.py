@@ -8,7 +8,6 @@ hand from the same seed, on the same batches: the trainers add nothing to amp8's
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import os
 from pathlib import Path
@@ -16,13 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import amp8
 import multiprocess
-from amp8.comm import ddp as amp8_ddp
-from amp8.integrations.accelerate import synchronize_gradients, unwrap_optimizer
 from amp8.stored_weight import is_fp8_weight
 from amp8.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal
@@ -195,15 +191,14 @@ def _accelerate(level: str, max_norm: float = MAX_NORM) -> dict[str, Any]:
             loss = model(inputs, labels)["loss"]
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                synchronize_gradients(optimizer)  # FP8 weight gradients averaged before clipping
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), max_norm)))
-                clipped.append(float(amp8.clip_grad_norm_(unwrap_optimizer(optimizer), math.inf)))
+                clipped.append(float(amp8.clip_grad_norm_(optimizer.optimizer, math.inf)))
             optimizer.step()
             scheduler.step()  # accelerate steps it once per optimizer step and process
             optimizer.zero_grad()
         losses.append(loss.item())
     inner = accelerator.unwrap_model(model)
-    low_bit = unwrap_optimizer(optimizer)
+    low_bit = optimizer.optimizer
     steps = {int(state["step"]) for state in low_bit.state.values()}
     return {
         "wrapper": type(model).__name__, "norms": norms, "clipped": clipped, "losses": losses,
@@ -234,18 +229,6 @@ def _accelerate_rank(rank: int, world: int, level: str, max_norm: float) -> dict
     return result
 
 
-def _ddp_rejects_amp8_hook() -> bool:
-    """DDP checks a comm hook's annotations as objects; under postponed annotations they
-    are strings, and ``register_comm_hook`` raises ValueError at the first forward."""
-    annotation = inspect.signature(amp8_ddp.fp8_compress_hook).parameters["bucket"].annotation
-    return dist.is_available() and annotation is not dist.GradBucket
-
-
-@pytest.mark.xfail(
-    _ddp_rejects_amp8_hook(), strict=True, raises=torch.multiprocessing.ProcessRaisedException,
-    reason="amp8/comm/ddp.py: fp8_compress_hook's annotations are strings (from __future__ import "
-    "annotations), which DistributedDataParallel.register_comm_hook rejects with a ValueError",
-)
 @pytest.mark.parametrize("level", ["O2"])
 def test_accelerate_two_processes_agree(level: str, tmp_path: Path) -> None:
     max_norm = 0.5  # averaged gradients are smaller than one rank's: clip lower so it acts
