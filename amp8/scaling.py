@@ -18,7 +18,11 @@ from .recipe import AmaxAlgo
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """The absolute maximum of ``x`` as a float32 scalar tensor (NaN if ``x`` has one)."""
+    """The absolute maximum of ``x`` as a float32 scalar tensor (NaN if ``x`` has one).
+
+    An empty ``x`` (an empty batch) has amax 0, which keeps the previous scale."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.detach().abs().amax().float()
 
 
@@ -159,11 +163,18 @@ def _as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def tile_amax(x: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
     """The float32 absolute maximum of each ``tile`` (rows, columns) of the 2-D ``x``,
     shape ``(ceil(R / rows), ceil(C / columns))``; trailing partial tiles get their own
-    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor)."""
+    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor).
+
+    An empty dimension (an empty batch) counts as one empty tile, whose amax is 0 as
+    ``amax`` gives for an empty tensor: a size-1 dimension of scales broadcasts to the
+    empty one, and the result is never empty itself."""
     if tile is None:
         return amax(x)
     if x.dim() != 2:
         raise ValueError(f"tiled scales need a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        counts = [max(1, -(-size // max(1, edge))) for size, edge in zip(x.shape, tile)]
+        return torch.zeros(counts, dtype=torch.float32, device=x.device)
     tile_rows, tile_cols = tile
     absolute = x.detach().float().abs()
     padded = torch.nn.functional.pad(absolute, (0, -x.shape[1] % tile_cols, 0, -x.shape[0] % tile_rows))
