@@ -119,11 +119,26 @@ def test_unknown_preset_lists_the_names() -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [({"levels": ("O1",)}, "lacks 'O0'"), ({"levels": ("O0", "0O1")}, "not amp8 opt levels"),
-     ({"steps": 0}, "steps"), ({"lr": -1.0}, "lr")],
+     ({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"), ({"lr": float("inf")}, "finite lr"),
+     ({"weight_decay": -0.1}, "weight_decay"), ({"seed": -1}, r"seed=-1 .* \[0, 2\*\*63\)"),
+     ({"device": "tpu9"}, "device='tpu9' is not a torch device")],
 )
 def test_compare_config_rejects_bad_values(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TINY.replace(**changes)
+
+
+@pytest.mark.parametrize("field", ["model", "corpus", "recipe"])
+def test_compare_config_rejects_wrong_types(field: str) -> None:
+    with pytest.raises(TypeError, match=f"CompareConfig.{field} must be a"):
+        TINY.replace(**{field: "small"})
+
+
+def test_compare_refuses_what_is_not_a_config() -> None:
+    from amp8.experiments.compare import compare
+
+    with pytest.raises(TypeError, match="compare takes an amp8.experiments.compare.CompareConfig, got dict"):
+        compare({"steps": 2})  # type: ignore[arg-type]
 
 
 def test_run_specs_cover_levels_ablation_and_seeds() -> None:
