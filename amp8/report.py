@@ -222,7 +222,8 @@ class PrecisionReport:
             columns = [(title, key) for title, key in columns if key != "scale_min"]
         table = Table(title="amp8 precision report")
         for title, key in columns:
-            table.add_column(title, justify="right" if key in _NUMERIC else "left")
+            # Names and headers fold onto more lines rather than being cut short.
+            table.add_column(title, justify="right" if key in _NUMERIC else "left", overflow="fold")
         notes: list[str] = []
         for row in self.rows:
             cells = {key: _cell(row, key) for _, key in columns}

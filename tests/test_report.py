@@ -158,3 +158,22 @@ def test_highlights_refuses_a_bad_count(top: object) -> None:
 def test_from_dict_refuses_what_to_dict_does_not_write(data: object) -> None:
     with pytest.raises(ValueError, match="needs a dict with a list of 'rows'"):
         amp8.PrecisionReport.from_dict(data)  # type: ignore[arg-type]
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(64, 64)
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_long_parameter_names_fold_instead_of_being_cut(width: int) -> None:
+    model = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"self_attn": _Attention()})])})})
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O3")  # every column
+    console = Console(record=True, width=width)
+    amp8.report(model, optimizer).print(console)
+    text = console.export_text()
+    assert "…" not in text, text
+    name = "model.layers.0.self_attn.q_proj.weight"
+    first_column = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.count("│") > 2)
+    assert name in first_column, f"{name} is not whole in\n{text}"

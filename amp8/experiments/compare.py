@@ -275,7 +275,7 @@ class CompareResult:
         table = Table(title=f"amp8 compare: {self.describe()}")
         for title in ("run", "train loss", "val loss", "gap to O0", "tokens/s", "peak mem",
                       "bytes/param", "FP8 share", "skipped"):
-            table.add_column(title, justify="left" if title == "run" else "right")
+            table.add_column(title, justify="left" if title == "run" else "right", overflow="fold")
         for result in self.runs:
             if not result.ok:
                 table.add_row(result.name, *["-"] * 7, "unavailable")
@@ -372,6 +372,15 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
         specs.append(RunSpec(TORCHAO, "O0", config.seed, torchao=True))
     specs += [RunSpec(f"O0-seed{config.seed + k}", "O0", config.seed + k) for k in range(1, config.seeds)]
     return specs
+
+
+def missing_peer_note(config: CompareConfig) -> str | None:
+    """The line that says torchao's float8 peer is left out because torchao is not
+    installed (None when it runs, or when ``config`` does not ask for it)."""
+    if not config.torchao or torchao_available():
+        return None
+    return ("torchao is not installed: its float8 training is left out of the comparison "
+            "(pip install torchao to add it, --no-torchao to silence this)")
 
 
 def torchao_available() -> bool:
@@ -524,6 +533,9 @@ def compare(
         for _ in range(config.eval_batches)
     ]
     specs = run_specs(config)
+    note = missing_peer_note(config)
+    if note is not None:
+        console.print(note, highlight=False)
     runs: list[RunResult] = []
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
