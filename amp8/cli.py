@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             precision = load_report(args.run, args.level)
-        except (FileNotFoundError, KeyError) as error:
+        except (FileNotFoundError, KeyError, ValueError) as error:
             console.print(f"amp8 report: {error.args[0]}", highlight=False, markup=False)
             return 2
         if args.json:

@@ -9,6 +9,10 @@ from torch import nn
 
 from .nn.linear import Fp8Linear
 from .tensor import is_sharded
+from .validation import check_model_and_optimizer
+
+EXPORT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The dtypes ``export`` casts to: those an ``nn.Linear`` computes in."""
 
 
 def export(
@@ -20,7 +24,17 @@ def export(
     holding the layer's real weight, cast to ``dtype``. The original is not changed.
 
     Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or
+            ``dtype`` not one of ``EXPORT_DTYPES`` (a string such as "bf16" included:
+            pass ``torch.bfloat16``).
+        ValueError: a weight sharded over data-parallel ranks.
     """
+    check_model_and_optimizer("amp8.export", model, optimizer)
+    if not isinstance(dtype, torch.dtype) or dtype not in EXPORT_DTYPES:
+        allowed = ", ".join(map(str, EXPORT_DTYPES))
+        raise TypeError(f"amp8.export(dtype={dtype!r}) is not valid; use one of {allowed}")
     real_weights: dict[str, torch.Tensor] = {}
     masters = getattr(optimizer, "read_weight", None)
     for name, module in model.named_modules():

@@ -7,6 +7,7 @@ gradients; E4M3 uses E4M3 for every tensor.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
 import torch
@@ -31,6 +32,15 @@ def forward_dtype(fmt: Fp8Format) -> torch.dtype:
 def gradient_dtype(fmt: Fp8Format) -> torch.dtype:
     """The FP8 dtype of gradients under ``fmt``: E5M2 for HYBRID, E4M3 for E4M3."""
     return E5M2 if fmt is Fp8Format.HYBRID else E4M3
+
+
+def max_margin(fmt: Fp8Format) -> int:
+    """The largest ``Recipe.margin`` for ``fmt``: with it, a tensor's amax still lands on
+    a normal number of every dtype ``fmt`` uses (14 for both formats, set by E4M3's
+    range); beyond it the amax falls among the subnormals and the rest of the tensor
+    to zero."""
+    dtypes = {forward_dtype(fmt), gradient_dtype(fmt)}
+    return min(math.floor(math.log2(max_value(dtype) / torch.finfo(dtype).tiny)) for dtype in dtypes)
 
 
 def max_value(dtype: torch.dtype) -> float:

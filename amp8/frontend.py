@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .comm.agreement import check_ranks_agree
 from .comm.data_parallel import DataParallel, broadcast_module, process_group_size
 from .comm.ddp import leave_to_amp8, watch_for_ddp
 from .gemm import check_fp8_device
@@ -107,6 +108,8 @@ def initialize(
     for device in {param.device for param in model.parameters()}:
         check_fp8_device(device)
     distributed = process_group_size(process_group) > 1
+    if distributed:  # before anything else goes over the wire: ranks that differ would hang
+        check_ranks_agree(model, level, recipe, process_group)
     if distributed and level.shard_optimizer and recipe.granularity is not Granularity.TENSORWISE:
         raise ValueError(
             f"opt level {level.name} shards its optimizer over data-parallel ranks, which "

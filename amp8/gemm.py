@@ -38,11 +38,12 @@ class GemmRole(str, Enum):
 
 
 def _is_row_major(x: torch.Tensor) -> bool:
-    return x.stride(1) == 1 and x.stride(0) >= max(1, x.shape[1])
+    # An empty tensor has no layout to get wrong (``contiguous()`` leaves its strides).
+    return x.numel() == 0 or (x.stride(1) == 1 and x.stride(0) >= max(1, x.shape[1]))
 
 
 def _is_column_major(x: torch.Tensor) -> bool:
-    return x.stride(0) == 1 and x.stride(1) >= max(1, x.shape[0])
+    return x.numel() == 0 or (x.stride(0) == 1 and x.stride(1) >= max(1, x.shape[0]))
 
 
 def check_operands(
@@ -118,6 +119,8 @@ def fp8_mm(
         role: which GEMM this is; fast accumulation is used for FPROP only.
     """
     check_operands(a, b, scale_a, scale_b, out_dtype)
+    if a.numel() == 0 or b.numel() == 0:  # an empty batch: no kernel takes every empty shape
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     return torch._scaled_mm(
         a,
         b,
@@ -155,7 +158,7 @@ def fp8_mm_blockwise(
     """
     m, k = a.shape
     n = b.shape[1]
-    blocks = -(-k // block_size)
+    blocks = max(1, -(-k // block_size))  # an empty K (an empty batch, in wgrad) is one empty block
     if tuple(scale_a.shape) != (m, blocks) or tuple(scale_b.shape) != (blocks, n):
         raise ValueError(
             f"block-scaled FP8 GEMM of ({m}, {k}) @ ({k}, {n}) in K-blocks of {block_size} needs "
@@ -200,7 +203,7 @@ def fp8_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype, role: Gem
             f"FP8 GEMM scales {tuple(scale_a.shape)} and {tuple(scale_b.shape)} do not pair up "
             "along K; quantize both operands with tiles along the contraction dimension"
         )
-    block_size = max(a.block_size, b.block_size) if scale_a.shape[1] > 1 else k
+    block_size = max(a.block_size, b.block_size) if scale_a.shape[1] > 1 else max(k, 1)
     # Per-row (per-column) scales of every K-block: blocks along M and N repeat out.
     full_a = scaling.expand_scale(scale_a, (m, scale_a.shape[1]), a.block_size).expand(m, -1)
     full_b = scaling.expand_scale(scale_b, (scale_b.shape[0], n), b.block_size).expand(-1, n)

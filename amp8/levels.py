@@ -52,6 +52,24 @@ class OptLevel:
     exp_avg_sq: Precision
     shard_optimizer: bool = False
 
+    def __post_init__(self) -> None:
+        for field in ("name", "brief", "description"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"OptLevel.{field}={value!r} is not valid; use a non-empty str")
+        for field in _PRECISION_COLUMNS:
+            value = getattr(self, field)
+            if value is None and field == "master_weight":
+                continue
+            try:
+                object.__setattr__(self, field, Precision(value))
+            except ValueError:
+                options = ", ".join(repr(p.value) for p in Precision)
+                none = " or None" if field == "master_weight" else ""
+                raise ValueError(f"OptLevel.{field}={value!r} is not valid; use one of {options}{none}") from None
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(f"OptLevel.shard_optimizer={self.shard_optimizer!r} is not valid; use True or False")
+
     @property
     def swaps_layers(self) -> bool:
         """Whether this level replaces eligible layers with FP8 ones."""
@@ -82,6 +100,9 @@ class OptLevel:
         }
 
 
+_PRECISION_COLUMNS = (
+    "gemm", "grad_comm", "weight", "master_weight", "weight_grad", "exp_avg", "exp_avg_sq",
+)
 _FP32, _FP16, _FP8, _AS_IS = Precision.FP32, Precision.FP16, Precision.FP8, Precision.AS_IS
 
 O0 = OptLevel(

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .formats import Fp8Format
+from .formats import Fp8Format, max_margin
+
+MAX_HISTORY_LEN = 1024
+"""The longest amax history: the largest in common use (Transformer Engine's default);
+a longer one reacts to a change of range more slowly still and costs a reduction over it
+per cast."""
+MAX_BLOCK_SIZE = 1024
+"""The largest ``block_size``: weights are padded to whole ``block_size x block_size``
+blocks when their amax is taken, so a larger block costs memory and gains nothing."""
 
 
 class Scaling(str, Enum):
@@ -54,6 +62,16 @@ class AmaxAlgo(str, Enum):
     MOST_RECENT = "most_recent"
 
 
+def _check_int(field: str, value: Any, low: int, high: int, why: str = "", *, multiple_of: int = 1) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]`` and
+    a multiple of ``multiple_of``; the message gives the range and ``why``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high or value % multiple_of:
+        multiple = f" that is a multiple of {multiple_of}" if multiple_of > 1 else ""
+        raise ValueError(
+            f"Recipe.{field}={value!r} is not valid; use an int in [{low}, {high}]{multiple} {why}".rstrip()
+        )
+
+
 def _as_enum(enum_type: type[Enum], field: str, value: Any, *, label: str | None = None) -> Any:
     if isinstance(value, enum_type):
         return value
@@ -73,16 +91,19 @@ class Recipe:
         fp8_format: "HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3" (E4M3 everywhere).
         scaling: "current" (scale from the tensor itself), "delayed" (from amax history)
             or "none" (every scale is 1: the plain cast, for ablations only).
-        amax_history_len: iterations of amax kept per tensor under delayed scaling.
+        amax_history_len: iterations of amax kept per tensor under delayed scaling, 1 to
+            1024.
         amax_compute_algo: "max" over the history or its "most_recent" entry.
-        margin: the scale is divided by ``2**margin`` to leave headroom.
+        margin: the scale is divided by ``2**margin`` to leave headroom; 0 to 14 (beyond
+            that the amax leaves E4M3's normal range, see ``formats.max_margin``).
         power_of_2_scales: round every scale down to a power of two (exact rescaling).
         override_linear_precision: run (fprop, dgrad, wgrad) in high precision where True.
         granularity: "tensorwise" (one scale per tensor), "rowwise" (one per row along each
             GEMM's contraction dimension) or "block" (1 x block_size tiles for activations
             and gradients, block_size x block_size blocks for weights).
-        block_size: elements per tile edge under "block": a multiple of 16. A dimension
-            that is not a multiple of it ends in a partial tile with its own scale.
+        block_size: elements per tile edge under "block": a multiple of 16 from 16 to
+            1024. A dimension that is not a multiple of it ends in a partial tile with its
+            own scale.
     """
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
@@ -104,16 +125,12 @@ class Recipe:
             "amax_compute_algo",
             _as_enum(AmaxAlgo, "amax_compute_algo", self.amax_compute_algo),
         )
-        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
-            raise ValueError(
-                f"Recipe.amax_history_len={self.amax_history_len!r} is not valid; use an int >= 1"
-            )
-        if self.amax_history_len < 1:
-            raise ValueError(
-                f"Recipe.amax_history_len={self.amax_history_len} is not valid; use an int >= 1"
-            )
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"Recipe.margin={self.margin!r} is not valid; use an int >= 0")
+        _check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY_LEN)
+        _check_int(
+            "margin", self.margin, 0, max_margin(self.fp8_format),
+            f"(a larger margin puts the amax below the normal range of the {self.fp8_format.value} "
+            "format's FP8 dtypes and flushes the rest of the tensor to zero)",
+        )
         if not isinstance(self.power_of_2_scales, bool):
             raise ValueError(
                 f"Recipe.power_of_2_scales={self.power_of_2_scales!r} is not valid; use True or False"
@@ -130,12 +147,10 @@ class Recipe:
             )
         set_field(self, "override_linear_precision", tuple(override))
         set_field(self, "granularity", _as_enum(Granularity, "granularity", self.granularity))
-        block = self.block_size
-        if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block % 16:
-            raise ValueError(
-                f"Recipe.block_size={block!r} is not valid; use a positive multiple of 16 "
-                "(FP8 GEMMs need K-blocks that are multiples of 16), such as 128"
-            )
+        _check_int(
+            "block_size", self.block_size, 16, MAX_BLOCK_SIZE,
+            "(FP8 GEMMs need K-blocks that are multiples of 16), such as 128", multiple_of=16,
+        )
         if self.scaling is Scaling.DELAYED and self.granularity is not Granularity.TENSORWISE:
             raise ValueError(
                 f"Recipe(scaling='delayed', granularity={self.granularity.value!r}) is not "
@@ -177,7 +192,16 @@ class Recipe:
         return (1, span) if contract_dim == 1 else (span, 1)
 
     def replace(self, **changes: Any) -> "Recipe":
-        """A copy with ``changes`` applied and validated again."""
+        """A copy with ``changes`` applied and validated again.
+
+        Raises:
+            TypeError: a name that is not a field of ``Recipe``; the message lists them.
+            ValueError: a value the field cannot take (see the class docstring).
+        """
+        fields = [field.name for field in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise TypeError(f"Recipe.replace got unknown fields {unknown}; the fields are {', '.join(fields)}")
         return dataclasses.replace(self, **changes)
 
     @property

@@ -22,6 +22,7 @@ from .levels import Precision
 from .nn.swap import high_precision_reason, shared_weight_names
 from .tensor import local_tensor
 from .selection import resolve_selection
+from .validation import check_model_and_optimizer
 
 FP32_ADAM_BYTES_PER_PARAM = 16
 """FP32 weight + FP32 gradient + FP32 first and second moments."""
@@ -137,7 +138,16 @@ class PrecisionReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PrecisionReport":
-        """The report ``to_dict()`` (or ``json.loads(to_json())``) produced, rebuilt."""
+        """The report ``to_dict()`` (or ``json.loads(to_json())``) produced, rebuilt.
+
+        Raises:
+            ValueError: ``data`` is not a mapping with a list of ``rows``.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError(
+                f"PrecisionReport.from_dict needs a dict with a list of 'rows' (what to_dict() "
+                f"returns), got {type(data).__name__}"
+            )
         return cls(
             rows=[dict(row) for row in data["rows"]],
             skipped_steps=data.get("skipped_steps"),
@@ -146,7 +156,13 @@ class PrecisionReport:
 
     def highlights(self, top: int = 3) -> list[str]:
         """A few lines to read at a glance: FP8 share and what stays in high precision,
-        underflow and saturation hot spots, the ``top`` tensors by bytes."""
+        underflow and saturation hot spots, the ``top`` tensors by bytes.
+
+        Raises:
+            ValueError: ``top`` is not an int >= 1.
+        """
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+            raise ValueError(f"highlights(top={top!r}) is not valid; use an int >= 1")
         rows = self.rows
         fp8_rows = [row for row in rows if row["fp8"]]
         kept = [row for row in rows if row["note"]]
@@ -207,7 +223,8 @@ class PrecisionReport:
             columns = [(title, key) for title, key in columns if key != "scale_min"]
         table = Table(title="amp8 precision report")
         for title, key in columns:
-            table.add_column(title, justify="right" if key in _NUMERIC else "left")
+            # Names and headers fold onto more lines rather than being cut short.
+            table.add_column(title, justify="right" if key in _NUMERIC else "left", overflow="fold")
         notes: list[str] = []
         for row in self.rows:
             cells = {key: _cell(row, key) for _, key in columns}
@@ -276,7 +293,12 @@ _STATS = ("granularity", "scale", "scale_min", "scale_max", "amax", "underflow",
 
 
 def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PrecisionReport:
-    """The precision report of ``model`` (and ``optimizer``'s state, when given)."""
+    """The precision report of ``model`` (and ``optimizer``'s state, when given).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+    """
+    check_model_and_optimizer("amp8.report", model, optimizer)
     owners = _owners(model)
     state = optimizer.state if optimizer is not None else {}
     rows = []

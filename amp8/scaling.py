@@ -3,7 +3,9 @@
 A tensor ``x`` with absolute maximum ``amax`` is stored as ``saturate(x * scale)`` with
 ``scale = fp8_max / amax / 2**margin`` (optionally rounded down to a power of two).
 Dequantizing divides by the scale; GEMMs are handed ``1 / scale``. An amax that is zero,
-inf or NaN keeps the previous scale, so one bad tensor cannot poison later casts.
+inf or NaN keeps the previous scale, so one bad tensor cannot poison later casts. An amax
+so small that its scale would overflow float32 gets ``MAX_SCALE`` instead, so a tiny
+tensor still lands on the format's nonzero values where its scaled values reach them.
 """
 
 from __future__ import annotations
@@ -16,9 +18,17 @@ from . import noise
 from .formats import max_value
 from .recipe import AmaxAlgo
 
+MAX_SCALE: float = 1.0 / float(torch.finfo(torch.float32).tiny)
+"""The largest scale amp8 uses, 2**126: the largest power of two whose reciprocal (what
+a GEMM is given) is still a normal float32, which GPUs do not flush to zero."""
+
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """The absolute maximum of ``x`` as a float32 scalar tensor (NaN if ``x`` has one)."""
+    """The absolute maximum of ``x`` as a float32 scalar tensor (NaN if ``x`` has one).
+
+    An empty ``x`` (an empty batch) has amax 0, which keeps the previous scale."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.detach().abs().amax().float()
 
 
@@ -38,28 +48,39 @@ def scale_from_amax(
         margin: divide the scale by ``2**margin``.
         power_of_2: round the scale down to a power of two.
         previous: scale kept where ``amax_value`` is zero or not finite (default 1).
+
+    A scale beyond ``MAX_SCALE`` (an amax below about 1e-36, or a tiny float32
+    subnormal) is clamped to it rather than overflowing float32.
     """
     amax_value = amax_value.float()
     # A tensor numerator: ``float / tensor`` would multiply by a rounded reciprocal.
     scale = torch.full_like(amax_value, max_value(dtype)) / amax_value / (2.0**margin)
+    scale = scale.clamp(max=MAX_SCALE)
     if power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     fallback = torch.ones_like(scale) if previous is None else previous.float().expand_as(scale)
-    usable = torch.isfinite(amax_value) & (amax_value > 0) & torch.isfinite(scale)
+    usable = torch.isfinite(amax_value) & (amax_value > 0)
     return torch.where(usable, scale, fallback)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``saturate(x * scale)`` cast to ``dtype``.
 
-    Finite values beyond the format's max clip to it; inf and NaN become NaN, so an
-    overflow upstream stays visible after the cast (the CPU's own cast would saturate an
-    inf to the max of E4M3FN, which has no inf).
+    Finite values beyond the format's max clip to it, also where ``x * scale`` overflows
+    float32; inf and NaN in ``x`` become NaN, so an overflow upstream stays visible after
+    the cast (the CPU's own cast would saturate an inf to the max of E4M3FN, which has
+    no inf).
     """
+    return _saturate(x, scale, dtype).to(dtype)
+
+
+def _saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` in float32, clipped to ``dtype``'s finite range where ``x`` is
+    finite and NaN where it is not."""
     limit = max_value(dtype)
-    scaled = x.float() * scale
-    saturated = scaled.clamp(-limit, limit)
-    return torch.where(torch.isinf(scaled), torch.nan, saturated).to(dtype)
+    x = x.float()
+    saturated = (x * scale).clamp(-limit, limit)
+    return torch.where(torch.isfinite(x), saturated, torch.nan)
 
 
 def quantize_stochastic(
@@ -70,10 +91,11 @@ def quantize_stochastic(
 
     Rounding to nearest drops every update smaller than half a unit in the last place;
     stochastic rounding keeps it on average, so a long run of tiny updates lands where a
-    float32 run lands. Saturates like ``quantize``. The randomness is counter-based
-    noise (``amp8.noise.uniform``) under ``noise_key`` (an int or int64 scalar tensor in
-    ``[0, 2**32)``, see ``amp8.noise.rounding_key``): the same key gives the same bits
-    eagerly and inside ``torch.compile``, on any device.
+    float32 run lands. Saturates like ``quantize``: finite values clip to the max, inf
+    and NaN become NaN. The randomness is counter-based noise (``amp8.noise.uniform``)
+    under ``noise_key`` (an int or int64 scalar tensor in ``[0, 2**32)``, see
+    ``amp8.noise.rounding_key``): the same key gives the same bits eagerly and inside
+    ``torch.compile``, on any device.
 
     Raises:
         TypeError: ``noise_key`` is not an int or a tensor (a ``torch.Generator`` from
@@ -84,8 +106,7 @@ def quantize_stochastic(
             f"noise_key must be an int or an int64 scalar tensor, got {type(noise_key).__name__}; "
             "stochastic rounding is counter-based: pass amp8.noise.rounding_key(seed, counter)"
         )
-    limit = max_value(dtype)
-    scaled = (x.float() * scale).clamp(-limit, limit)
+    scaled = _saturate(x, scale, dtype)
     nearest = scaled.to(dtype)
     nearest_f = nearest.float()
     other_f = _neighbour_towards(nearest_f, scaled, dtype)
@@ -159,11 +180,18 @@ def _as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def tile_amax(x: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
     """The float32 absolute maximum of each ``tile`` (rows, columns) of the 2-D ``x``,
     shape ``(ceil(R / rows), ceil(C / columns))``; trailing partial tiles get their own
-    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor)."""
+    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor).
+
+    An empty dimension (an empty batch) counts as one empty tile, whose amax is 0 as
+    ``amax`` gives for an empty tensor: a size-1 dimension of scales broadcasts to the
+    empty one, and the result is never empty itself."""
     if tile is None:
         return amax(x)
     if x.dim() != 2:
         raise ValueError(f"tiled scales need a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        counts = [max(1, -(-size // max(1, edge))) for size, edge in zip(x.shape, tile)]
+        return torch.zeros(counts, dtype=torch.float32, device=x.device)
     tile_rows, tile_cols = tile
     absolute = x.detach().float().abs()
     padded = torch.nn.functional.pad(absolute, (0, -x.shape[1] % tile_cols, 0, -x.shape[0] % tile_rows))

@@ -10,6 +10,7 @@ precision. ``SpeedRule.fit`` derives one from measured speedups (``bench/linear.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -36,6 +37,11 @@ class SpeedRule:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"SpeedRule.{name}={value!r} is not valid; use an int >= 0")
+        if not isinstance(self.source, str):
+            raise ValueError(
+                f"SpeedRule.source={self.source!r} is not valid; use a str saying where the "
+                "thresholds come from (a measurement, with its device)"
+            )
 
     def selects(self, in_features: int, out_features: int) -> bool:
         """True when a layer of this size is expected to be faster in FP8."""
@@ -62,7 +68,7 @@ class SpeedRule:
         precision time / FP8 time). Among the thresholds seen in the data, the rule keeps
         the one that selects the most shapes while every selected shape is faster in FP8.
         """
-        rows = [(int(m["in_features"]), int(m["out_features"]), float(m["speedup"])) for m in measurements]
+        rows = [_measurement(m) for m in measurements]
         if not rows:
             raise ValueError("SpeedRule.fit needs at least one measurement")
         feature_steps = sorted({min(i, o) for i, o, _ in rows} | {0})
@@ -88,8 +94,41 @@ class SpeedRule:
         if not text.lstrip().startswith("{"):
             text = Path(text_or_path).read_text()
         data = json.loads(text)
-        data = data.get("speed_rule", data)
-        return cls(int(data["min_features"]), int(data["min_weight_elements"]), str(data["source"]))
+        data = data.get("speed_rule", data) if isinstance(data, dict) else data
+        keys = ("min_features", "min_weight_elements", "source")
+        if not isinstance(data, dict) or any(key not in data for key in keys):
+            raise ValueError(
+                f"SpeedRule.from_json({str(text_or_path)[:80]!r}) holds no speed rule; it needs an "
+                f"object with {', '.join(keys)} (at the top or under 'speed_rule'), as "
+                "SpeedRule.to_json and bench/linear.py --sweep write"
+            )
+        return cls(data["min_features"], data["min_weight_elements"], data["source"])
+
+
+def _measurement(measurement: Mapping[str, float]) -> tuple[int, int, float]:
+    """``(in_features, out_features, speedup)`` of one measurement for ``SpeedRule.fit``.
+
+    Raises:
+        ValueError: a missing key, features that are not positive ints, or a speedup that
+            is not a positive finite number.
+    """
+    try:
+        in_features, out_features = measurement["in_features"], measurement["out_features"]
+        speedup = float(measurement["speedup"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"SpeedRule.fit measurement {measurement!r} is not valid; each needs in_features, "
+            "out_features (positive ints) and speedup (high precision time / FP8 time)"
+        ) from None
+    features_ok = all(
+        isinstance(f, int) and not isinstance(f, bool) and f > 0 for f in (in_features, out_features)
+    )
+    if not features_ok or not (math.isfinite(speedup) and speedup > 0):
+        raise ValueError(
+            f"SpeedRule.fit measurement {dict(measurement)!r} is not valid; in_features and "
+            "out_features must be positive ints and speedup a positive finite number"
+        )
+    return in_features, out_features, speedup
 
 
 # Provisional until amp8's own GPU sweep replaces it: the smallest layers public H100

@@ -64,7 +64,7 @@ def train(config: Config = Config()) -> tuple[float, nn.Module, torch.optim.Opti
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--opt-level", default=Config.opt_level, help="O0, O1, O2 or O3")
+    parser.add_argument("--opt-level", default=Config.opt_level, choices=list(amp8.LEVELS))
     parser.add_argument("--epochs", type=int, default=Config.epochs)
     args = parser.parse_args()
     accuracy, model, optimizer = train(Config(opt_level=args.opt_level, epochs=args.epochs))

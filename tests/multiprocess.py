@@ -25,21 +25,23 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, folder: str, args: tup
         dist.destroy_process_group()
 
 
-def run(fn: Callable[..., Any], folder: Path, *args: Any, world: int = 2) -> list[Any]:
+def run(
+    fn: Callable[..., Any], folder: Path, *args: Any, world: int = 2, timeout_s: float = TIMEOUT_S
+) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; their return values.
 
     ``fn`` must be a module-level function. Fails if a process fails or the run takes
-    longer than ``TIMEOUT_S`` seconds.
+    longer than ``timeout_s`` seconds (a hang is killed then).
     """
     context = mp.start_processes(
         _entry, args=(fn, world, str(folder), args), nprocs=world, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            raise TimeoutError(f"{fn.__name__} did not finish in {TIMEOUT_S} s")
+            raise TimeoutError(f"{fn.__name__} did not finish in {timeout_s} s")
     return [torch.load(folder / f"result-{rank}.pt", weights_only=False) for rank in range(world)]
 
 

@@ -20,6 +20,15 @@ def test_mnist_like_learns(opt_level: str) -> None:
     assert getattr(optimizer, "skipped_steps", 0) == 0
 
 
+def test_mnist_like_refuses_an_unknown_opt_level(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    example = _load("mnist_like")
+    monkeypatch.setattr(sys, "argv", ["mnist_like.py", "--opt-level", "O5"])
+    with pytest.raises(SystemExit) as exit_:
+        example.main()
+    assert exit_.value.code == 2
+    assert "argument --opt-level: invalid choice: 'O5' (choose from 'O0', 'O1', 'O2', 'O3')" in capsys.readouterr().err
+
+
 def test_gpt_trains_and_samples() -> None:
     example = _load("gpt")
     config = example.Config(steps=20, batch_size=4, eval_every=10, n_embd=64)

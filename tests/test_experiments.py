@@ -11,7 +11,8 @@ from rich.console import Console
 
 import amp8
 from amp8.cli import main
-from amp8.experiments.compare import ABLATION, JSON_NAME, CompareConfig, compare, load_report, run_specs
+from amp8.experiments.compare import (ABLATION, JSON_NAME, CompareConfig, CompareResult, RunResult, compare,
+                                     load_report, missing_peer_note, run_specs)
 from amp8.experiments.corpus import CorpusConfig, load_corpus, sample_batch, source_files, stdlib_root
 from amp8.experiments.gpt import GPT, PRESETS, GPTConfig
 from amp8.nn import Fp8Linear
@@ -119,11 +120,26 @@ def test_unknown_preset_lists_the_names() -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [({"levels": ("O1",)}, "lacks 'O0'"), ({"levels": ("O0", "0O1")}, "not amp8 opt levels"),
-     ({"steps": 0}, "steps"), ({"lr": -1.0}, "lr")],
+     ({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"), ({"lr": float("inf")}, "finite lr"),
+     ({"weight_decay": -0.1}, "weight_decay"), ({"seed": -1}, r"seed=-1 .* \[0, 2\*\*63\)"),
+     ({"device": "tpu9"}, "device='tpu9' is not a torch device")],
 )
 def test_compare_config_rejects_bad_values(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TINY.replace(**changes)
+
+
+@pytest.mark.parametrize("field", ["model", "corpus", "recipe"])
+def test_compare_config_rejects_wrong_types(field: str) -> None:
+    with pytest.raises(TypeError, match=f"CompareConfig.{field} must be a"):
+        TINY.replace(**{field: "small"})
+
+
+def test_compare_refuses_what_is_not_a_config() -> None:
+    from amp8.experiments.compare import compare
+
+    with pytest.raises(TypeError, match="compare takes an amp8.experiments.compare.CompareConfig, got dict"):
+        compare({"steps": 2})  # type: ignore[arg-type]
 
 
 def test_run_specs_cover_levels_ablation_and_seeds() -> None:
@@ -246,3 +262,39 @@ def test_torchao_peer_runs_only_when_importable(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(runner, "torchao_available", lambda: True)
     assert [spec.name for spec in run_specs(TINY.replace(torchao=True))][-1] == "torchao"
     assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=False))]
+
+
+@pytest.mark.parametrize(("installed", "asked", "said"), [(False, True, True), (True, True, False), (False, False, False)])
+def test_a_missing_torchao_peer_is_said_once(
+    installed: bool, asked: bool, said: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from amp8.experiments import compare as runner
+
+    monkeypatch.setattr(runner, "torchao_available", lambda: installed)
+    note = missing_peer_note(TINY.replace(torchao=asked))
+    assert (note is not None) is said
+    if said:
+        assert note.startswith("torchao is not installed") and "pip install torchao" in note
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_compare_table_headers_fold_instead_of_being_cut(width: int) -> None:
+    run = RunResult("O0", "O0", 0, final_train_loss=2.5, final_val_loss=2.6, tokens_per_s=12345.0,
+                    bytes_per_param=16.0, fp8_share=0.0)
+    console = Console(record=True, width=width)
+    console.print(CompareResult(TINY, [run], {}, {}).table())
+    text = console.export_text()
+    assert "…" not in text, text
+    headers = _header_cells(text)
+    for header in ("run", "train loss", "val loss", "gap to O0", "tokens/s", "peak mem", "bytes/param",
+                   "FP8 share", "skipped"):
+        assert header.replace(" ", "") in headers, f"{header!r} is not whole in\n{text}"
+
+
+def _header_cells(text: str) -> list[str]:
+    """Each header cell of a rich table, its folded lines joined and spaces dropped."""
+    columns: dict[int, str] = {}
+    for line in text.splitlines():
+        for index, cell in enumerate(line.split("┃")[1:-1]):
+            columns[index] = columns.get(index, "") + cell.replace(" ", "")
+    return list(columns.values())

@@ -20,3 +20,19 @@ def test_export_gives_plain_linear_layers(level: str, dtype: torch.dtype) -> Non
     torch.testing.assert_close(exported[0].weight.float(), real, atol=0, rtol=2**-7 if dtype == torch.bfloat16 else 0)
     x = torch.randn(8, 32)
     assert_sqnr_at_least(exported(x.to(dtype)).float(), model(x), 18.0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "float16", torch.float8_e4m3fn, torch.int8, None])
+def test_export_refuses_what_is_not_a_float_dtype(dtype: object) -> None:
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), None, "O1")
+    with pytest.raises(TypeError, match=r"use one of torch\.float32, torch\.bfloat16, torch\.float16"):
+        amp8.export(model, dtype=dtype)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("model", "optimizer", "message"), [
+    ("model", None, "amp8.export takes the model .* got str"),
+    (nn.Linear(16, 16), "adam", "amp8.export takes the optimizer .* got str"),
+])
+def test_export_refuses_wrong_types(model: object, optimizer: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        amp8.export(model, optimizer)  # type: ignore[arg-type]

@@ -64,3 +64,25 @@ def test_columns_for_display() -> None:
     assert O3.columns()["master weights"] == "FP16 + scale, sharded"
     assert O1.columns()["weights"] == "FP16 + scale"
     assert O0.columns()["Adam m + v"] == "FP32 + FP32"
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "allowed"),
+    [
+        ("gemm", "fp7", "'as is', 'fp32', 'fp16', 'fp8'"),
+        ("weight", None, "'as is', 'fp32', 'fp16', 'fp8'"),
+        ("master_weight", 3, "'fp8' or None"),
+        ("shard_optimizer", 1, "True or False"),
+        ("name", "", "non-empty str"),
+    ],
+)
+def test_an_opt_level_with_a_bad_column_is_refused(column: str, value: object, allowed: str) -> None:
+    with pytest.raises(ValueError) as error:
+        dataclasses.replace(O2, **{column: value})
+    assert f"OptLevel.{column}={value!r} is not valid" in str(error.value)
+    assert allowed in str(error.value)
+
+
+def test_an_opt_level_takes_precision_names() -> None:
+    level = dataclasses.replace(O2, name="mine", exp_avg="fp32")
+    assert level.exp_avg is Precision.FP32

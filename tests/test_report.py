@@ -141,3 +141,43 @@ def test_from_dict_round_trips() -> None:
     report = amp8.report(*_trained())
     again = amp8.PrecisionReport.from_dict(json.loads(report.to_json()))
     assert again.to_dict() == report.to_dict()
+
+
+@pytest.mark.parametrize(("model", "optimizer", "message"), [
+    ("model", None, r"amp8.report takes the model \(a torch.nn.Module\) first, got str"),
+    (nn.Linear(16, 16), nn.Linear(16, 16), "amp8.report takes the optimizer .* got Linear"),
+])
+def test_report_refuses_wrong_types(model: object, optimizer: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        amp8.report(model, optimizer)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("top", [0, -1, 2.5, True])
+def test_highlights_refuses_a_bad_count(top: object) -> None:
+    with pytest.raises(ValueError, match="use an int >= 1"):
+        amp8.report(_model()).highlights(top)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("data", [[], {"runs": []}, {"rows": "0.weight"}])
+def test_from_dict_refuses_what_to_dict_does_not_write(data: object) -> None:
+    with pytest.raises(ValueError, match="needs a dict with a list of 'rows'"):
+        amp8.PrecisionReport.from_dict(data)  # type: ignore[arg-type]
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(64, 64)
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_long_parameter_names_fold_instead_of_being_cut(width: int) -> None:
+    model = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"self_attn": _Attention()})])})})
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O3")  # every column
+    console = Console(record=True, width=width)
+    amp8.report(model, optimizer).print(console)
+    text = console.export_text()
+    assert "…" not in text, text
+    name = "model.layers.0.self_attn.q_proj.weight"
+    first_column = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.count("│") > 2)
+    assert name in first_column, f"{name} is not whole in\n{text}"

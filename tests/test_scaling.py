@@ -40,9 +40,31 @@ def test_unusable_amax_keeps_previous_scale(bad_amax: float) -> None:
     assert float(scaling.scale_from_amax(torch.tensor(bad_amax), E4M3)) == 1.0
 
 
-def test_tiny_amax_whose_scale_overflows_keeps_previous() -> None:
-    got = scaling.scale_from_amax(torch.tensor(1e-45), E5M2, previous=torch.tensor(2.0))
-    assert float(got) == 2.0
+@pytest.mark.parametrize("power_of_2", [False, True])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float16], ids=str)
+@pytest.mark.parametrize("amax", [1e-45, 1e-40, 5e-37])
+def test_scale_that_would_overflow_is_clamped(amax: float, dtype: torch.dtype, power_of_2: bool) -> None:
+    overflowing = torch.tensor(max_value(dtype)) / torch.tensor(amax)
+    assert torch.isinf(overflowing), f"the float32 scale {overflowing} of amax {amax} should overflow"
+    got = scaling.scale_from_amax(torch.tensor(amax), dtype, power_of_2=power_of_2, previous=torch.tensor(2.0))
+    assert_bitwise_equal(got, torch.tensor(scaling.MAX_SCALE))
+    assert scaling.MAX_SCALE == 2.0**126
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float16], ids=str)
+def test_tiny_tensor_keeps_its_values(dtype: torch.dtype) -> None:
+    """A tensor whose scale would overflow float32 still lands on nonzero values."""
+    x = torch.tensor([[1e-38, -3e-39]])
+    data, scale = scaling.quantize_tiles(x, dtype, None)
+    restored = scaling.dequantize(data, scale)
+    relative = float(torch.finfo(dtype).eps) / 2
+    assert ((restored - x).abs() <= relative * x.abs()).all(), f"{x} came back as {restored}"
+
+
+def test_smallest_float32_survives_fp16_storage() -> None:
+    x = torch.tensor([2.0**-149])  # 1.4e-45, scaled by 2**126 to 2**-23, an FP16 subnormal
+    data, scale = scaling.quantize_tiles(x, torch.float16, None)
+    assert_bitwise_equal(scaling.dequantize(data, scale), x)
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -60,6 +82,22 @@ def test_quantize_saturates_finite_values(dtype: torch.dtype) -> None:
     out = scaling.quantize(x, torch.tensor(1.0), dtype).float()
     limit = torch.finfo(dtype).max
     assert out.tolist() == [limit, -limit, 1.0]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float16], ids=str)
+def test_quantize_saturates_finite_values_whose_product_overflows(dtype: torch.dtype) -> None:
+    out = scaling.quantize(torch.tensor([1e30, -1e30]), torch.tensor(1e10), dtype).float()
+    limit = torch.finfo(dtype).max
+    assert out.tolist() == [limit, -limit]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_quantize_stochastic_turns_non_finite_into_nan(dtype: torch.dtype, bad: float) -> None:
+    out = scaling.quantize_stochastic(torch.tensor([bad, 1e30, 2.0**-40]), torch.tensor(2.0**40), dtype, 7).float()
+    limit = torch.finfo(dtype).max
+    assert math.isnan(out[0]), f"{bad} became {out[0]} in {dtype}"
+    assert out[1:].tolist() == [limit, 1.0]
 
 
 @pytest.mark.parametrize("dtype", FP8)

@@ -100,3 +100,31 @@ def test_unknown_selection_is_refused_before_the_model_changes() -> None:
     with pytest.raises(ValueError, match="layer_selection='fast' is not valid; use 'auto'"):
         amp8.initialize(model, None, "O1", layer_selection="fast")
     assert all(type(model[i]) is nn.Linear for i in (0, 2, 4))
+
+
+def test_a_rule_without_a_str_source_is_refused() -> None:
+    with pytest.raises(ValueError, match="SpeedRule.source=None is not valid; use a str"):
+        SpeedRule(0, 0, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "measurement",
+    [
+        {"in_features": 64, "speedup": 1.0},
+        {"in_features": 64, "out_features": 64, "speedup": "fast"},
+        {"in_features": -64, "out_features": 64, "speedup": 1.0},
+        {"in_features": 64.5, "out_features": 64, "speedup": 1.0},
+        {"in_features": 64, "out_features": 64, "speedup": float("nan")},
+        {"in_features": 64, "out_features": 64, "speedup": 0.0},
+    ],
+    ids=["missing", "not-a-number", "negative", "not-an-int", "nan", "zero"],
+)
+def test_fit_refuses_a_bad_measurement(measurement: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="SpeedRule.fit measurement .* is not valid"):
+        SpeedRule.fit([measurement], source="test")  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("text", ['{"min_features": 1}', '{"speed_rule": [1, 2]}', '{"speed_rule": {"source": "x"}}'])
+def test_from_json_without_a_rule_says_what_it_needs(text: str) -> None:
+    with pytest.raises(ValueError, match="holds no speed rule; it needs an object with min_features"):
+        SpeedRule.from_json(text)

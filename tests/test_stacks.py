@@ -290,3 +290,33 @@ def test_ddp_no_sync_and_find_unused_parameters_keep_their_meaning(tmp_path) -> 
     assert first["unused_grad"] is None
     for key, value in first["state"].items():
         assert torch.equal(second["state"][key], value), key
+
+
+# -- numbers read back from a checkpoint ---------------------------------------------------
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("key", ["0.weight_scale", "0.scale", "0.amax_history"])
+@pytest.mark.parametrize("bad", [0.0, float("nan"), -1.0, float("inf")])
+def test_corrupt_layer_checkpoint_is_refused_naming_the_key(level: str, key: str, bad: float) -> None:
+    model, _ = amp8.initialize(_model(), None, level)
+    state = model.state_dict()
+    if key.endswith("amax_history") and bad == 0.0:
+        bad = -1.0  # an amax of 0 is a valid history entry
+    state[key] = state[key].clone().fill_(bad)
+    fresh, _ = amp8.initialize(_model(), None, level)
+    before = fresh[0].read_weight()
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        fresh.load_state_dict(state)
+    assert_bitwise_equal(fresh[0].read_weight(), before)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_corrupt_optimizer_scale_is_refused(level: str) -> None:
+    model, optimizer = _initialized(level)
+    _backward(model, seed=0)
+    optimizer.step()
+    state = optimizer.state_dict()
+    scale_keys = [k for k in state["state"][0] if k.endswith("_scale")]
+    assert scale_keys, "a low-bit moment stores its scale"
+    state["state"][0][scale_keys[0]] = torch.zeros_like(state["state"][0][scale_keys[0]])
+    with pytest.raises(ValueError, match=scale_keys[0]):
+        optimizer.load_state_dict(state)

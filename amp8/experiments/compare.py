@@ -40,6 +40,7 @@ from .gpt import GPT, PRESETS, GPTConfig
 ABLATION = "O1-noscale"
 TORCHAO = "torchao"
 JSON_NAME = "compare.json"
+DEFAULT_OUT = "runs/compare"
 PNG_NAME = "loss_curves.png"
 _VAL_SEED = 1234  # the validation windows are the same for every run and seed
 
@@ -96,11 +97,19 @@ class CompareConfig:
                 raise ValueError(f"CompareConfig.{name}={value!r} is not valid; use an int >= 1")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"CompareConfig.warmup_steps={self.warmup_steps!r} is not valid; use an int >= 0")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(
                 f"CompareConfig lr={self.lr}, min_lr_ratio={self.min_lr_ratio} are not valid; "
-                "use lr > 0 and 0 <= min_lr_ratio <= 1"
+                "use a finite lr > 0 and 0 <= min_lr_ratio <= 1"
             )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"CompareConfig.weight_decay={self.weight_decay!r} is not valid; use a finite float >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"CompareConfig.seed={self.seed!r} is not valid; use an int in [0, 2**63)")
+        for name, kind in (("model", GPTConfig), ("corpus", CorpusConfig), ("recipe", Recipe)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"CompareConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        _check_device(self.device)
         unknown = [level for level in self.levels if level not in LEVELS]
         if unknown:
             raise ValueError(
@@ -125,6 +134,21 @@ class CompareConfig:
         progress = (step - warmup) / max(1, self.steps - 1 - warmup)
         floor = self.lr * self.min_lr_ratio
         return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def _check_device(device: object) -> None:
+    """Raise ``ValueError`` unless ``device`` names a torch device this machine has."""
+    try:
+        parsed = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"CompareConfig.device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'"
+        ) from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"CompareConfig.device={device!r} is not available: this torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use 'cpu'"
+        )
 
 
 @dataclass(frozen=True)
@@ -251,7 +275,7 @@ class CompareResult:
         table = Table(title=f"amp8 compare: {self.describe()}")
         for title in ("run", "train loss", "val loss", "gap to O0", "tokens/s", "peak mem",
                       "bytes/param", "FP8 share", "skipped"):
-            table.add_column(title, justify="left" if title == "run" else "right")
+            table.add_column(title, justify="left" if title == "run" else "right", overflow="fold")
         for result in self.runs:
             if not result.ok:
                 table.add_row(result.name, *["-"] * 7, "unavailable")
@@ -348,6 +372,15 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
         specs.append(RunSpec(TORCHAO, "O0", config.seed, torchao=True))
     specs += [RunSpec(f"O0-seed{config.seed + k}", "O0", config.seed + k) for k in range(1, config.seeds)]
     return specs
+
+
+def missing_peer_note(config: CompareConfig) -> str | None:
+    """The line that says torchao's float8 peer is left out because torchao is not
+    installed (None when it runs, or when ``config`` does not ask for it)."""
+    if not config.torchao or torchao_available():
+        return None
+    return ("torchao is not installed: its float8 training is left out of the comparison "
+            "(pip install torchao to add it, --no-torchao to silence this)")
 
 
 def torchao_available() -> bool:
@@ -458,7 +491,7 @@ def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
 def compare(
     config: CompareConfig | None = None,
     *,
-    out_dir: str | Path | None = "runs/compare",
+    out_dir: str | Path | None = DEFAULT_OUT,
     console: Any = None,
     progress: bool = True,
     plot: bool = True,
@@ -475,11 +508,22 @@ def compare(
 
     Returns:
         a ``CompareResult`` with every curve and figure.
+
+    Raises:
+        TypeError: ``config`` is not a ``CompareConfig``.
+        ValueError: ``out_dir`` cannot be created (before any training).
     """
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
-    config = config or CompareConfig()
+    config = CompareConfig() if config is None else config
+    if not isinstance(config, CompareConfig):
+        raise TypeError(f"compare takes an amp8.experiments.compare.CompareConfig, got {type(config).__name__}")
+    if out_dir is not None:  # a folder that cannot be written fails now, not after training
+        try:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"out_dir={str(out_dir)!r} cannot be created ({error.strerror}); pick a folder you can write") from None
     console = console or default_console()
     corpus = load_corpus(config.corpus)
     val_generator = torch.Generator().manual_seed(_VAL_SEED)
@@ -489,6 +533,9 @@ def compare(
         for _ in range(config.eval_batches)
     ]
     specs = run_specs(config)
+    note = missing_peer_note(config)
+    if note is not None:
+        console.print(note, highlight=False)
     runs: list[RunResult] = []
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -541,15 +588,23 @@ def load_report(path: str | Path, run: str = "O1") -> PrecisionReport:
 
     Raises:
         FileNotFoundError: when there is no compare.json there, saying how to make one.
+        ValueError: a file that is not a compare.json.
         KeyError: for a run that is not in the file, or that did not train, naming those that did.
     """
     path = Path(path)
-    if path.is_dir():
-        path = path / JSON_NAME
+    if path.is_file() or path.suffix == ".json":
+        folder = path.parent
+    else:  # a folder, as ``amp8 compare --out`` takes it
+        folder, path = path, path / JSON_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; run `amp8 compare --out {path.parent}` first")
-    data = json.loads(path.read_text())
-    trained = {r["name"]: r for r in data["runs"] if r["status"] == "ok"}
+        hint = "amp8 compare" if folder == Path(DEFAULT_OUT) else f"amp8 compare --out {folder}"
+        raise FileNotFoundError(f"{path} does not exist; run `{hint}` first")
+    try:
+        data = json.loads(path.read_text())
+        runs = data["runs"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{path} is not the compare.json `amp8 compare` writes") from None
+    trained = {r["name"]: r for r in runs if r["status"] == "ok"}
     if run not in trained:
         raise KeyError(
             f"run {run!r} has no trained model in {path}; choose one of {', '.join(trained)}"

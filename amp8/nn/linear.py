@@ -23,6 +23,7 @@ from ..formats import forward_dtype, gradient_dtype
 from ..gemm import GemmRole, fp8_gemm
 from ..levels import Precision
 from ..recipe import Granularity, Recipe, Scaling
+from ..checks import check_loaded_history, check_loaded_scales
 from ..stored_weight import StoredWeight, stored_weight
 from ..tensor import ScaledTensor
 
@@ -176,6 +177,12 @@ class Fp8Linear(nn.Module):
         plain ``nn.Linear``) and filling scale buffers such a checkpoint lacks."""
         weight_key, scale_key = prefix + "weight", prefix + "weight_scale"
         saved, saved_scale = state_dict.get(weight_key), state_dict.get(scale_key)
+        if saved_scale is not None:
+            check_loaded_scales(scale_key, saved_scale)
+        if state_dict.get(prefix + "scale") is not None:
+            check_loaded_scales(prefix + "scale", state_dict[prefix + "scale"])
+        if state_dict.get(prefix + "amax_history") is not None:
+            check_loaded_history(prefix + "amax_history", state_dict[prefix + "amax_history"])
         if saved is not None and (
             saved.dtype != self.weight.dtype
             or saved_scale is None
@@ -270,7 +277,7 @@ class Fp8Linear(nn.Module):
         granularities) goes to the ``scale`` buffer and, in training, the amax to the
         history; the re-casts for the transposed backward GEMMs do not record."""
         scale, current_amax = self.next_scale(slot, x, contract_dim)
-        if record:
+        if record and x.numel() > 0:  # an empty batch says nothing about the range
             with torch.no_grad():
                 self.scale[slot] = scale.amin()
                 if self.training:

@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import noise, scaling
 from ..formats import E4M3
+from ..checks import check_loaded_scales
 from ..levels import O1, OptLevel, Precision, resolve_level
 from ..stored_weight import StoredWeight, encode_fp16, stored_weight
 from ..tensor import is_sharded, local_tensor
@@ -567,6 +568,9 @@ class LowBitAdam(torch.optim.Optimizer):
                 key: value.detach().clone().to(param.device) if torch.is_tensor(value) else value
                 for key, value in saved.items()
             }
+            for key, value in param_state.items():
+                if key.endswith(state_storage.SCALE_SUFFIX):
+                    check_loaded_scales(f"state[{param_id}][{key!r}]", value)
             converted |= self._convert(param, param_state)
             self.state[param] = param_state
         if converted:
