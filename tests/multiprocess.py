@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -21,7 +22,11 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, folder: str, args: tup
         torch.manual_seed(0)
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(folder, f"result-{rank}.pt"))
+        del result
     finally:
+        # DDP's reducer must go before its process group: collect the reference cycles
+        # (hooks that point back at their DDP) that would otherwise outlive it.
+        gc.collect()
         dist.destroy_process_group()
 
 
