@@ -157,13 +157,17 @@ def _div(grad: WeightGrad, factor: Any) -> WeightGrad:
     return grad._rescaled(_factor(factor))
 
 
-def _foreach_inplace(packet: Any, tensors: list[torch.Tensor], *rest: Any, **kwargs: Any) -> None:
-    """``torch._foreach_mul_`` and friends, one tensor at a time."""
-    single = {aten._foreach_mul_: "mul_", aten._foreach_div_: "div_", aten._foreach_zero_: "zero_"}[packet]
+def _foreach_inplace(packet: Any, tensors: list[torch.Tensor], *operands: Any, **kwargs: Any) -> None:
+    """``torch._foreach_mul_``, ``_foreach_div_`` and ``_foreach_zero_``, one tensor at a
+    time (the other tensors of the list may be plain ones)."""
+    name = _FOREACH_INPLACE[packet]
+    operand = operands[0] if operands else None
     for index, tensor in enumerate(tensors):
-        operand = rest[0][index] if rest and isinstance(rest[0], (list, tuple)) else rest[0] if rest else None
-        method = getattr(tensor, single)
-        method() if operand is None else method(operand)
+        method = getattr(tensor, name)
+        if operand is None:
+            method()
+        else:
+            method(operand[index] if isinstance(operand, (list, tuple)) else operand)
 
 
 _HANDLERS: dict[Any, Callable[..., Any]] = {
@@ -190,7 +194,7 @@ _READS = {
     aten.amax, aten.amin, aten.max, aten.min, aten.sum, aten.mean, aten.eq, aten.ne,
     aten.equal, aten.allclose, aten.any, aten.all,
 }
-_FOREACH_INPLACE = {aten._foreach_mul_, aten._foreach_div_, aten._foreach_zero_}
+_FOREACH_INPLACE = {aten._foreach_mul_: "mul_", aten._foreach_div_: "div_", aten._foreach_zero_: "zero_"}
 
 
 def weight_grad_from_float(
