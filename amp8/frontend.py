@@ -72,7 +72,8 @@ def initialize(
 
     Raises:
         ValueError: unknown opt level (or an override amp8 cannot store), a model amp8
-            already initialized, optimizer options amp8 does not support.
+            already initialized, optimizer options amp8 does not support, ranks of a
+            process group that differ in level, recipe or model (on every rank).
         TypeError: a model that is not an ``nn.Module``; an optimizer other than Adam/AdamW
             at a level that stores weights or gradients scaled (O1-O3).
         RuntimeError: a parameter on a device without FP8 support.

@@ -136,6 +136,7 @@ class LowBitAdam(torch.optim.Optimizer):
             for param in group["params"]:
                 self._init_state(param, master_weights.get(param))
         self._buckets: GradientBuckets | None = None
+        self._buckets_under: Any = None  # the DDP the buckets were built for (None: none)
         self._hook_handles: list[Any] = []
         if data_parallel is not None and overlap_communication:
             self._register_hooks([p for group in self.param_groups for p in group["params"]])
@@ -146,16 +147,17 @@ class LowBitAdam(torch.optim.Optimizer):
         data_parallel = self.data_parallel
         if data_parallel is None:
             return None
-        covered = [
-            p for group in self.param_groups for p in group["params"]
-            if data_parallel.ddp is None or p in self.weights
-        ]
-        if self._buckets is None or len(self._buckets.params) != len(covered):
+        if self._buckets is None or self._buckets_under is not data_parallel.ddp:
+            covered = [
+                p for group in self.param_groups for p in group["params"]
+                if data_parallel.ddp is None or p in self.weights
+            ]
             paused = self._buckets is not None and self._buckets.is_paused
             self._buckets = GradientBuckets(
                 data_parallel, covered, self._local_gradient, self._has_local_gradient, self._is_sharded
             )
             self._buckets.is_paused = paused
+            self._buckets_under = data_parallel.ddp
         return self._buckets
 
     def _grad_ready(self, param: nn.Parameter) -> None:
