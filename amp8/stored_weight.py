@@ -238,13 +238,17 @@ class StoredWeight:
         """Drop the gradient."""
         self.set_grad(None)
 
-    def set_grad_from_float(self, value: torch.Tensor) -> None:
-        """Store float ``value`` as the gradient, in FP8 with fresh scales."""
-        data, scale = scaling.quantize_tiles(
+    def quantize_grad(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(FP8 data, scales)`` of a float weight gradient: the recipe's gradient format,
+        fresh scales per tile of the weight's scales (what backward and accumulation use)."""
+        return scaling.quantize_tiles(
             value, self.grad_dtype, self.tile(), margin=self.recipe.margin,
             power_of_2=self.recipe.power_of_2_scales,
         )
-        self.set_grad(ScaledTensor(data, scale, self.block_size))
+
+    def set_grad_from_float(self, value: torch.Tensor) -> None:
+        """Store float ``value`` as the gradient, in FP8 with fresh scales."""
+        self.set_grad(ScaledTensor(*self.quantize_grad(value), self.block_size))
 
     def add_grad(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Backward's new FP8 gradient: it becomes the gradient, or is added to the one
@@ -255,11 +259,7 @@ class StoredWeight:
         if current is None:
             self.set_grad(new)
         else:
-            total = current.dequantize() + new.dequantize()
-            data, scale = scaling.quantize_tiles(
-                total, self.grad_dtype, self.tile(), margin=self.recipe.margin,
-                power_of_2=self.recipe.power_of_2_scales,
-            )
+            data, scale = self.quantize_grad(current.dequantize() + new.dequantize())
             current.data.copy_(data)
             current.scale.copy_(scale)
         for hook in list(self._grad_ready_hooks.values()):

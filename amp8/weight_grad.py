@@ -25,7 +25,6 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from . import scaling
 from .tensor import ScaledTensor
 
 aten = torch.ops.aten
@@ -195,18 +194,3 @@ _READS = {
     aten.equal, aten.allclose, aten.any, aten.all,
 }
 _FOREACH_INPLACE = {aten._foreach_mul_: "mul_", aten._foreach_div_: "div_", aten._foreach_zero_: "zero_"}
-
-
-def weight_grad_from_float(
-    value: torch.Tensor,
-    dtype: torch.dtype,
-    param_dtype: torch.dtype,
-    tile: tuple[int, int] | None,
-    *,
-    margin: int = 0,
-    power_of_2: bool = False,
-) -> WeightGrad:
-    """A ``WeightGrad`` holding float ``value`` in FP8 ``dtype`` with fresh scales (one
-    per ``tile``, or one for the tensor)."""
-    data, scale = scaling.quantize_tiles(value, dtype, tile, margin=margin, power_of_2=power_of_2)
-    return WeightGrad(ScaledTensor(data, scale, 0 if tile is None else max(tile)), param_dtype)

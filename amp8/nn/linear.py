@@ -473,10 +473,7 @@ def _weight_grad_to_fp8(layer: Fp8Linear, grad_w: torch.Tensor) -> torch.Tensor:
     """The float32 weight gradient cast to FP8 with fresh scales: the scales go to the
     layer's ``_grad_scale`` buffer (in place, so a compiled backward can write them), the
     data is returned as the gradient of the layer's ``_grad_sink``."""
-    data, scale = scaling.quantize_tiles(
-        grad_w, layer.stored_weight.grad_dtype, layer.weight_tile(),
-        margin=layer.recipe.margin, power_of_2=layer.recipe.power_of_2_scales,
-    )
+    data, scale = layer.stored_weight.quantize_grad(grad_w)
     with torch.no_grad():
         layer._grad_scale.copy_(scale)
     return data
