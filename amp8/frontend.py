@@ -34,6 +34,50 @@ def fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
     return {module.weight: module for module in model.modules() if isinstance(module, Fp8Linear)}
 
 
+def _check_call(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    opt_level: str | OptLevel,
+    recipe: Recipe | None,
+    layer_selection: LayerSelection,
+) -> tuple[OptLevel, Recipe]:
+    """The opt level and recipe of an ``initialize`` call, after every check that needs no
+    other rank; raises what ``initialize`` documents."""
+    level = resolve_level(opt_level)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if recipe is None:
+        recipe = Recipe()
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be an amp8.Recipe, got {type(recipe).__name__}")
+    if not level.swaps_layers:
+        return level, recipe
+    wrapped = _wrapped(model)
+    if wrapped is not None:
+        where = "model" if wrapped == "" else f"model.{wrapped}"
+        raise TypeError(
+            f"{where} is wrapped in {type(model.get_submodule(wrapped)).__name__}; call "
+            "amp8.initialize on the bare model, before any DDP or fully_shard: in a process "
+            "group it averages gradients in FP8 itself, and at O3 it applies fully_shard "
+            "to the FP8 layers' weights itself"
+        )
+    for device_type in {param.device.type for param in model.parameters()}:
+        resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
+    already = next((name for name, m in model.named_modules() if isinstance(m, Fp8Linear)), None)
+    if already is not None:
+        raise ValueError(
+            f"model is already initialized by amp8 (found Fp8Linear at {already!r}); "
+            "call amp8.initialize once, on a model that has not been through it"
+        )
+    if optimizer is not None and level.takes_over_optimizer:
+        check_supported(optimizer)
+    for device in {param.device for param in model.parameters()}:
+        check_fp8_device(device)
+    if level.takes_over_optimizer:
+        check_state_precision(level)
+    return level, recipe
+
+
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -76,49 +120,30 @@ def initialize(
             process group that differ in level, recipe or model (on every rank).
         TypeError: a model that is not an ``nn.Module``; an optimizer other than Adam/AdamW
             at a level that stores weights or gradients scaled (O1-O3).
-        RuntimeError: a parameter on a device without FP8 support.
+        RuntimeError: a parameter on a device without FP8 support; in a process group,
+            on every other rank when one rank fails any of these checks (O0 included), so
+            no rank waits for it in a collective.
     """
-    level = resolve_level(opt_level)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    wrapped = _wrapped(model) if level.swaps_layers else None
-    if wrapped is not None:
-        where = "model" if wrapped == "" else f"model.{wrapped}"
-        raise TypeError(
-            f"{where} is wrapped in {type(model.get_submodule(wrapped)).__name__}; call "
-            "amp8.initialize on the bare model, before any DDP or fully_shard: in a process "
-            "group it averages gradients in FP8 itself, and at O3 it applies fully_shard "
-            "to the FP8 layers' weights itself"
-        )
-    for device_type in {param.device.type for param in model.parameters()}:
-        resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
-    if recipe is None:
-        recipe = Recipe()
-    elif not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be an amp8.Recipe, got {type(recipe).__name__}")
-    already = next((name for name, m in model.named_modules() if isinstance(m, Fp8Linear)), None)
-    if already is not None:
-        raise ValueError(
-            f"model is already initialized by amp8 (found Fp8Linear at {already!r}); "
-            "call amp8.initialize once, on a model that has not been through it"
-        )
+    distributed = process_group_size(process_group) > 1
+    level = checked_recipe = failure = None
+    try:
+        level, checked_recipe = _check_call(model, optimizer, opt_level, recipe, layer_selection)
+    except (ValueError, TypeError, RuntimeError) as error:
+        if not distributed:
+            raise
+        failure = error
+    if distributed:  # before anything else goes over the wire: ranks that differ would hang
+        check_ranks_agree(model, level, checked_recipe, process_group, failure)
+    assert level is not None and checked_recipe is not None  # else the check above raised
+    recipe = checked_recipe
     if not level.swaps_layers:
         return model, optimizer
-    if optimizer is not None and level.takes_over_optimizer:
-        check_supported(optimizer)
-    for device in {param.device for param in model.parameters()}:
-        check_fp8_device(device)
-    distributed = process_group_size(process_group) > 1
-    if distributed:  # before anything else goes over the wire: ranks that differ would hang
-        check_ranks_agree(model, level, recipe, process_group)
     if distributed and level.shard_optimizer and recipe.granularity is not Granularity.TENSORWISE:
         raise ValueError(
             f"opt level {level.name} shards its optimizer over data-parallel ranks, which "
             f"amp8 does for tensorwise scales only; got granularity="
             f"{recipe.granularity.value!r}. Use Recipe(granularity='tensorwise') or O2"
         )
-    if level.takes_over_optimizer:
-        check_state_precision(level)
     # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
     # them before the weights themselves drop to FP8.
     first_storage = Precision.FP16 if level.weight is not Precision.AS_IS else Precision.AS_IS

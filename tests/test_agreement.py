@@ -41,6 +41,13 @@ CASES = {
         "number of parameters: 4 on rank 0, 6 on rank 1",
     ),
 }
+# One rank fails its own checks: it raises its error, the other names the rank and error.
+FAILURES = {
+    "unknown-level": ({"level": "O1"}, {"level": "O5"}, "is not an amp8 opt level"),
+    "bad-recipe-type": ({}, {"recipe": "HYBRID"}, "recipe must be an amp8.Recipe"),
+    "unsupported-optimizer": ({}, {"sgd": True}, "amp8 cannot take over torch.optim.SGD"),
+}
+CASES["o0-against-o1"] = ({"level": "O0"}, {"level": "O1"}, "opt level name: 'O0' on rank 0, 'O1' on rank 1")
 # Far below the process group's timeout: a mismatch must fail, not hang.
 SECONDS_PER_CASE = 10.0
 
@@ -54,7 +61,8 @@ def _model(hidden: int = 64, extra_layer: bool = False) -> nn.Module:
 
 def _initialize(setup: dict) -> None:
     model = _model(setup.get("hidden", 64), setup.get("extra_layer", False))
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer_class = torch.optim.SGD if setup.get("sgd") else torch.optim.AdamW
+    optimizer = optimizer_class(model.parameters(), lr=1e-3)
     amp8.initialize(model, optimizer, setup.get("level", "O1"), recipe=setup.get("recipe"))
 
 
@@ -69,13 +77,21 @@ def _every_case(rank: int, world: int) -> dict[str, dict[str, object]]:
         except ValueError as caught:
             error = str(caught)
         results[name] = {"error": error, "seconds": time.monotonic() - start}
+    for name, (rank0, rank1, _) in FAILURES.items():
+        start = time.monotonic()
+        try:
+            _initialize(rank0 if rank == 0 else rank1)
+            error = None
+        except (ValueError, TypeError, RuntimeError) as caught:
+            error = f"{type(caught).__name__}: {caught}"
+        results[name] = {"error": error, "seconds": time.monotonic() - start}
     _initialize({})  # the ranks agree: initialize goes through to its collectives
     return results
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, object]]]:
-    timeout = 60 + SECONDS_PER_CASE * len(CASES)  # the processes' start-up, then the cases
+    timeout = 60 + SECONDS_PER_CASE * (len(CASES) + len(FAILURES))  # the processes' start-up, then the cases
     return multiprocess.run(_every_case, tmp_path_factory.mktemp("agreement"), timeout_s=timeout)
 
 
@@ -89,6 +105,20 @@ def test_mismatch_fails_quickly_on_every_rank(
     assert CASES[case][2] in result["error"], result["error"]
     assert "Every rank must call amp8.initialize with the same opt_level, recipe and model" in result["error"]
     assert result["seconds"] < SECONDS_PER_CASE, f"the {case} mismatch took {result['seconds']:.1f} s"
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_a_rank_that_fails_its_checks_stops_every_rank(
+    outcomes: list[dict[str, dict[str, object]]], case: str
+) -> None:
+    failing, other = outcomes[1][case], outcomes[0][case]
+    expected = FAILURES[case][2]
+    assert failing["error"] is not None and expected in failing["error"], failing["error"]
+    assert other["error"] is not None, f"rank 0 initialized though rank 1 failed ({case})"
+    assert other["error"].startswith("RuntimeError: amp8.initialize failed on rank 1"), other["error"]
+    assert expected in other["error"], other["error"]
+    for result in (failing, other):
+        assert result["seconds"] < SECONDS_PER_CASE, f"{case} took {result['seconds']:.1f} s"
 
 
 def test_description_covers_level_recipe_parameters_and_buffers() -> None:
