@@ -36,7 +36,7 @@ def export(
         allowed = ", ".join(map(str, EXPORT_DTYPES))
         raise TypeError(f"amp8.export(dtype={dtype!r}) is not valid; use one of {allowed}")
     real_weights: dict[str, torch.Tensor] = {}
-    masters = getattr(optimizer, "read_weight", None)
+    masters = getattr(optimizer, "master_weight", None)
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
             if is_sharded(module.weight):

@@ -13,7 +13,9 @@ from .gemm import check_fp8_device
 from .levels import OptLevel, Precision, resolve_level
 from .nn.linear import Fp8Linear
 from .nn.swap import ModuleFilter, swap_linear_layers
-from .optim.adam import LowBitAdam, check_state_precision, check_supported
+from .comm.reduction import GradientReduction
+from .optim.adam import LowBitAdam
+from .optim.support import check_state_precision, check_supported
 from .recipe import Granularity, Recipe
 from .selection import LayerSelection, resolve_selection
 
@@ -178,11 +180,14 @@ def initialize(
     if distributed:
         leave_to_amp8(model)
         watch_for_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]
-    new_optimizer = None
-    if optimizer is not None:
-        new_optimizer = LowBitAdam.from_optimizer(
-            optimizer, level, data_parallel=data_parallel,
-            replaced={old: layer.weight for old, layer in layers.items()},
-            master_weights={layer.weight: real for layer, real in master_weights.items()},
-        )
-    return model, new_optimizer
+    if optimizer is None:
+        return model, None
+    replaced = {old: layer.weight for old, layer in layers.items()}
+    reduction = None
+    if data_parallel is not None:  # the optimizer's gradients, averaged over the ranks
+        params = [replaced.get(p, p) for group in optimizer.param_groups for p in group["params"]]
+        reduction = GradientReduction(data_parallel, params)
+    return model, LowBitAdam.from_optimizer(
+        optimizer, level, replaced=replaced, reduction=reduction,
+        master_weights={layer.weight: real for layer, real in master_weights.items()},
+    )

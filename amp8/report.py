@@ -315,7 +315,7 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
             grad_dtype = None if grad is None else grad.dtype
             grad_bytes = 0 if grad is None else grad.nbytes  # FP8 data + scales, while there is one
             weight_bytes = local_tensor(param).nbytes + fp8_layer.weight_scale.nbytes
-            read = getattr(optimizer, "read_weight", None)
+            read = getattr(optimizer, "master_weight", None)
             real = read(param) if read is not None else fp8_layer.read_weight()
             stats: dict[str, Any] = _fp8_cast_stats(fp8_layer, real)
         else:

@@ -275,7 +275,7 @@ def _overlap(rank: int, world: int) -> dict:
             model = _model()
             model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
             if not overlap:  # as LowBitAdam(..., overlap_communication=False) would be
-                for handle in optimizer._hook_handles:
+                for handle in optimizer.reduction.hook_handles:
                     handle.remove()
             started_during_backward = []
             for step in range(3):
@@ -285,7 +285,7 @@ def _overlap(rank: int, world: int) -> dict:
                     context = optimizer.no_sync() if micro == 0 else torch.enable_grad()
                     with context:
                         (model(x) - y).pow(2).mean().backward()
-                    started_during_backward.append(optimizer._buckets.started)
+                    started_during_backward.append(optimizer.reduction.buckets.started)
                 optimizer.step()
             results[(overlap, level)] = {
                 "state": {k: v for k, v in multiprocess.full_state(model).items() if not k.endswith((".scale", ".amax_history"))},

@@ -140,7 +140,7 @@ def test_weight_storage_follows_the_level(level: str, weight_dtype: torch.dtype,
     state = optimizer.state.get(model[0].weight, {})
     assert ("master" in state) is has_master
     if has_master:  # taken from the weight before it dropped to FP8: FP16-accurate
-        torch.testing.assert_close(optimizer.read_weight(model[0].weight), original, atol=0, rtol=2**-10)
+        torch.testing.assert_close(optimizer.master_weight(model[0].weight), original, atol=0, rtol=2**-10)
 
 
 def test_override_that_amp8_cannot_store() -> None:

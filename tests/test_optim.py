@@ -181,8 +181,8 @@ def test_tiny_updates_survive_fp16_weights_through_stochastic_rounding() -> None
     delta = 0.1 * ulp
     with torch.no_grad():
         for _ in range(1000):
-            optimizer.write_weight(param, optimizer.read_weight(param) + delta)
-    drift = float(optimizer.read_weight(param).mean()) - 1.0
+            optimizer.update_weight(param, optimizer.master_weight(param) + delta)
+    drift = float(optimizer.master_weight(param).mean()) - 1.0
     assert drift == pytest.approx(1000 * delta, rel=0.01)
     nearest = torch.ones(64, 64).half()
     for _ in range(1000):
@@ -208,7 +208,7 @@ def _regression(level: str, seed: int = 0) -> tuple[float, torch.Tensor]:
 
 
 def _real_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    read = getattr(optimizer, "read_weight", lambda p: p.detach().float())
+    read = getattr(optimizer, "master_weight", lambda p: p.detach().float())
     return torch.cat([read(p).flatten() for p in model.parameters()])
 
 

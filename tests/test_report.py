@@ -99,7 +99,7 @@ def test_o3_report_measures_the_master_weights_cast_to_fp8() -> None:
     assert (row["weight"], row["master"], row["exp_avg"], row["exp_avg_sq"]) == (
         "float8_e4m3fn", "float16", "float8_e4m3fn", "float16",
     )
-    master = optimizer.read_weight(model[0].weight)
+    master = optimizer.master_weight(model[0].weight)
     assert row["amax"] == pytest.approx(float(master.abs().max()))
     tiny = master.abs() * row["scale"] < 2.0**-10  # below half the smallest E4M3 subnormal
     assert row["underflow"] == pytest.approx(float((tiny & (master != 0)).sum()) / master.numel(), abs=1e-3)

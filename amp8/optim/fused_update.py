@@ -1,0 +1,137 @@
+"""One parameter's fused Adam update (``amp8.optim.fused``) over amp8's stored tensors:
+reads the gradient, moments and weight as they are stored (FP8/FP16 data with scales),
+describes their storage as the fused step's ``Layout``, and writes the results back."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..formats import E4M3
+from ..stored_weight import StoredWeight
+from . import fused
+from . import state as state_storage
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+MASTER = "master"
+
+
+def fused_update(
+    steps: fused.FusedAdam,
+    param: nn.Parameter,
+    handle: StoredWeight | None,
+    param_state: dict[str, Any],
+    group: dict[str, Any],
+    next_noise_key: Callable[[], torch.Tensor],
+) -> bool:
+    """Run ``param``'s update through the fused step: the same operations as the
+    reference step. False, with nothing changed, where a tensor's storage is one the
+    fused step does not cover (the caller then takes the reference step)."""
+    if handle is not None:
+        scaled_grad = handle.grad()
+        if scaled_grad is None:
+            return True
+        grad, grad_scale = scaled_grad.data, scaled_grad.scale
+        grad_storage = _scale_storage(grad, grad_scale, scaled_grad.block_size)
+    else:
+        if param.grad is None:
+            return True
+        grad, grad_scale, grad_storage = param.grad, None, fused.Storage()
+    moments = [_stored(param_state, key) for key in MOMENTS]
+    if MASTER in param_state:
+        kind = fused.WeightKind.MASTER
+        weight, weight_scale = _stored(param_state, MASTER)[:2]
+    elif handle is not None:
+        kind = fused.WeightKind.FP16_SCALED
+        weight, weight_scale = handle.param.detach(), handle.scale
+    else:
+        kind, weight, weight_scale = fused.WeightKind.PLAIN, param.detach(), None
+    fp8_storage, fp8_previous = fused.Storage(), False
+    if kind is fused.WeightKind.MASTER:
+        fp8_storage, fp8_previous = _fp8_weight_storage(handle)  # type: ignore[arg-type]
+    if any(storage is None for storage in (grad_storage, moments[0][2], moments[1][2], fp8_storage)):
+        return False
+    weight_decay = group["weight_decay"]
+    decay = (
+        fused.Decay.NONE if weight_decay == 0
+        else fused.Decay.DECOUPLED if group["decoupled_weight_decay"] else fused.Decay.L2
+    )
+    layout = fused.Layout(
+        grad=grad_storage, exp_avg=moments[0][2], exp_avg_sq=moments[1][2],  # type: ignore[arg-type]
+        weight=kind, decay=decay, maximize=bool(group["maximize"]),
+        fp8_weight=fp8_storage,  # type: ignore[arg-type]
+        fp8_margin=handle.recipe.margin if handle is not None else 0,
+        fp8_power_of_2=handle.recipe.power_of_2_scales if handle is not None else False,
+        fp8_previous_scale=fp8_previous,
+    )
+    param_state["step"] += 1
+    beta1, beta2 = group["betas"]
+    scalars = fused.coefficients(
+        group["lr"], beta1, beta2, group["eps"], weight_decay, group["decoupled_weight_decay"],
+        float(param_state["step"]),
+    )
+    noise_key = next_noise_key() if kind is not fused.WeightKind.PLAIN else torch.zeros((), dtype=torch.int64)
+    tensors = fused.Tensors(
+        grad, grad_scale, moments[0][0], moments[0][1], moments[1][0], moments[1][1],
+        weight, weight_scale, handle.scale if handle is not None and fp8_previous else None,
+    )
+    result = steps(layout, tensors, scalars, noise_key)
+    for key, data, scale in zip(
+        MOMENTS, (result.exp_avg, result.exp_avg_sq), (result.exp_avg_scale, result.exp_avg_sq_scale)
+    ):
+        param_state[key] = data
+        if scale is not None:
+            param_state[key + state_storage.SCALE_SUFFIX] = scale
+    if kind is fused.WeightKind.PLAIN:
+        param.copy_(result.weight)
+    elif kind is fused.WeightKind.FP16_SCALED:
+        handle.store(result.weight, result.weight_scale)  # type: ignore[union-attr, arg-type]
+    else:
+        param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX] = result.weight, result.weight_scale
+        handle.store(result.fp8_weight, result.fp8_weight_scale)  # type: ignore[union-attr, arg-type]
+    return True
+
+
+def _stored(param_state: dict[str, Any], key: str) -> tuple[torch.Tensor, torch.Tensor | None, fused.Storage | None]:
+    """``(data, scales, storage)`` of ``param_state[key]`` as the fused step reads it."""
+    data = param_state[key]
+    scale = param_state.get(key + state_storage.SCALE_SUFFIX)
+    return data, scale, _scale_storage(data, scale, param_state.get(key + state_storage.BLOCK_SUFFIX, 0))
+
+
+def _scale_storage(data: torch.Tensor, scale: torch.Tensor | None, block_size: int) -> fused.Storage | None:
+    """The fused step's ``Storage`` for ``data`` with ``scale``; None for a layout it
+    does not cover."""
+    if scale is None:
+        return fused.Storage() if data.dtype == torch.float32 else None
+    if scale.dim() == 0:
+        return fused.Storage(data.dtype)
+    if scale.dim() == 1:
+        return fused.Storage(data.dtype, block_size=block_size) if block_size > 0 else None
+    if scale.dim() == data.dim() == 2:
+        rows, cols = data.shape
+        if tuple(scale.shape) == (rows, 1):
+            return fused.Storage(data.dtype, rows=True)
+        if block_size > 0 and tuple(scale.shape) == (-(-rows // block_size), -(-cols // block_size)):
+            return fused.Storage(data.dtype, tile=block_size)
+    return None
+
+
+def _fp8_weight_storage(handle: StoredWeight) -> tuple[fused.Storage | None, bool]:
+    """The fused step's ``Storage`` of an FP8 weight and whether its current scales have
+    the shape of new ones (``StoredWeight.encode`` then falls back to them)."""
+    rows, cols = handle.param.shape
+    tile = handle.tile()
+    if tile is None:
+        storage, shape = fused.Storage(E4M3), ()
+    elif tile == (1, cols):
+        storage, shape = fused.Storage(E4M3, rows=True), (rows, 1)
+    elif tile[0] == tile[1]:
+        storage, shape = fused.Storage(E4M3, tile=tile[0]), (-(-rows // tile[0]), -(-cols // tile[0]))
+    else:
+        return None, False
+    if handle.dtype != E4M3:
+        return None, False
+    return storage, tuple(handle.scale.shape) == shape

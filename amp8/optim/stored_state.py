@@ -1,0 +1,147 @@
+"""How ``LowBitAdam`` stores each parameter's state and writes its weight, at the
+precisions of one opt level: Adam's moments (``amp8.optim.state`` codecs), O3's FP16
+master weights, and the weight itself through its ``amp8.StoredWeight`` (FP16 with
+stochastic rounding, or FP8). The noise of every stochastic rounding is counted here."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import noise
+from ..levels import OptLevel, Precision
+from ..stored_weight import StoredWeight, encode_fp16
+from ..tensor import local_tensor
+from . import state as state_storage
+from .checkpoint import MASTER, MOMENTS
+
+
+class StoredState:
+    """The storage side of ``LowBitAdam``.
+
+    Args:
+        level: the opt level whose ``exp_avg``, ``exp_avg_sq`` and ``master_weight``
+            columns set the precisions.
+        weights: the FP8 layers' weights and their handles.
+        state_block_size: elements per scale of low-bit moments (0: one per tensor).
+        seed: the stochastic-rounding seed.
+        own_chunk: the part of a full-size value whose state this rank keeps (all of it,
+            or a sharded weight's rows).
+        is_sharded: whether this rank keeps only some rows of a parameter's state.
+    """
+
+    def __init__(
+        self,
+        level: OptLevel,
+        weights: dict[nn.Parameter, StoredWeight],
+        state_block_size: int,
+        seed: int,
+        own_chunk: Callable[[nn.Parameter, torch.Tensor], torch.Tensor],
+        is_sharded: Callable[[nn.Parameter], bool],
+    ) -> None:
+        self.level = level
+        self.weights = weights
+        self.state_block_size = state_block_size
+        self.seed = seed
+        self.rounding_counter = 0  # stochastic-rounding draws so far
+        self._own_chunk = own_chunk
+        self._is_sharded = is_sharded
+
+    def next_noise_key(self) -> torch.Tensor:
+        """The noise key of the next stochastic rounding (an int64 CPU scalar, which
+        serves tensors on any device), counting the draw."""
+        key = noise.rounding_key(self.seed, self.rounding_counter)
+        self.rounding_counter += 1
+        return torch.tensor(key, dtype=torch.int64)
+
+    def init(self, param: nn.Parameter, param_state: dict[str, Any], master_weight: torch.Tensor | None) -> None:
+        """Step 0, zero moments at the level's precisions, and the master weight (from
+        ``master_weight``, else from the stored weight)."""
+        handle = self.weights.get(param)
+        if handle is not None and self.level.master_weight is not None:
+            real = master_weight if master_weight is not None else handle.read()
+            self.store_master(param_state, self._own_chunk(param, real))
+        shape_source = param_state.get(MASTER, param)
+        param_state["step"] = torch.zeros((), dtype=torch.float32)
+        for key in MOMENTS:
+            zeros = torch.zeros(shape_source.shape, dtype=torch.float32, device=param.device)
+            self.store_moment(param, param_state, key, zeros)
+
+    def store_master(self, param_state: dict[str, Any], value: torch.Tensor) -> None:
+        """Store a master weight as FP16 weights are stored (``encode_fp16``)."""
+        param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX] = encode_fp16(
+            value, self.next_noise_key(), previous=param_state.get(MASTER + state_storage.SCALE_SUFFIX)
+        )
+
+    def store_moment(self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor) -> None:
+        """Store a moment at its level's precision; the FP8 first moment of an FP8
+        layer's weight takes the tiles of that layer's weight scales (rowwise or block
+        recipes), other low-bit moments ``state_block_size``."""
+        handle = self.weights.get(param)
+        tile = None if handle is None else handle.tile()
+        state_storage.store(param_state, key, value, getattr(self.level, key), self.state_block_size, tile)
+
+    def weight(self, param: nn.Parameter, param_state: dict[str, Any]) -> torch.Tensor:
+        """The real float32 values the update starts from: the master weight (this rank's
+        rows where sharded), else what the model stores."""
+        if MASTER in param_state:
+            return state_storage.load(param_state, MASTER)
+        handle = self.weights.get(param)
+        return handle.read() if handle is not None else param.detach().float()
+
+    def write_weight(self, param: nn.Parameter, param_state: dict[str, Any], value: torch.Tensor) -> None:
+        """Store float32 ``value`` as ``param``'s new weight: its master weight and FP8
+        storage (O3; a sharded weight's FP8 rows are stored after the step, from the amax
+        of all ranks), its FP16 storage with stochastic rounding (O1, O2), or the
+        parameter itself."""
+        handle = self.weights.get(param)
+        if MASTER in param_state:
+            self.store_master(param_state, value)
+            if not self._is_sharded(param):
+                handle.write(value)  # type: ignore[union-attr]
+        elif handle is not None:
+            handle.write(value, noise_key=self.next_noise_key())
+        else:
+            param.copy_(value)
+
+    def convert(self, param: nn.Parameter, param_state: dict[str, Any]) -> set[str]:
+        """Re-store moments and master weights saved at other precisions (another opt
+        level); the names of what was converted."""
+        converted = set()
+        for key in MOMENTS:
+            wanted: Precision = getattr(self.level, key)
+            if key in param_state and state_storage.stored_precision(param_state, key) is not wanted:
+                self.store_moment(param, param_state, key, state_storage.load(param_state, key))
+                converted.add(key)
+        wants_master = self.level.master_weight is not None and param in self.weights
+        if wants_master and MASTER not in param_state:
+            self.store_master(param_state, self._own_chunk(param, self.weights[param].read()))
+            converted.add("master weights")
+        elif not wants_master and MASTER in param_state:
+            handle = self.weights.get(param)
+            master = state_storage.load(param_state, MASTER)
+            del param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX]
+            if handle is not None:
+                handle.write(master)
+            converted.add("master weights")
+        return converted
+
+    def store_sharded_weights(
+        self,
+        state: dict[nn.Parameter, dict[str, Any]],
+        max_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Each rank's rows of every sharded weight, cast from its master rows to FP8 with
+        one scale per weight (from the amax over all ranks), stored in place; FSDP2
+        all-gathers them before the next forward. Runs under ``no_grad``."""
+        params = [p for p in self.weights if MASTER in state[p]]
+        if not params:
+            return
+        chunks = [state_storage.load(state[p], MASTER) for p in params]
+        local_amax = torch.stack([chunk.abs().amax() if chunk.numel() else chunk.new_zeros(()) for chunk in chunks])
+        for param, chunk, amax in zip(params, chunks, max_over_ranks(local_amax)):
+            handle = self.weights[param]
+            data, scale = handle.encode(chunk, amax_value=amax)
+            handle.store(data.view(local_tensor(param).shape), scale)
