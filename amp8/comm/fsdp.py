@@ -9,48 +9,22 @@ holds, and the optimizer writes each rank's rows of the new FP8 weight in place,
 scale from the amax over all ranks. Biases and parameters outside FP8 layers stay
 replicated and are averaged by the buckets too.
 
-The all-gather moves the FP8 bytes as uint8 (gloo has no FP8 dtype) and counts them in the
-run's ``WireStats``.
+FSDP2 all-gathers each weight through ``Fp8WeightShard`` (its public all-gather
+extension for tensor subclasses): the FP8 bytes travel as uint8 (gloo has no FP8 dtype)
+and are counted in the run's ``WireStats``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .data_parallel import DataParallel
-from .fp8_collectives import WireStats
-
-
-class ByteAllGather(AllGather):
-    """FSDP2's all-gather with its buffers viewed as bytes, so FP8 shards travel over any
-    backend unchanged; counts what this rank sends (its shard to every other rank)."""
-
-    def __init__(self, stats: WireStats) -> None:
-        self.stats = stats
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A plain buffer for the gathered bytes."""
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        """All-gather ``input_tensor`` from every rank into ``output_tensor``."""
-        self.stats.add("all_gather", input_tensor.nbytes * (dist.get_world_size(group) - 1))
-        return dist.all_gather_single(
-            output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group=group, async_op=async_op
-        )
+from .weight_shard import Fp8WeightShard
 
 
 def shard_weights(model: nn.Module, layers: Iterable[nn.Module], data_parallel: DataParallel) -> None:
@@ -59,18 +33,21 @@ def shard_weights(model: nn.Module, layers: Iterable[nn.Module], data_parallel: 
     work); every other parameter stays a plain, replicated tensor.
 
     Each layer's ``weight`` becomes a new ``nn.Parameter`` holding a ``DTensor`` of this
-    rank's rows: read it from the layer after this call.
+    rank's rows, an ``Fp8WeightShard`` (which all-gathers as bytes and counts them in
+    ``data_parallel.stats``): read it from the layer after this call.
     """
     layers = list(layers)
     device_type = next(iter(model.parameters())).device.type
     group = data_parallel.group if data_parallel.group is not None else dist.group.WORLD
     mesh = DeviceMesh.from_group(group, device_type)
-    all_gather = ByteAllGather(data_parallel.stats)
     sharded = set()
     for layer in layers:
+        weight = layer.weight
+        layer.weight = nn.Parameter(
+            Fp8WeightShard(weight.detach(), data_parallel.stats), requires_grad=weight.requires_grad
+        )
         others = {param for name, param in layer.named_parameters() if name != "weight"}
         fully_shard(layer, mesh=mesh, ignored_params=others)
-        layer.set_custom_all_gather(all_gather)
         sharded.add(id(layer.weight))
     if all(layer is not model for layer in layers):
         fully_shard(model, mesh=mesh, ignored_params={p for p in model.parameters() if id(p) not in sharded})
