@@ -51,14 +51,25 @@ def _signed32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
+def _int32_index(numel: int, device: torch.device, width: int = 1024) -> torch.Tensor:
+    """``arange(numel)`` as int32, built as rows plus columns (an int32 ``arange`` of
+    millions of elements is several times slower on the CPU than this one add)."""
+    rows = -(-numel // width)
+    starts = torch.arange(rows, dtype=torch.int32, device=device).mul_(width)
+    columns = torch.arange(width, dtype=torch.int32, device=device)
+    return (starts[:, None] + columns).view(-1)[:numel]
+
+
 def _hash32_int32_(x: torch.Tensor) -> torch.Tensor:
-    """``hash32`` of int32 ``x`` (the words' bits, two's complement), in place. Right
-    shifts of int32 copy the sign bit, so each shifted word is masked to its width."""
-    x ^= (x >> 16) & 0xFFFF
-    x *= _signed32(_MULTIPLIERS[0])
-    x ^= (x >> 15) & 0x1FFFF
-    x *= _signed32(_MULTIPLIERS[1])
-    x ^= (x >> 16) & 0xFFFF
+    """``hash32`` of int32 ``x`` (the words' bits, two's complement), in place, with one
+    scratch tensor. Right shifts of int32 copy the sign bit, so each shifted word is
+    masked to its width."""
+    scratch = torch.empty_like(x)
+    for shift, multiplier in ((16, _MULTIPLIERS[0]), (15, _MULTIPLIERS[1]), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=scratch)
+        x ^= scratch.bitwise_and_((1 << (32 - shift)) - 1)
+        if multiplier is not None:
+            x *= _signed32(multiplier)
     return x
 
 
@@ -77,21 +88,32 @@ def rounding_key(seed: int, counter: int) -> int:
     return hash32(key ^ ((counter >> 32) & _MASK32))
 
 
-def uniform(shape: torch.Size | tuple[int, ...], key: torch.Tensor | int, device: torch.device) -> torch.Tensor:
-    """float32 noise of ``shape`` in ``[0, 1)``, in steps of ``2**-24``: element ``i`` (in
-    row-major order) is ``hash(key, i)``. ``key`` is an int or an int64 scalar tensor in
-    ``[0, 2**32)`` (a CPU scalar tensor works with tensors on any device)."""
+def random_bits(shape: torch.Size | tuple[int, ...], key: torch.Tensor | int, device: torch.device) -> torch.Tensor:
+    """32 random bits per element of ``shape``: element ``i`` (in row-major order) is
+    ``hash(key, i)``, as int32 words (their bits, two's complement) eagerly and as int64
+    words in ``[0, 2**32)`` inside ``torch.compile``. ``key`` is an int or an int64 scalar
+    tensor in ``[0, 2**32)`` (a CPU scalar tensor works with tensors on any device)."""
     numel = 1
     for size in shape:
         numel *= size
-    shift, scale = 32 - _UNIFORM_BITS, 2.0**-_UNIFORM_BITS
     if not torch.compiler.is_compiling() and numel < 1 << 31:
-        index = torch.arange(numel, dtype=torch.int32, device=device)
-        bits = _hash32_int32_(index.bitwise_xor_(_signed32(int(key))))
-        top = bits.bitwise_right_shift_(shift).bitwise_and_((1 << _UNIFORM_BITS) - 1)
-        return top.to(torch.float32).mul_(scale).view(shape)
+        return _hash32_int32_(_int32_index(numel, device).bitwise_xor_(_signed32(int(key)))).view(shape)
     index = torch.arange(numel, dtype=torch.int64, device=device)
     bits = hash32(key ^ (index & _MASK32))
     if numel > _MASK32:  # elements past 2**32 mix in the high word of their index
         bits = hash32(bits ^ (index >> 32))
-    return (bits >> shift).to(torch.float32).mul(scale).view(shape)
+    return bits.view(shape)
+
+
+def top_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` (1 to 31) highest of the 32 bits in each word of ``random_bits``, as
+    non-negative integers of the same dtype (in place of an eager int32 ``bits``)."""
+    if not torch.compiler.is_compiling() and bits.dtype == torch.int32:  # our own words: in place
+        return bits.bitwise_right_shift_(32 - count).bitwise_and_((1 << count) - 1)
+    return (bits >> (32 - count)) & ((1 << count) - 1)
+
+
+def uniform(shape: torch.Size | tuple[int, ...], key: torch.Tensor | int, device: torch.device) -> torch.Tensor:
+    """float32 noise of ``shape`` in ``[0, 1)``, in steps of ``2**-24``: the top 24 of
+    ``random_bits(shape, key, device)``."""
+    return top_bits(random_bits(shape, key, device), _UNIFORM_BITS).to(torch.float32).mul_(2.0**-_UNIFORM_BITS)

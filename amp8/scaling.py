@@ -79,8 +79,9 @@ def _saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
     finite and NaN where it is not."""
     limit = max_value(dtype)
     x = x.float()
-    saturated = (x * scale).clamp(-limit, limit)
-    return torch.where(torch.isfinite(x), saturated, torch.nan)
+    # x * 0 is 0 where x is finite and NaN where it is not: adding it marks the non-finite
+    # values (a select on a bool mask costs several times more on the CPU).
+    return (x * scale).clamp_(-limit, limit).add_(x * 0.0)
 
 
 def quantize_stochastic(
@@ -107,42 +108,17 @@ def quantize_stochastic(
             "stochastic rounding is counter-based: pass amp8.noise.rounding_key(seed, counter)"
         )
     scaled = _saturate(x, scale, dtype)
-    nearest = scaled.to(dtype)
-    nearest_f = nearest.float()
-    other_f = _neighbour_towards(nearest_f, scaled, dtype)
-    gap = (other_f - nearest_f).abs()
-    chance = torch.where(gap > 0, (scaled - nearest_f).abs() / gap, 0.0)
-    draw = noise.uniform(scaled.shape, noise_key, scaled.device)
-    return torch.where(draw < chance, other_f, nearest_f).to(dtype)
-
-
-def _neighbour_towards(nearest_f: torch.Tensor, target: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The value of ``dtype`` (FP16 or BF16) next to ``nearest_f`` (a float32 tensor of
-    values of ``dtype``) on the side of ``target``, as float32, so the two bracket it.
-
-    Worked out from the float32 bits of ``nearest_f``: ``torch.nextafter`` on the 16-bit
-    tensor, or a bit view of it, is computed in float32 once torch.compile upcasts 16-bit
-    operands, and would step to the wrong neighbour.
-    """
     info = torch.finfo(dtype)
-    min_exponent = round(math.log2(info.tiny))  # of normal numbers: -14 (FP16), -126 (BF16)
-    mantissa_bits = round(-math.log2(info.eps))  # 10 (FP16), 7 (BF16)
-    bits = nearest_f.view(torch.int32)
-    exponent = (((bits >> 23) & 0xFF) - 127).clamp_min(min_exponent)  # zero and subnormals: the minimum
-    away = target.abs() > nearest_f.abs()
-    # Below a power of two the spacing halves (except at the bottom of the normal range).
-    power_of_two = ((bits & 0x7FFFFF) == 0) & (exponent > min_exponent)
-    gap_exponent = exponent - mantissa_bits - (power_of_two & ~away).to(torch.int32)
-    gap = _exact_power_of_two(gap_exponent)
-    return torch.where(target > nearest_f, nearest_f + gap, nearest_f - gap)
-
-
-def _exact_power_of_two(exponent: torch.Tensor) -> torch.Tensor:
-    """``2.0 ** exponent`` in float32 for int32 exponents in [-149, 127], from its bits
-    (``exp2`` of a compiled kernel need not be exact)."""
-    normal = (exponent.clamp_min(-126) + 127) << 23
-    subnormal = torch.ones_like(exponent) << (exponent + 149).clamp(0, 22)
-    return torch.where(exponent >= -126, normal, subnormal).view(torch.float32)
+    dropped = 23 - round(-math.log2(info.eps))  # float32 mantissa bits dtype lacks: 13 (FP16), 16 (BF16)
+    # Below dtype's smallest normal its spacing stays that of the smallest binade: moved up
+    # by that binade's power of two, a value rounds like a normal number and moves back exactly.
+    offset = (scaled.abs() < info.tiny).to(torch.float32).mul_(info.tiny).copysign_(scaled)
+    moved = scaled.add_(offset).view(torch.int32)  # ``scaled`` is this function's own tensor
+    # Adding a random integer below the dropped bits' unit to the magnitude, then dropping
+    # them, rounds away from zero with probability (dropped bits) / unit: unbiased.
+    noise_bits = noise.top_bits(noise.random_bits(scaled.shape, noise_key, scaled.device), dropped)
+    rounded = moved.add_(noise_bits.to(torch.int32)).bitwise_and_(~((1 << dropped) - 1)).view(torch.float32)
+    return rounded.sub_(offset).to(dtype)
 
 
 def quantize_blockwise(
@@ -245,7 +221,8 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A bool scalar tensor: True when no tensor holds an inf or NaN."""
     if not tensors:
         return torch.tensor(True)
-    return torch.stack([torch.isfinite(t.float()).all() for t in tensors]).all()
+    # The amax of a tensor is inf or NaN exactly when one of its values is (max keeps NaN).
+    return torch.isfinite(torch.stack([amax(t if t.element_size() > 1 else t.float()) for t in tensors])).all()
 
 
 def dequantize(

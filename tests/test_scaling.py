@@ -145,8 +145,24 @@ def test_all_finite() -> None:
     assert bool(scaling.all_finite([torch.ones(3), torch.zeros(2, dtype=E4M3)]))
     assert not bool(scaling.all_finite([torch.ones(3), torch.tensor([float("nan")])]))
     assert bool(scaling.all_finite([]))
+    assert bool(scaling.all_finite([torch.empty(0), torch.full((4,), 3e38)]))
+    assert not bool(scaling.all_finite([torch.tensor([1.0, float("-inf")])]))
+    assert not bool(scaling.all_finite([torch.tensor([1.0, float("inf")]).to(E5M2)]))
+    assert not bool(scaling.all_finite([torch.tensor([float("nan"), 2.0]).to(E4M3)]))
 
 
 def test_sqnr_of_known_noise() -> None:
     reference = torch.ones(100)
     assert scaling.sqnr(reference, reference * 1.1) == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("dtype", [*FP8, torch.float16], ids=str)
+def test_compiled_quantize_keeps_non_finite_visible_as_eager(dtype: torch.dtype) -> None:
+    """The compiled cast marks inf and NaN as eager does (no simplification of x * 0)."""
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30, -3.0, 0.0, 2.0**-30] * 3)
+    scale = torch.tensor(2.0**8)
+    compiled = torch.compile(scaling.quantize, fullgraph=True, dynamic=False)
+    eager, graph = scaling.quantize(x, scale, dtype), compiled(x, scale, dtype)
+    assert torch.equal(eager.view(torch.uint8) if eager.element_size() == 1 else eager.view(torch.int16),
+                       graph.view(torch.uint8) if graph.element_size() == 1 else graph.view(torch.int16))
+    assert torch.isnan(eager.float()[:3]).all()
