@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm.agreement import check_ranks_agree
-from .comm.data_parallel import DataParallel, broadcast_module, process_group_size
+from .comm.data_parallel import DataParallelGroup, broadcast_module, process_group_size
 from .comm.ddp import leave_to_amp8, watch_for_ddp
 from .gemm import check_fp8_device
 from .levels import OptLevel, Precision, resolve_level
@@ -161,7 +161,7 @@ def initialize(
     data_parallel = None
     if distributed:
         broadcast_module(model, process_group)
-        data_parallel = DataParallel(process_group)
+        data_parallel = DataParallelGroup(process_group)
         for layer in layers.values():
             layer.stored_weight.data_parallel = data_parallel
     master_weights = {}

@@ -81,7 +81,7 @@ class StoredWeight:
         self.storage = storage
         self._on_store = on_store
         self.sharded = False  # set when FSDP2 shards the weight (see amp8.comm.fsdp)
-        # The data-parallel group amp8.initialize found (an amp8.comm.DataParallel), so an
+        # The data-parallel group amp8.initialize found (an amp8.comm.DataParallelGroup), so an
         # optimizer built over these weights averages their gradients over it.
         self.data_parallel: Any = None
         self._held_grad: ScaledTensor | None = None

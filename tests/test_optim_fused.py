@@ -106,7 +106,7 @@ def test_fused_step_matches_the_reference_step(level: str) -> None:
     for _ in range(STEPS):
         _step_both_with_the_same_gradients(models, optimizers)
     _assert_fused_matches_reference(models, optimizers)
-    assert len(optimizers[1]._fused_steps.layouts) == 1, "both shapes should share one graph"
+    assert len(optimizers[1]._fused_steps.specs) == 1, "both shapes should share one graph"
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.comm import DataParallel, fp8_compress_hook
+from amp8.comm import DataParallelGroup, fp8_compress_hook
 from amp8.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 from multiprocess import run
@@ -234,7 +234,7 @@ def _hook_on_plain_ddp(rank: int, world: int) -> dict:
     hooked = nn.Linear(64, 64)
     plain = copy.deepcopy(hooked)
     ddp = nn.parallel.DistributedDataParallel(hooked)
-    state = DataParallel()
+    state = DataParallelGroup()
     ddp.register_comm_hook(state, fp8_compress_hook)
     ddp_plain = nn.parallel.DistributedDataParallel(plain)  # FP32 all-reduce: the reference
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .data_parallel import DataParallel, row_size
+from .data_parallel import DataParallelGroup, row_size
 from .fp8_collectives import PendingReduceScatter, fp8_all_gather, start_reduce_scatter_mean
 
 GradientOf = Callable[[nn.Parameter], "torch.Tensor | None"]
@@ -51,7 +51,7 @@ class GradientBuckets:
 
     def __init__(
         self,
-        data_parallel: DataParallel,
+        data_parallel: DataParallelGroup,
         params: list[nn.Parameter],
         gradient: GradientOf,
         has_gradient: HasGradient,

@@ -1,7 +1,7 @@
 """Data parallelism for amp8 models: FP8 gradient averaging and O3's sharded state.
 
 ``initialize`` in a process group of more than one rank broadcasts rank 0's parameters
-and buffers, and gives the optimizer a ``DataParallel``; the optimizer's
+and buffers, and gives the optimizer a ``DataParallelGroup``; the optimizer's
 ``GradientBuckets`` average every gradient over the ranks with FP8 on the wire (only the
 FP8 weights' once the user's DDP runs the model, see ``ddp.py``). At O3 the FP8 weights are sharded by FSDP2 (``fsdp.py``), and
 their gradients are reduce-scattered: each rank gets the mean of the rows whose FP8
@@ -48,7 +48,7 @@ def broadcast_module(model: nn.Module, group: dist.ProcessGroup | None = None) -
 
 
 @dataclass
-class DataParallel:
+class DataParallelGroup:
     """The process group of a data-parallel amp8 run and what it sent.
 
     Attributes:
@@ -96,7 +96,7 @@ class DataParallel:
         return layout.shard_range(0, self.rank)
 
 
-def agree_on_delayed_scales(data_parallel: DataParallel | None, weights: list[StoredWeight]) -> None:
+def agree_on_delayed_scales(data_parallel: DataParallelGroup | None, weights: list[StoredWeight]) -> None:
     """Under delayed scaling, every rank takes the largest amaxes (and the smallest scales)
     of all ranks into its layers' histories, in one all-reduce: from the next step all
     ranks cast with the same scales, and every rank's checkpoint holds the same ones.

@@ -25,24 +25,24 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..stored_weight import stored_weight
-from .data_parallel import DataParallel
+from .data_parallel import DataParallelGroup
 from .fp8_collectives import fp8_all_reduce_mean
 
 
 def fp8_compress_hook(
-    state: DataParallel | dist.ProcessGroup | None, bucket: dist.GradBucket
+    state: DataParallelGroup | dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook that averages each gradient bucket with FP8 on the wire.
 
     Register it with ``ddp.register_comm_hook(state, amp8.comm.fp8_compress_hook)``, as
     torch's ``fp16_compress_hook``. ``state`` is the process group to average over (None:
-    the default group) or an ``amp8.comm.DataParallel``, whose byte counter then counts
+    the default group) or an ``amp8.comm.DataParallelGroup``, whose byte counter then counts
     what this rank sends. The bucket is cut into one chunk per rank, each chunk cast to
     E4M3 with its own scale, summed in FP32 by its owner and cast back (an all-to-all and
     an all-gather): one byte per element per rank, a quarter of FP32's all-reduce. The
     result, in the bucket's dtype, is identical on every rank.
     """
-    if isinstance(state, DataParallel):
+    if isinstance(state, DataParallelGroup):
         group, stats = state.group, state.stats
     else:
         group, stats = state, None
@@ -75,7 +75,7 @@ def leave_to_amp8(model: nn.Module) -> None:
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
-def watch_for_ddp(model: nn.Module, data_parallel: DataParallel, *, sharded: bool = False) -> RemovableHandle:
+def watch_for_ddp(model: nn.Module, data_parallel: DataParallelGroup, *, sharded: bool = False) -> RemovableHandle:
     """A forward pre-hook on ``model`` that finds the DDP running it, if any: the first
     time, amp8 hands it the model's other parameters and registers ``fp8_compress_hook``;
     every time, it reads whether this backward synchronizes (``no_sync``). A model whose
@@ -98,7 +98,7 @@ def watch_for_ddp(model: nn.Module, data_parallel: DataParallel, *, sharded: boo
     return model.register_forward_pre_hook(before_forward)
 
 
-def _adopt(ddp: nn.parallel.DistributedDataParallel, data_parallel: DataParallel) -> None:
+def _adopt(ddp: nn.parallel.DistributedDataParallel, data_parallel: DataParallelGroup) -> None:
     ignored = set(getattr(ddp, "parameters_to_ignore", ()))
     missing = [name for name in amp8_names(ddp.module) if name not in ignored]
     if missing:

@@ -23,11 +23,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from .data_parallel import DataParallel
+from .data_parallel import DataParallelGroup
 from .weight_shard import Fp8WeightShard
 
 
-def shard_weights(model: nn.Module, layers: Iterable[nn.Module], data_parallel: DataParallel) -> None:
+def shard_weights(model: nn.Module, layers: Iterable[nn.Module], data_parallel: DataParallelGroup) -> None:
     """Apply ``fully_shard`` to each of ``layers`` for its ``weight`` alone, and to
     ``model`` for none of its parameters (the root that runs FSDP2's end-of-backward
     work); every other parameter stays a plain, replicated tensor.

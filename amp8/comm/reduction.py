@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..stored_weight import StoredWeight, stored_weight
 from .buckets import GradientBuckets
-from .data_parallel import DataParallel, agree_on_delayed_scales
+from .data_parallel import DataParallelGroup, agree_on_delayed_scales
 
 
 class GradientReduction:
@@ -37,7 +37,7 @@ class GradientReduction:
             are final (else all of them in ``synchronize``).
     """
 
-    def __init__(self, data_parallel: DataParallel, params: list[nn.Parameter], *, overlap: bool = True) -> None:
+    def __init__(self, data_parallel: DataParallelGroup, params: list[nn.Parameter], *, overlap: bool = True) -> None:
         self.data_parallel = data_parallel
         self.params = list(params)
         self.weights: dict[nn.Parameter, StoredWeight] = {
@@ -91,7 +91,8 @@ class GradientReduction:
             if handle is not None:
                 # The hook gets the layer's weight as it is in backward: under FSDP2 the
                 # gathered Parameter, not the sharded one the buckets know.
-                self.hook_handles.append(handle.register_grad_ready_hook(functools.partial(_ready, self.grad_ready, param)))
+                hook = functools.partial(_notify_ready, self.grad_ready, param)
+                self.hook_handles.append(handle.register_grad_ready_hook(hook))
             else:
                 self.hook_handles.append(param.register_post_accumulate_grad_hook(self.grad_ready))
 
@@ -144,6 +145,6 @@ class GradientReduction:
         self.buckets.reset()
 
 
-def _ready(grad_ready: Callable[[nn.Parameter], None], param: nn.Parameter, _weight: nn.Parameter) -> None:
+def _notify_ready(grad_ready: Callable[[nn.Parameter], None], param: nn.Parameter, _weight: nn.Parameter) -> None:
     grad_ready(param)
 

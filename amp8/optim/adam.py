@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import scaling
-from ..comm.data_parallel import DataParallel
+from ..comm.data_parallel import DataParallelGroup
 from ..comm.reduction import GradientReduction
 from ..levels import O1, OptLevel, resolve_level
 from ..stored_weight import StoredWeight, stored_weight
@@ -88,7 +88,7 @@ class LowBitAdam(torch.optim.Optimizer):
         level: OptLevel | str = O1,
         state_block_size: int = DEFAULT_STATE_BLOCK_SIZE,
         seed: int = 0,
-        data_parallel: DataParallel | None = None,
+        data_parallel: DataParallelGroup | None = None,
         overlap_communication: bool = True,
         reduction: GradientReduction | None = None,
         fused: bool | None = None,
@@ -168,7 +168,7 @@ class LowBitAdam(torch.optim.Optimizer):
 
     # -- data parallel (the reduction averages; the optimizer only calls it) ----------
     @property
-    def data_parallel(self) -> DataParallel | None:
+    def data_parallel(self) -> DataParallelGroup | None:
         """The process group gradients are averaged over, or None."""
         return None if self.reduction is None else self.reduction.data_parallel
 

@@ -10,8 +10,8 @@ kernel pass per tensor, plus the amax reductions that the scales need) it agrees
 the reference up to the compiler's reordering of float32 arithmetic.
 
 What stays the same from step to step (dtypes, scale layouts, which branches run) is a
-``Layout``; everything that changes (step counts, learning rate, noise key) is a tensor,
-so one compiled graph serves every step. ``FusedAdam`` compiles one graph per layout with
+``UpdateSpec``; everything that changes (step counts, learning rate, noise key) is a tensor,
+so one compiled graph serves every step. ``FusedAdam`` compiles one graph per update spec with
 dynamic shapes, so parameters of different shapes share it.
 """
 
@@ -58,7 +58,7 @@ class Storage:
 
 
 @dataclass(frozen=True)
-class Layout:
+class UpdateSpec:
     """Everything about one tensor's update that is fixed between steps."""
 
     grad: Storage
@@ -150,12 +150,12 @@ def _store(value: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.T
 
 
 def _encode_fp8_weight(
-    value: torch.Tensor, previous: torch.Tensor | None, layout: Layout
+    value: torch.Tensor, previous: torch.Tensor | None, spec: UpdateSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 weight and its scales (as ``StoredWeight.encode`` for FP8 storage)."""
-    storage = layout.fp8_weight
+    storage = spec.fp8_weight
     dtype = storage.dtype
-    assert dtype is not None  # Layout construction guarantees it
+    assert dtype is not None  # UpdateSpec construction guarantees it
     if storage.rows:
         amaxes = value.abs().amax(dim=1, keepdim=True)
     elif storage.tile:
@@ -163,48 +163,48 @@ def _encode_fp8_weight(
     else:
         amaxes = scaling.amax(value)
     scale = scaling.scale_from_amax(
-        amaxes, dtype, margin=layout.fp8_margin, power_of_2=layout.fp8_power_of_2, previous=previous
+        amaxes, dtype, margin=spec.fp8_margin, power_of_2=spec.fp8_power_of_2, previous=previous
     )
     full_scale = scaling.expand_scale(scale, tuple(value.shape), storage.tile)
     return scaling.quantize(value, full_scale, dtype), scale
 
 
 def adam_tensor_step(
-    layout: Layout, tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor
+    spec: UpdateSpec, tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor
 ) -> Result:
     """One Adam / AdamW update of one tensor; see the module docstring.
 
     ``noise_key`` (an int64 0-d tensor in ``[0, 2**32)``) drives the stochastic rounding
     of FP16 weights and masters, as in ``scaling.quantize_stochastic``.
     """
-    grad = _load(tensors.grad, tensors.grad_scale, layout.grad)
-    if layout.maximize:
+    grad = _load(tensors.grad, tensors.grad_scale, spec.grad)
+    if spec.maximize:
         grad = -grad
-    exp_avg = _load(tensors.exp_avg, tensors.exp_avg_scale, layout.exp_avg)
-    exp_avg_sq = _load(tensors.exp_avg_sq, tensors.exp_avg_sq_scale, layout.exp_avg_sq)
-    if layout.weight is WeightKind.PLAIN:
+    exp_avg = _load(tensors.exp_avg, tensors.exp_avg_scale, spec.exp_avg)
+    exp_avg_sq = _load(tensors.exp_avg_sq, tensors.exp_avg_sq_scale, spec.exp_avg_sq)
+    if spec.weight is WeightKind.PLAIN:
         weight = tensors.weight.float()
     else:
         weight = scaling.dequantize(tensors.weight, tensors.weight_scale)
-    if layout.decay is Decay.DECOUPLED:
+    if spec.decay is Decay.DECOUPLED:
         weight = weight * scalars.decay
-    elif layout.decay is Decay.L2:
+    elif spec.decay is Decay.L2:
         grad = grad + scalars.decay * weight
     # The reference's lerp_, mul_/addcmul_, sqrt/div/add_ and addcdiv_, as expressions.
     exp_avg = torch.lerp(exp_avg, grad, scalars.lerp_weight)
     exp_avg_sq = exp_avg_sq * scalars.beta2 + scalars.one_minus_beta2 * grad * grad
     denom = torch.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
     weight = weight + scalars.neg_step_size * exp_avg / denom
-    exp_avg_data, exp_avg_scale = _store(exp_avg, layout.exp_avg)
-    exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, layout.exp_avg_sq)
+    exp_avg_data, exp_avg_scale = _store(exp_avg, spec.exp_avg)
+    exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, spec.exp_avg_sq)
     fp8_weight = fp8_weight_scale = None
-    if layout.weight is WeightKind.PLAIN:
+    if spec.weight is WeightKind.PLAIN:
         weight_data, weight_scale = weight, None
     else:
         weight_data, weight_scale = encode_fp16(weight, noise_key, previous=tensors.weight_scale)
-        if layout.weight is WeightKind.MASTER:
-            previous = tensors.fp8_weight_scale if layout.fp8_previous_scale else None
-            fp8_weight, fp8_weight_scale = _encode_fp8_weight(weight, previous, layout)
+        if spec.weight is WeightKind.MASTER:
+            previous = tensors.fp8_weight_scale if spec.fp8_previous_scale else None
+            fp8_weight, fp8_weight_scale = _encode_fp8_weight(weight, previous, spec)
     return Result(
         exp_avg_data, exp_avg_scale, exp_avg_sq_data, exp_avg_sq_scale,
         weight_data, weight_scale, fp8_weight, fp8_weight_scale,
@@ -219,28 +219,28 @@ StepFunction = Callable[[Tensors, Coefficients, torch.Tensor], Result]
 
 
 class FusedAdam:
-    """``adam_tensor_step`` compiled once per ``Layout`` (``torch.compile``, full graph,
+    """``adam_tensor_step`` compiled once per ``UpdateSpec`` (``torch.compile``, full graph,
     dynamic shapes), for one optimizer. ``compile=False`` runs the same function eagerly."""
 
     def __init__(self, compile: bool = True) -> None:
         self.compile = compile
-        self._steps: dict[Layout, StepFunction] = {}
+        self._steps: dict[UpdateSpec, StepFunction] = {}
 
-    def __call__(self, layout: Layout, tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor) -> Result:
-        """``adam_tensor_step(layout, tensors, scalars, noise_key)``, compiled."""
-        step = self._steps.get(layout)
+    def __call__(self, spec: UpdateSpec, tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor) -> Result:
+        """``adam_tensor_step(spec, tensors, scalars, noise_key)``, compiled."""
+        step = self._steps.get(spec)
         if step is None:
-            step = self._steps[layout] = self._build(layout)
+            step = self._steps[spec] = self._build(spec)
         return step(tensors, scalars, noise_key)
 
-    def _build(self, layout: Layout) -> StepFunction:
+    def _build(self, spec: UpdateSpec) -> StepFunction:
         def step(tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor) -> Result:
-            return adam_tensor_step(layout, tensors, scalars, noise_key)
+            return adam_tensor_step(spec, tensors, scalars, noise_key)
 
         if not self.compile:
             return step
         # torch.compile keeps its graphs, and its limit of recompiles, per code object;
-        # a private copy of the code gives every layout of every optimizer its own, so
+        # a private copy of the code gives every spec of every optimizer its own, so
         # one optimizer's graphs never push another's past that limit (and back to eager).
         private = types.FunctionType(
             step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__
@@ -248,6 +248,6 @@ class FusedAdam:
         return torch.compile(private, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
 
     @property
-    def layouts(self) -> tuple[Layout, ...]:
-        """The layouts compiled so far."""
+    def specs(self) -> tuple[UpdateSpec, ...]:
+        """The update specs compiled so far."""
         return tuple(self._steps)

@@ -1,6 +1,6 @@
 """One parameter's fused Adam update (``amp8.optim.fused``) over amp8's stored tensors:
 reads the gradient, moments and weight as they are stored (FP8/FP16 data with scales),
-describes their storage as the fused step's ``Layout``, and writes the results back."""
+describes their storage as the fused step's ``UpdateSpec``, and writes the results back."""
 
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ def fused_update(
         if param.grad is None:
             return True
         grad, grad_scale, grad_storage = param.grad, None, fused.Storage()
-    moments = [_stored(param_state, key) for key in MOMENTS]
+    moments = [_stored_tensor(param_state, key) for key in MOMENTS]
     if MASTER in param_state:
         kind = fused.WeightKind.MASTER
-        weight, weight_scale = _stored(param_state, MASTER)[:2]
+        weight, weight_scale = _stored_tensor(param_state, MASTER)[:2]
     elif handle is not None:
         kind = fused.WeightKind.FP16_SCALED
         weight, weight_scale = handle.param.detach(), handle.scale
@@ -58,7 +58,7 @@ def fused_update(
         fused.Decay.NONE if weight_decay == 0
         else fused.Decay.DECOUPLED if group["decoupled_weight_decay"] else fused.Decay.L2
     )
-    layout = fused.Layout(
+    spec = fused.UpdateSpec(
         grad=grad_storage, exp_avg=moments[0][2], exp_avg_sq=moments[1][2],  # type: ignore[arg-type]
         weight=kind, decay=decay, maximize=bool(group["maximize"]),
         fp8_weight=fp8_storage,  # type: ignore[arg-type]
@@ -77,7 +77,7 @@ def fused_update(
         grad, grad_scale, moments[0][0], moments[0][1], moments[1][0], moments[1][1],
         weight, weight_scale, handle.scale if handle is not None and fp8_previous else None,
     )
-    result = steps(layout, tensors, scalars, noise_key)
+    result = steps(spec, tensors, scalars, noise_key)
     for key, data, scale in zip(
         MOMENTS, (result.exp_avg, result.exp_avg_sq), (result.exp_avg_scale, result.exp_avg_sq_scale)
     ):
@@ -94,7 +94,9 @@ def fused_update(
     return True
 
 
-def _stored(param_state: dict[str, Any], key: str) -> tuple[torch.Tensor, torch.Tensor | None, fused.Storage | None]:
+def _stored_tensor(
+    param_state: dict[str, Any], key: str
+) -> tuple[torch.Tensor, torch.Tensor | None, fused.Storage | None]:
     """``(data, scales, storage)`` of ``param_state[key]`` as the fused step reads it."""
     data = param_state[key]
     scale = param_state.get(key + state_storage.SCALE_SUFFIX)
