@@ -62,6 +62,21 @@ class AmaxAlgo(str, Enum):
     MOST_RECENT = "most_recent"
 
 
+def operand_tile(
+    granularity: Granularity, block_size: int, shape: tuple[int, ...], contract_dim: int, *, weight: bool = False
+) -> tuple[int, int] | None:
+    """The (rows, columns) tile that shares one scale in a 2-D GEMM operand of ``shape``
+    contracted along ``contract_dim`` (0 or 1) under ``granularity``; None for one scale
+    per tensor. Weights under "block" take square ``block_size`` blocks, which serve both
+    dims; other operands take ``1 x block_size`` tiles along the contraction."""
+    if granularity is Granularity.TENSORWISE:
+        return None
+    if granularity is Granularity.BLOCK and weight:
+        return (block_size, block_size)
+    span = shape[contract_dim] if granularity is Granularity.ROWWISE else block_size
+    return (1, span) if contract_dim == 1 else (span, 1)
+
+
 def _check_int(field: str, value: Any, low: int, high: int, why: str = "", *, multiple_of: int = 1) -> None:
     """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]`` and
     a multiple of ``multiple_of``; the message gives the range and ``why``."""
@@ -184,12 +199,7 @@ class Recipe:
         """The (rows, columns) tile that shares one scale in a 2-D GEMM operand of
         ``shape`` contracted along ``contract_dim`` (0 or 1); None for one scale per tensor.
         Weights under "block" take square blocks, which serve both dims."""
-        if self.granularity is Granularity.TENSORWISE:
-            return None
-        if self.granularity is Granularity.BLOCK and weight:
-            return (self.block_size, self.block_size)
-        span = shape[contract_dim] if self.granularity is Granularity.ROWWISE else self.block_size
-        return (1, span) if contract_dim == 1 else (span, 1)
+        return operand_tile(self.granularity, self.block_size, shape, contract_dim, weight=weight)
 
     def replace(self, **changes: Any) -> "Recipe":
         """A copy with ``changes`` applied and validated again.

@@ -17,7 +17,8 @@ from torch import nn
 from . import scaling
 from .console import default_console
 from .formats import max_value, short_name
-from .nn.linear import Fp8Linear, Slot
+from .nn.linear import Fp8Linear
+from .nn.quantizer import TensorRole
 from .levels import Precision
 from .nn.swap import high_precision_reason, shared_weight_names
 from .tensor import local_tensor
@@ -42,8 +43,8 @@ def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale, weight_amax = layer.weight_scale, scaling.amax(weight)
     else:
-        scale, weight_amax = layer.next_scale(Slot.WEIGHT, weight)
-    dtype = layer.fp8_dtype(Slot.WEIGHT)
+        scale, weight_amax = layer.next_scale(TensorRole.WEIGHT, weight)
+    dtype = layer.fp8_dtype(TensorRole.WEIGHT)
     full_scale = scaling.expand_scale(scale, tuple(weight.shape), layer.block_size)
     scaled = weight * full_scale
     cast = scaling.quantize(weight, full_scale, dtype)

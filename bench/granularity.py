@@ -23,7 +23,7 @@ from torch import nn
 from amp8 import Recipe
 from amp8.console import default_console
 from amp8.gemm import GemmRole, fp8_gemm
-from amp8.nn import Fp8Linear, Slot
+from amp8.nn import Fp8Linear, TensorRole
 from amp8.scaling import sqnr
 from common import device_name, write_result
 
@@ -64,8 +64,8 @@ def measure(recipe: Recipe, tensors: dict[str, torch.Tensor]) -> dict[str, tuple
     layer = Fp8Linear.from_linear(linear, recipe)
     weight = layer.read_weight()  # the real weight both sides use (FP16-stored)
 
-    def operand(slot: Slot, t: torch.Tensor, contract_dim: int):
-        return layer.cast(slot, t, contract_dim, record=False)
+    def operand(role: TensorRole, t: torch.Tensor, contract_dim: int):
+        return layer.cast(role, t, contract_dim, record=False)
 
     def column_major(t):  # the second operand: (K, N) column-major
         return t.with_data(t.data.t().contiguous().t())
@@ -76,12 +76,12 @@ def measure(recipe: Recipe, tensors: dict[str, torch.Tensor]) -> dict[str, tuple
     results = {}
     gemms = {
         "fprop": (x @ weight.t(), lambda: fp8_gemm(
-            operand(Slot.INPUT, x, 1), operand(Slot.WEIGHT, weight, 1).t(), torch.float32, GemmRole.FPROP)),
+            operand(TensorRole.INPUT, x, 1), operand(TensorRole.WEIGHT, weight, 1).t(), torch.float32, GemmRole.FPROP)),
         "dgrad": (grad @ weight, lambda: fp8_gemm(
-            operand(Slot.GRAD_OUTPUT, grad, 1), column_major(operand(Slot.WEIGHT, weight, 0)),
+            operand(TensorRole.GRAD_OUTPUT, grad, 1), column_major(operand(TensorRole.WEIGHT, weight, 0)),
             torch.float32, GemmRole.DGRAD)),
         "wgrad": (grad.t() @ x, lambda: fp8_gemm(
-            row_major(operand(Slot.GRAD_OUTPUT, grad, 0).t()), column_major(operand(Slot.INPUT, x, 0)),
+            row_major(operand(TensorRole.GRAD_OUTPUT, grad, 0).t()), column_major(operand(TensorRole.INPUT, x, 0)),
             torch.float32, GemmRole.WGRAD)),
     }
     for name, (reference, run) in gemms.items():

@@ -133,7 +133,7 @@ def test_inductor_fuses_the_amax_and_the_cast_into_one_kernel(scaling: str) -> N
     layer = Fp8Linear.from_linear(nn.Linear(256, 128), amp8.Recipe(scaling=scaling))
 
     def cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cast_x = layer.cast(amp8.nn.Slot.INPUT, x)
+        cast_x = layer.cast(amp8.nn.TensorRole.INPUT, x)
         return cast_x.data, cast_x.scale
 
     x = torch.randn(64, 256)
@@ -141,4 +141,4 @@ def test_inductor_fuses_the_amax_and_the_cast_into_one_kernel(scaling: str) -> N
     kernels = [line for source in sources for line in source.splitlines() if "= async_compile." in line]
     assert len(kernels) == 1, f"{len(kernels)} kernels: {kernels}"
     assert data.dtype == torch.float8_e4m3fn
-    assert_bitwise_equal(data, layer.cast(amp8.nn.Slot.INPUT, x, record=False).data)
+    assert_bitwise_equal(data, layer.cast(amp8.nn.TensorRole.INPUT, x, record=False).data)

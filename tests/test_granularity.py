@@ -10,7 +10,7 @@ import amp8
 from amp8 import Granularity, Recipe, RecipeName, scaling
 from amp8.formats import E4M3, E5M2
 from amp8.gemm import GemmRole, check_operands, fp8_gemm, fp8_mm, fp8_mm_blockwise
-from amp8.nn import Fp8Linear, Slot
+from amp8.nn import Fp8Linear, TensorRole
 from amp8.tensor import ScaledTensor
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 from conftest import linear_pair as _pair
@@ -198,7 +198,7 @@ def test_high_precision_overrides_combine_with_fine_granularities(granularity, o
 def test_no_scaling_ablation_gives_unit_scales_of_the_granularity_shape(granularity) -> None:
     _, layer = _pair(256, 160, Recipe(granularity=granularity, scaling="none"))
     x = torch.randn(40, 256)
-    x8 = layer.cast(Slot.INPUT, x)
+    x8 = layer.cast(TensorRole.INPUT, x)
     assert torch.equal(x8.scale, torch.ones(40, 1 if granularity == "rowwise" else 2))
     assert_bitwise_equal(x8.data, x.to(E4M3))
 
@@ -244,7 +244,7 @@ def test_fine_scaling_beats_tensorwise_on_outlier_rows(fine: str) -> None:
 def test_scale_shapes(granularity, input_scale, weight_scale, grad_scale) -> None:
     _, layer = _pair(208, 144, _recipe(granularity))
     x = torch.randn(40, 208)
-    assert layer.cast(Slot.INPUT, x).scale.shape == input_scale
+    assert layer.cast(TensorRole.INPUT, x).scale.shape == input_scale
     assert layer.fp8_weight().scale.shape == weight_scale
     layer(x).sum().backward()
     assert layer.weight_grad.scale.shape == grad_scale

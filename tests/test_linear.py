@@ -5,7 +5,7 @@ from torch import nn
 from amp8 import Recipe, scaling
 from amp8.formats import E4M3, E5M2, max_value
 from amp8.levels import Precision
-from amp8.nn import Fp8Linear, Slot
+from amp8.nn import Fp8Linear, TensorRole
 from amp8.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 from conftest import linear_pair as _pair
@@ -148,14 +148,14 @@ def test_delayed_scaling_uses_the_history() -> None:
         x = torch.randn(4, 32)
         x = x / x.abs().max() * amax
         layer(x)
-        used_scales.append(float(layer.scale[Slot.INPUT]))
+        used_scales.append(float(layer.scale[TensorRole.INPUT]))
     fp8_max = max_value(E4M3)
     # Step 1: empty history, so the tensor's own amax. Later: the max of the history.
     assert used_scales[0] == pytest.approx(fp8_max / 2.0)
     assert used_scales[1] == pytest.approx(fp8_max / 2.0)
     assert used_scales[2] == pytest.approx(fp8_max / 8.0)
     assert used_scales[3] == pytest.approx(fp8_max / 8.0)
-    assert layer.amax_history[Slot.INPUT].tolist() == pytest.approx([1.0, 4.0, 8.0])
+    assert layer.amax_history[TensorRole.INPUT].tolist() == pytest.approx([1.0, 4.0, 8.0])
 
 
 def test_delayed_scaling_saturates_values_beyond_the_history() -> None:
@@ -163,7 +163,7 @@ def test_delayed_scaling_saturates_values_beyond_the_history() -> None:
     layer(torch.full((4, 32), 1.0))
     x = torch.full((4, 32), 1.0)
     x[0, 0] = 100.0
-    x8 = layer.cast(Slot.INPUT, x)
+    x8 = layer.cast(TensorRole.INPUT, x)
     assert float(x8.data.float().max()) == max_value(E4M3)
     assert float(x8.dequantize().max()) == pytest.approx(1.0)
 
@@ -173,7 +173,7 @@ def test_amax_compute_algo(algo: str, expected_amax: float) -> None:
     _, layer = _pair(32, 16, Recipe(scaling="delayed", amax_compute_algo=algo))
     for amax in (8.0, 1.0):
         layer(torch.full((4, 32), amax))
-    scale, _ = layer.next_scale(Slot.INPUT, torch.ones(4, 32))
+    scale, _ = layer.next_scale(TensorRole.INPUT, torch.ones(4, 32))
     assert float(scale) == pytest.approx(max_value(E4M3) / expected_amax)
 
 
@@ -194,7 +194,7 @@ def test_margin_and_power_of_2_reach_the_layer(margin: int, power_of_2: bool) ->
     x = torch.randn(4, 32)
     layer(x)
     expected = scaling.scale_from_amax(scaling.amax(x), E4M3, margin=margin, power_of_2=power_of_2)
-    assert_bitwise_equal(layer.scale[Slot.INPUT], expected)
+    assert_bitwise_equal(layer.scale[TensorRole.INPUT], expected)
 
 
 def test_non_finite_gradient_stays_visible_in_fp8() -> None:
@@ -245,11 +245,11 @@ def test_state_dict_holds_scales_and_history() -> None:
 def test_no_scaling_ablation_casts_plainly_and_loses_small_values() -> None:
     _, layer = _pair(32, 16, Recipe(scaling="none"))
     x = torch.randn(4, 32) * 1e-4
-    x8 = layer.cast(Slot.INPUT, x)
+    x8 = layer.cast(TensorRole.INPUT, x)
     assert float(x8.scale) == 1.0
     assert_bitwise_equal(x8.data, x.to(E4M3))
     _, scaled = _pair(32, 16, Recipe())
-    assert scaling.sqnr(x, x8.dequantize()) < scaling.sqnr(x, scaled.cast(Slot.INPUT, x).dequantize()) - 10
+    assert scaling.sqnr(x, x8.dequantize()) < scaling.sqnr(x, scaled.cast(TensorRole.INPUT, x).dequantize()) - 10
 
 
 CACHE_RECIPES = {"tensorwise": Recipe(), "rowwise": Recipe.preset("rowwise"), "block": Recipe.preset("deepseek")}

@@ -1,0 +1,209 @@
+"""The autograd Function of ``Fp8Linear``: its three GEMMs (fprop, dgrad, wgrad).
+
+The Function receives tensors, the layer's ``LinearQuantizers`` (which hold tensors and
+frozen settings) and a frozen ``LinearGemmConfig``; never the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..gemm import GemmRole, fp8_gemm
+from ..recipe import Granularity, Recipe
+from ..tensor import ScaledTensor
+from .quantizer import LinearQuantizers
+
+_GEMM_ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class LinearGemmConfig:
+    """What one call of ``_Fp8LinearFunction`` needs to know besides its tensors.
+
+    Attributes:
+        in_features: K, the input's last dim.
+        out_features: N, the output's last dim.
+        high_fprop: the forward GEMM runs in float32 on the real weight.
+        high_dgrad: the input-gradient GEMM runs in float32 on the real weight.
+        high_wgrad: the weight-gradient GEMM runs in float32.
+        tensorwise: one scale per tensor, so the forward's FP8 input serves wgrad too.
+        fp8_wgrad: the weight gradient leaves backward in FP8 through the grad sink;
+            otherwise in the weight's dtype, as the weight's own gradient.
+        update_history: casts that record a scale also push their amax to the history
+            (the layer is training).
+        out_dtype: the dtype of the output.
+    """
+
+    in_features: int
+    out_features: int
+    high_fprop: bool
+    high_dgrad: bool
+    high_wgrad: bool
+    tensorwise: bool
+    fp8_wgrad: bool
+    update_history: bool
+    out_dtype: torch.dtype
+
+    @classmethod
+    def build(
+        cls, recipe: Recipe, in_features: int, out_features: int, *,
+        fp8_wgrad: bool, update_history: bool, out_dtype: torch.dtype,
+    ) -> "LinearGemmConfig":
+        """The config of one call of a layer with ``recipe`` and an (N, K) weight."""
+        high_fprop, high_dgrad, high_wgrad = recipe.override_linear_precision
+        return cls(
+            in_features=in_features,
+            out_features=out_features,
+            high_fprop=high_fprop,
+            high_dgrad=high_dgrad,
+            high_wgrad=high_wgrad,
+            tensorwise=recipe.granularity is Granularity.TENSORWISE,
+            fp8_wgrad=fp8_wgrad,
+            update_history=update_history,
+            out_dtype=out_dtype,
+        )
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Append zero rows to a matrix (FP8 or not) so its row count is a multiple of
+    ``multiple``."""
+    missing = -x.shape[0] % multiple
+    if missing == 0:
+        return x
+    # FP8 tensors are concatenated as their bytes (a zero byte is +0.0 in both formats).
+    raw = x.view(torch.uint8) if x.element_size() == 1 and x.dtype.is_floating_point else x
+    return torch.cat([raw, raw.new_zeros(missing, x.shape[1])]).view(x.dtype)
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (a transposed contiguous copy, transposed)."""
+    return x.t().contiguous().t()
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """Forward and both backward GEMMs of ``Fp8Linear`` (fprop, dgrad, wgrad).
+
+    Every FP8 operand carries scales along its GEMM's contraction dimension. Tensorwise
+    scales serve all three GEMMs, so the forward's FP8 input is kept for wgrad. Finer
+    granularities keep the high-precision input and re-cast it (and the output
+    gradient) along the token dimension for wgrad; rowwise weights are re-cast per
+    column for dgrad, while 128x128 weight blocks serve fprop and dgrad alike.
+
+    Arguments of ``apply``: ``x``; the ``weight`` Parameter and ``bias`` (their
+    gradients); ``grad_sink`` (the leaf whose gradient is the FP8 weight gradient, or
+    None) and ``grad_scale`` (the buffer its scales are copied into, in place); ``w8``
+    and ``w8_dgrad`` (the FP8 weight for fprop and dgrad, or None where that GEMM runs
+    in high precision); ``w_stored`` (the stored weight, for the high-precision GEMMs,
+    or None); the ``LinearQuantizers``; the ``LinearGemmConfig``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        grad_sink: torch.Tensor | None,
+        grad_scale: torch.Tensor,
+        w8: ScaledTensor | None,
+        w8_dgrad: ScaledTensor | None,
+        w_stored: ScaledTensor | None,
+        quantizers: LinearQuantizers,
+        config: LinearGemmConfig,
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, config.in_features)  # (M, K)
+        x8 = None
+        if config.high_fprop:
+            y = (x2.float() @ w_stored.dequantize().t()).to(config.out_dtype)  # type: ignore[union-attr]
+        else:
+            x8 = quantizers.input.cast(x2, record=True, update_history=config.update_history)
+            y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, GemmRole.FPROP)  # type: ignore[union-attr]
+        y = y.view(*x.shape[:-1], config.out_features)
+        if bias is not None:  # the sum is a new tensor, not a view (FSDP2 warns of views)
+            y = y + bias.to(config.out_dtype)
+        if config.high_wgrad or not config.tensorwise:
+            wgrad_input: torch.Tensor | ScaledTensor = x2
+        else:
+            wgrad_input = x8 if x8 is not None else quantizers.input.cast(
+                x2, record=True, update_history=config.update_history
+            )
+        ctx.config, ctx.quantizers, ctx.grad_scale = config, quantizers, grad_scale
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.weight_dtype = weight.dtype
+        ctx.w8_dgrad, ctx.w_stored, ctx.wgrad_input = w8_dgrad, w_stored, wgrad_input
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        config: LinearGemmConfig = ctx.config
+        quantizers: LinearQuantizers = ctx.quantizers
+        needs_x, needs_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        needs_w = ctx.needs_input_grad[3] if config.fp8_wgrad else ctx.needs_input_grad[1]
+        g2 = grad_output.reshape(-1, config.out_features)  # (M, N)
+        g8 = None
+        if (needs_x and not config.high_dgrad) or (needs_w and not config.high_wgrad and config.tensorwise):
+            g8 = quantizers.grad_output.cast(g2, record=True, update_history=config.update_history)
+
+        grad_x = None
+        if needs_x:
+            if config.high_dgrad:
+                grad_x = (g2.float() @ ctx.w_stored.dequantize()).to(ctx.x_dtype)
+            else:
+                w8: ScaledTensor = ctx.w8_dgrad
+                grad_x = fp8_gemm(
+                    g8.with_data(g8.data.contiguous()), w8.with_data(_column_major(w8.data)),  # type: ignore[union-attr]
+                    ctx.x_dtype, GemmRole.DGRAD,
+                )
+            grad_x = grad_x.reshape(ctx.x_shape)
+
+        grad_w = _weight_grad(ctx.wgrad_input, g2, g8, quantizers, config) if needs_w else None
+        grad_b = g2.float().sum(0).to(ctx.bias_dtype) if needs_b else None
+        ctx.w8_dgrad = ctx.w_stored = ctx.wgrad_input = None
+        unused = (None,) * 6  # grad_scale, w8, w8_dgrad, w_stored, quantizers, config
+        if grad_w is None:
+            return (grad_x, None, grad_b, None, *unused)
+        if not config.fp8_wgrad:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear
+            return (grad_x, grad_w.to(ctx.weight_dtype), grad_b, None, *unused)
+        # The FP8 gradient's scales go to the layer's buffer (in place, so a compiled
+        # backward writes them); its data leaves as the gradient of the grad sink.
+        grad_w8 = quantizers.weight_grad.cast(grad_w)
+        with torch.no_grad():
+            ctx.grad_scale.copy_(grad_w8.scale)
+        return (grad_x, None, grad_b, grad_w8.data, *unused)
+
+
+def _weight_grad(
+    wgrad_input: torch.Tensor | ScaledTensor,
+    g2: torch.Tensor,
+    g8: ScaledTensor | None,
+    quantizers: LinearQuantizers,
+    config: LinearGemmConfig,
+) -> torch.Tensor:
+    """The float32 (N, K) weight gradient ``g2^T @ x2`` (wgrad), in FP8 unless
+    ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast."""
+    if config.high_wgrad:
+        return g2.float().t() @ wgrad_input.float()  # type: ignore[union-attr]
+    if config.tensorwise:
+        x8: ScaledTensor = wgrad_input  # type: ignore[assignment]
+        g_rows = g8.with_data(_pad_rows(g8.data, _GEMM_ALIGNMENT))  # type: ignore[union-attr]
+        x_rows = x8.with_data(_pad_rows(x8.data, _GEMM_ALIGNMENT))
+    else:  # scales along the token dim M, which wgrad contracts
+        g_rows = quantizers.grad_output.cast(_pad_rows(g2, _GEMM_ALIGNMENT), 0)
+        x_rows = quantizers.input.cast(_pad_rows(wgrad_input, _GEMM_ALIGNMENT), 0)  # type: ignore[arg-type]
+    g_t = g_rows.t()  # (N, M)
+    return fp8_gemm(
+        g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
+        torch.float32, GemmRole.WGRAD,
+    )
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` would return for ``x``: autocast's where it is on."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
