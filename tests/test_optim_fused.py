@@ -246,3 +246,17 @@ def test_checkpoint_restores_seed_and_counter() -> None:
     other = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=0)
     other.load_state_dict(optimizer.state_dict())
     assert (other.seed, other.rounding_counter) == (3, 41)
+
+
+@pytest.mark.parametrize("elements_at_least", [True, False])
+def test_default_fuses_large_optimizers_on_the_cpu(monkeypatch: pytest.MonkeyPatch, elements_at_least: bool) -> None:
+    from amp8.optim import adam
+
+    model = nn.Linear(32, 32)
+    total = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(adam, "FUSED_CPU_MIN_ELEMENTS", total if elements_at_least else total + 1)
+    optimizer = LowBitAdam(model.parameters(), level="O2")
+    expected = elements_at_least and adam.cpp_compiler_found()
+    assert all(optimizer._runs_fused(p) == expected for p in model.parameters())
+    explicit = LowBitAdam(model.parameters(), level="O2", fused=False)
+    assert not any(explicit._runs_fused(p) for p in model.parameters())

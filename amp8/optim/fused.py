@@ -17,6 +17,8 @@ dynamic shapes, so parameters of different shapes share it.
 
 from __future__ import annotations
 
+import os
+import shutil
 import types
 from dataclasses import dataclass
 from enum import Enum
@@ -214,6 +216,13 @@ def adam_tensor_step(
 # Inductor otherwise folds ``x.to(float16).float()`` into ``x`` inside a kernel, which
 # would skip the rounding that stochastic rounding brackets.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+def cpp_compiler_found() -> bool:
+    """Whether a C++ compiler is on the PATH (``$CXX``, g++, clang++ or c++): what
+    torch.compile needs to compile the step for the CPU."""
+    names = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
+    return any(name and shutil.which(name) for name in names)
+
 
 StepFunction = Callable[[Tensors, Coefficients, torch.Tensor], Result]
 
