@@ -116,7 +116,7 @@ class Fp8Linear(nn.Module):
         its hook, which runs eagerly also after a compiled backward, hands it on. The
         gradient cannot be returned for the weight itself: autograd would cast it to the
         weight's dtype."""
-        dtype = gradient_dtype(self.recipe.fp8_format)
+        dtype = self.stored_weight.grad_dtype
         sink = torch.zeros((), dtype=dtype, device=self.weight_scale.device).expand(self.weight.shape)
         sink.requires_grad_(True)
         sink.register_post_accumulate_grad_hook(self._new_weight_grad)
