@@ -246,17 +246,22 @@ def markdown(data: dict[str, Any]) -> str:
             spread.append(f"{100 * (max(base) - min(base)) / min(base):.2f}" if len(base) > 1 else "")
         lines.append("| O0 seed spread (max-min, %) | " + " | ".join(spread) + " |")
     probes = data.get("gradient_error", {})
-    if probes:
-        lines += ["", "| variant | " + " | ".join(f"{key}: dW / worst dW / d(pos) dB" for key in probes) + " |",
-                  "|---" * (len(probes) + 1) + "|"]
+    if probes:  # one column per configuration, each cell the mean over its seeds
+        by_config: dict[str, list[dict[str, Any]]] = {}
+        for key, probe in probes.items():
+            by_config.setdefault(key.split(" seed=")[0], []).append(probe)
+        lines += ["", "SQNR against FP32 in dB (mean over seeds): weight gradients of the FP8 layers "
+                  "(mean / worst layer), position-embedding gradient", "",
+                  "| variant | " + " | ".join(by_config) + " |", "|---" * (len(by_config) + 1) + "|"]
         names = list(dict.fromkeys(name for probe in probes.values() for name in probe))
         for name in names:
-            cells = [
-                "" if name not in probe else
-                f"{probe[name]['weight_grad_sqnr_db']:.1f} / {probe[name]['worst_layer_sqnr_db']:.1f} / "
-                f"{probe[name]['position_grad_sqnr_db']:.1f}"
-                for probe in probes.values()
-            ]
+            cells = []
+            for runs in by_config.values():
+                rows = [run[name] for run in runs if name in run]
+                mean = {key: statistics.fmean(row[key] for row in rows) for key in
+                        ("weight_grad_sqnr_db", "worst_layer_sqnr_db", "position_grad_sqnr_db")} if rows else None
+                cells.append("" if mean is None else f"{mean['weight_grad_sqnr_db']:.1f} / "
+                             f"{mean['worst_layer_sqnr_db']:.1f} / {mean['position_grad_sqnr_db']:.1f}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
