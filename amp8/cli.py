@@ -31,6 +31,7 @@ def print_levels(console: Console) -> None:
 def _add_compare(commands: Any) -> None:
     """The ``compare`` subcommand's options (defaults from ``CompareConfig``)."""
     from .experiments.compare import CompareConfig
+    from .experiments.corpus import SOURCES
     from .experiments.gpt import PRESETS
 
     defaults = CompareConfig()
@@ -52,11 +53,18 @@ def _add_compare(commands: Any) -> None:
     compare.add_argument("--batch-size", type=int, default=defaults.batch_size,
                          help=f"sequences per step (default: {defaults.batch_size})")
     compare.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default: {defaults.lr})")
+    compare.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                         help=f"steps of linear warm-up, 0 for none (default: {defaults.warmup_steps})")
+    compare.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                         help=f"AdamW decay of matrices (default: {defaults.weight_decay})")
     compare.add_argument("--levels", nargs="+", default=list(defaults.levels), help="opt levels (default: all)")
     compare.add_argument("--seeds", type=int, default=1, help="O0 runs from this many seeds, for the seed spread")
     compare.add_argument("--seed", type=int, default=0, help="seed of the weights and batch order (default: 0)")
     compare.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
     compare.add_argument("--max-bytes", type=int, default=defaults.corpus.max_bytes, help="corpus size in bytes")
+    compare.add_argument("--corpus", choices=list(SOURCES), default=defaults.corpus.source,
+                         help="the standard library's code or the language reference's prose "
+                              f"(default: {defaults.corpus.source})")
     compare.add_argument("--recipe", choices=[name.value for name in RecipeName], default="tensorwise",
                          help="FP8 recipe preset of the O1-O3 runs (default: tensorwise)")
     compare.add_argument("--no-ablation", action="store_true", help="skip the no-scaling ablation")
@@ -75,8 +83,9 @@ def _run_compare(args: argparse.Namespace, console: Console) -> None:
     model = dataclasses.replace(GPTConfig.from_preset(args.preset), **shape)
     config = CompareConfig(
         model=model, steps=args.steps, batch_size=args.batch_size, lr=args.lr, levels=tuple(args.levels),
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         ablation=not args.no_ablation, torchao=not args.no_torchao, seeds=args.seeds, seed=args.seed,
-        device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes),
+        device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes, source=args.corpus),
         recipe=Recipe.preset(args.recipe),
     )
     compare(config, out_dir=args.out, console=console, progress=not args.no_progress)

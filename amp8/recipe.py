@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .formats import Fp8Format, max_margin
+import torch
+
+from .formats import E4M3, E5M2, Fp8Format, gradient_dtype, max_margin
 
 MAX_HISTORY_LEN = 1024
 """The longest amax history: the largest in common use (Transformer Engine's default);
@@ -45,6 +47,30 @@ class Granularity(str, Enum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     BLOCK = "block"
+
+
+class WeightGradFormat(str, Enum):
+    """The FP8 dtype a stored weight gradient takes.
+
+    GRADIENT: the recipe's gradient dtype (E5M2 under HYBRID, E4M3 under E4M3).
+    E4M3: E4M3 (one more mantissa bit than E5M2; its scales give the range).
+    E5M2: E5M2.
+    """
+
+    GRADIENT = "gradient"
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+
+
+class WeightGradScaling(str, Enum):
+    """How many scales a stored weight gradient gets.
+
+    WEIGHT: the tiles of the weight's own FP8 scales (one per tensor under "tensorwise").
+    ROWWISE: one scale per row (output feature) of the gradient.
+    """
+
+    WEIGHT = "weight"
+    ROWWISE = "rowwise"
 
 
 class RecipeName(str, Enum):
@@ -119,6 +145,14 @@ class Recipe:
         block_size: elements per tile edge under "block": a multiple of 16 from 16 to
             1024. A dimension that is not a multiple of it ends in a partial tile with its
             own scale.
+        weight_grad_format: the FP8 dtype of stored weight gradients: "E4M3" (the
+            default: its scale gives the range, its extra mantissa bit the precision),
+            "E5M2", or "gradient" (the format's gradient dtype; E5M2 under HYBRID, as
+            amp8 0.1 stored them). The stored gradient always takes fresh scales from its
+            own amax, also under delayed scaling, so E4M3's narrower range costs nothing
+            but values more than 2**17 below the amax of their tile.
+        weight_grad_scaling: the scales of stored weight gradients: "weight" (the tiles
+            of the weight's FP8 scales) or "rowwise" (one per output feature).
     """
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
@@ -130,6 +164,8 @@ class Recipe:
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     granularity: Granularity = Granularity.TENSORWISE
     block_size: int = 128
+    weight_grad_format: WeightGradFormat = WeightGradFormat.E4M3
+    weight_grad_scaling: WeightGradScaling = WeightGradScaling.WEIGHT
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -162,6 +198,10 @@ class Recipe:
             )
         set_field(self, "override_linear_precision", tuple(override))
         set_field(self, "granularity", _as_enum(Granularity, "granularity", self.granularity))
+        set_field(self, "weight_grad_format",
+                  _as_enum(WeightGradFormat, "weight_grad_format", self.weight_grad_format))
+        set_field(self, "weight_grad_scaling",
+                  _as_enum(WeightGradScaling, "weight_grad_scaling", self.weight_grad_scaling))
         _check_int(
             "block_size", self.block_size, 16, MAX_BLOCK_SIZE,
             "(FP8 GEMMs need K-blocks that are multiples of 16), such as 128", multiple_of=16,
@@ -200,6 +240,21 @@ class Recipe:
         ``shape`` contracted along ``contract_dim`` (0 or 1); None for one scale per tensor.
         Weights under "block" take square blocks, which serve both dims."""
         return operand_tile(self.granularity, self.block_size, shape, contract_dim, weight=weight)
+
+    @property
+    def weight_grad_dtype(self) -> "torch.dtype":
+        """The FP8 dtype of stored weight gradients (``weight_grad_format``)."""
+        chosen = self.weight_grad_format
+        if chosen is WeightGradFormat.GRADIENT:
+            return gradient_dtype(self.fp8_format)
+        return E4M3 if chosen is WeightGradFormat.E4M3 else E5M2
+
+    def weight_grad_tile(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The (rows, columns) tile sharing one scale in a stored weight gradient of
+        ``shape``; None for one scale per tensor."""
+        if self.weight_grad_scaling is WeightGradScaling.ROWWISE:
+            return (1, shape[1])
+        return self.tile(shape, 1, weight=True)
 
     def replace(self, **changes: Any) -> "Recipe":
         """A copy with ``changes`` applied and validated again.

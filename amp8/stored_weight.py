@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import scaling
-from .formats import E4M3, gradient_dtype
+from .formats import E4M3
 from .levels import Precision
 from .recipe import Granularity, Recipe, Scaling
 from .tensor import ScaledTensor, is_sharded, local_tensor
@@ -204,8 +204,18 @@ class StoredWeight:
     # -- gradient --------------------------------------------------------------------
     @property
     def grad_dtype(self) -> torch.dtype:
-        """The FP8 dtype of the weight gradient (the recipe's gradient format)."""
-        return gradient_dtype(self.recipe.fp8_format)
+        """The FP8 dtype of the weight gradient (``Recipe.weight_grad_format``)."""
+        return self.recipe.weight_grad_dtype
+
+    def grad_tile(self) -> tuple[int, int] | None:
+        """The tile of the weight gradient's scales (``Recipe.weight_grad_scaling``)."""
+        return self.recipe.weight_grad_tile(tuple(self.param.shape))
+
+    @property
+    def grad_block_size(self) -> int:
+        """Elements per block edge of the gradient's scales (0 unless they are blocks)."""
+        tile = self.grad_tile()
+        return self.block_size if tile is not None and tile[0] == tile[1] else 0
 
     def grad(self) -> ScaledTensor | None:
         """The weight gradient as FP8 + scales, or None. Like ``param.grad`` it is live:
@@ -240,22 +250,22 @@ class StoredWeight:
 
     def quantize_grad(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(FP8 data, scales)`` of a float weight gradient: the recipe's gradient format,
-        fresh scales per tile of the weight's scales (what backward and accumulation use)."""
+        fresh scales per tile of ``grad_tile`` (what backward and accumulation use)."""
         return scaling.quantize_tiles(
-            value, self.grad_dtype, self.tile(), margin=self.recipe.margin,
+            value, self.grad_dtype, self.grad_tile(), margin=self.recipe.margin,
             power_of_2=self.recipe.power_of_2_scales,
         )
 
     def set_grad_from_float(self, value: torch.Tensor) -> None:
         """Store float ``value`` as the gradient, in FP8 with fresh scales."""
-        self.set_grad(ScaledTensor(*self.quantize_grad(value), self.block_size))
+        self.set_grad(ScaledTensor(*self.quantize_grad(value), self.grad_block_size))
 
     def add_grad(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Backward's new FP8 gradient: it becomes the gradient, or is added to the one
         there (gradient accumulation) and re-stored with fresh scales. Then the
         grad-ready hooks run."""
         current = self.grad()
-        new = ScaledTensor(data, scale, self.block_size)
+        new = ScaledTensor(data, scale, self.grad_block_size)
         if current is None:
             self.set_grad(new)
         else:
@@ -274,8 +284,8 @@ class StoredWeight:
 
     @property
     def grad_scale_shape(self) -> torch.Size:
-        """The shape of the gradient's scales (the weight's tiles)."""
-        return scaling.tile_amax(torch.zeros(self.param.shape, device="meta"), self.tile()).shape
+        """The shape of the gradient's scales (one per ``grad_tile``)."""
+        return scaling.tile_amax(torch.zeros(self.param.shape, device="meta"), self.grad_tile()).shape
 
     def _check_grad(self, value: ScaledTensor) -> None:
         expected_scale = self.grad_scale_shape

@@ -13,7 +13,8 @@ import amp8
 from amp8.cli import main
 from amp8.experiments.compare import (ABLATION, JSON_NAME, CompareConfig, CompareResult, RunResult, compare,
                                      load_report, missing_peer_note, run_specs)
-from amp8.experiments.corpus import CorpusConfig, load_corpus, sample_batch, source_files, stdlib_root
+from amp8.experiments.corpus import (CorpusConfig, docs_documents, load_corpus, sample_batch,
+                                    source_files, stdlib_root)
 from amp8.experiments.gpt import GPT, PRESETS, GPTConfig
 from amp8.nn import Fp8Linear
 
@@ -37,6 +38,29 @@ def test_corpus_is_deterministic_and_splits_whole_files() -> None:
     head = files[config.holdout_every - 1].read_bytes()[:256]
     assert bytes(first.val[: len(head)].tolist()) == head
     assert bytes(first.train[:256].tolist()) == files[0].read_bytes()[:256]
+
+
+def test_docs_corpus_holds_out_whole_topics() -> None:
+    from pydoc_data.topics import topics
+
+    config = CorpusConfig(source="docs")
+    first, second = load_corpus(config), load_corpus(config)
+    assert first.sha256 == second.sha256 and first.describe()["corpus"] == "docs"
+    documents = docs_documents(config)
+    assert b"\n\n".join(text for name, text in documents if name.startswith("assert#")) == topics["assert"].encode()
+    assert bytes(first.train[:256].tolist()) == documents[0][1][:256]
+    assert bytes(first.val[:256].tolist()) == documents[config.holdout_every - 1][1][:256]
+    assert first.val.numel() > 0.05 * (first.train.numel() + first.val.numel()), "a tenth of the pieces validate"
+    assert first.sha256 != load_corpus(CorpusConfig(max_bytes=config.max_bytes)).sha256
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"source": "wiki"}, "CorpusConfig.source"), ({"source": "docs", "root": "."}, "CorpusConfig.root")],
+)
+def test_corpus_config_rejects_unknown_sources(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CorpusConfig(**changes)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("field, value", [("max_bytes", 10), ("holdout_every", 1), ("max_bytes", True)])
@@ -244,6 +268,16 @@ def test_compare_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert data["config"]["model"]["n_embd"] == PRESETS["tiny"].n_embd
 
 
+def test_compare_command_takes_the_corpus_and_schedule(tmp_path: Path) -> None:
+    argv = ["compare", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--levels", "O0",
+            "--no-ablation", "--corpus", "docs", "--warmup-steps", "0", "--weight-decay", "0",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert data["corpus"]["corpus"] == "docs"
+    assert (data["config"]["warmup_steps"], data["config"]["weight_decay"]) == (0, 0.0)
+
+
 def test_import_amp8_stays_light() -> None:
     import subprocess
     import sys
@@ -298,3 +332,30 @@ def _header_cells(text: str) -> list[str]:
         for index, cell in enumerate(line.split("┃")[1:-1]):
             columns[index] = columns.get(index, "") + cell.replace(" ", "")
     return list(columns.values())
+
+
+# -- paired runs ---------------------------------------------------------------------------
+def test_paired_runs_pair_each_level_with_o0_by_seed() -> None:
+    from amp8.experiments.paired import Variant, paired_runs
+
+    result = paired_runs(TINY, [Variant("O1", "O1")], seeds=(0, 1))
+    assert set(result.losses) == {"O0", "O1"} and all(len(v) == 2 for v in result.losses.values())
+    expected = [100 * (l1 - l0) / l0 for l1, l0 in zip(result.losses["O1"], result.losses["O0"])]
+    assert result.gaps_percent("O1") == pytest.approx(expected, rel=0, abs=0)
+    assert result.mean_gap_percent("O1") == pytest.approx(sum(expected) / 2, rel=1e-12)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["mean_gap_percent"]["O1"] == pytest.approx(result.mean_gap_percent("O1"), rel=1e-12)
+    # O0 is deterministic: the same seed trains to the same loss, so a kept baseline pairs.
+    again = paired_runs(TINY, [Variant("O1", "O1")], seeds=(1,), baseline=result.losses["O0"][1:])
+    assert again.losses["O1"] == result.losses["O1"][1:]
+
+
+@pytest.mark.parametrize(
+    "variants, seeds, baseline",
+    [(["O0"], (0,), None), (["O1", "O1"], (0,), None), (["O1"], (), None), (["O1"], (0, 1), [1.0])],
+)
+def test_paired_runs_reject_bad_requests(variants: list[str], seeds: tuple[int, ...], baseline: list[float] | None) -> None:
+    from amp8.experiments.paired import Variant, paired_runs
+
+    with pytest.raises(ValueError, match="seed|variants|baseline"):
+        paired_runs(TINY, [Variant(name, "O1") for name in variants], seeds, baseline=baseline)

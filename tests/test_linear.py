@@ -46,14 +46,35 @@ def test_forward_and_gradients_against_fp32(shape, out_features, recipe_name) ->
     assert layer.weight.grad.nbytes == layer.weight.numel() + layer.weight_grad.scale.nbytes
 
 
-@pytest.mark.parametrize(("fmt", "grad_dtype"), [("HYBRID", E5M2), ("E4M3", E4M3)])
-def test_weight_grad_is_stored_in_fp8_with_a_scale(fmt: str, grad_dtype: torch.dtype) -> None:
-    _, layer = _pair(32, 16, Recipe(fp8_format=fmt))
+@pytest.mark.parametrize(
+    ("recipe", "grad_dtype"),
+    [
+        (Recipe(fp8_format="HYBRID"), E4M3),
+        (Recipe(fp8_format="HYBRID", weight_grad_format="gradient"), E5M2),
+        (Recipe(fp8_format="E4M3", weight_grad_format="gradient"), E4M3),
+        (Recipe(fp8_format="HYBRID", weight_grad_format="E4M3"), E4M3),
+        (Recipe(fp8_format="E4M3", weight_grad_format="E5M2"), E5M2),
+    ],
+)
+def test_weight_grad_is_stored_in_fp8_with_a_scale(recipe: Recipe, grad_dtype: torch.dtype) -> None:
+    _, layer = _pair(32, 16, recipe)
     layer(torch.randn(8, 32)).sum().backward()
     assert layer.weight_grad.dtype == grad_dtype
     assert layer.weight_grad.shape == layer.weight.shape
     assert layer.weight_grad.scale.dtype == torch.float32 and layer.weight_grad.scale.numel() == 1
     assert layer.scale.dtype == torch.float32
+
+
+def test_rowwise_weight_grad_scales_hold_one_scale_per_output_feature() -> None:
+    reference, layer = _pair(32, 16, Recipe(weight_grad_format="E4M3", weight_grad_scaling="rowwise"))
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    reference(x).sum().backward()
+    assert layer.weight_grad.scale.shape == (16, 1)
+    assert_sqnr_at_least(reference.weight.grad, layer.weight_grad.dequantize(), 17.0)
+    layer(x).sum().backward()  # accumulation re-stores the sum with the same layout
+    assert layer.weight_grad.scale.shape == (16, 1)
+    assert_sqnr_at_least(2 * reference.weight.grad, layer.weight_grad.dequantize(), 17.0)
 
 
 def test_from_linear_reuses_the_parameters_and_stores_fp16() -> None:

@@ -128,8 +128,13 @@ SCALINGS = [("tensorwise", "delayed")] + [(g, s) for g in GRANULARITIES for s in
 @pytest.mark.parametrize("shape", [(48, 64), (40, 72)])
 @pytest.mark.parametrize(("granularity", "scaling_kind"), SCALINGS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_weight_grad_quantizer_is_the_stored_weights(fmt, granularity, scaling_kind, shape) -> None:
-    recipe = _recipe(fmt, granularity, scaling_kind, margin=2, power_of_2_scales=True)
+@pytest.mark.parametrize(("grad_format", "grad_scaling"), [("E4M3", "weight"), ("gradient", "weight"), ("E5M2", "rowwise")])
+def test_weight_grad_quantizer_is_the_stored_weights(
+    fmt, granularity, scaling_kind, shape, grad_format, grad_scaling
+) -> None:
+    recipe = _recipe(fmt, granularity, scaling_kind, margin=2, power_of_2_scales=True).replace(
+        weight_grad_format=grad_format, weight_grad_scaling=grad_scaling
+    )
     layer = Fp8Linear.from_linear(nn.Linear(shape[1], shape[0]), recipe)
     grad = torch.randn(shape) * 1e-3
     data, scale = layer.stored_weight.quantize_grad(grad)

@@ -11,6 +11,7 @@ def test_defaults() -> None:
     assert recipe.scaling is Scaling.CURRENT
     assert recipe.amax_compute_algo is AmaxAlgo.MAX
     assert recipe.override_linear_precision == (False, False, False)
+    assert (recipe.weight_grad_format, recipe.weight_grad_scaling) == ("E4M3", "weight")
 
 
 def test_strings_become_enums() -> None:
@@ -45,6 +46,8 @@ def test_strings_become_enums() -> None:
         ("block_size", 24, "int in [16, 1024] that is a multiple of 16"),
         ("block_size", 2048, "int in [16, 1024] that is a multiple of 16"),
         ("block_size", 128.0, "int in [16, 1024] that is a multiple of 16"),
+        ("weight_grad_format", "E3M4", "'gradient', 'E4M3', 'E5M2'"),
+        ("weight_grad_scaling", "block", "'weight', 'rowwise'"),
     ],
 )
 def test_invalid_field_names_field_and_allowed_values(field: str, value: object, allowed: str) -> None:
@@ -85,3 +88,17 @@ def test_largest_allowed_values_are_accepted(field: str) -> None:
 def test_replace_names_the_fields_when_given_an_unknown_one() -> None:
     with pytest.raises(TypeError, match=r"\['margn'\]; the fields are fp8_format, scaling"):
         Recipe().replace(margn=2)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "tile"),
+    [
+        (Recipe(), None),
+        (Recipe(weight_grad_scaling="rowwise"), (1, 64)),
+        (Recipe(granularity="rowwise"), (1, 64)),
+        (Recipe(granularity="block", block_size=16), (16, 16)),
+        (Recipe(granularity="block", block_size=16, weight_grad_scaling="rowwise"), (1, 64)),
+    ],
+)
+def test_weight_grad_tile_follows_its_own_scaling(recipe: Recipe, tile: tuple[int, int] | None) -> None:
+    assert recipe.weight_grad_tile((32, 64)) == tile

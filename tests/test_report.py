@@ -28,7 +28,7 @@ def test_rows_show_what_is_stored() -> None:
     model, optimizer = _trained()
     rows = {row["name"]: row for row in amp8.report(model, optimizer).rows}
     fp8_weight = rows["0.weight"]
-    assert (fp8_weight["weight"], fp8_weight["grad"], fp8_weight["master"]) == ("float16", "float8_e5m2", None)
+    assert (fp8_weight["weight"], fp8_weight["grad"], fp8_weight["master"]) == ("float16", "float8_e4m3fn", None)
     assert (fp8_weight["exp_avg"], fp8_weight["exp_avg_sq"]) == ("float32", "float32")
     assert fp8_weight["fp8"] and fp8_weight["layer"] == "Fp8Linear" and fp8_weight["note"] is None
     assert rows["0.bias"]["weight"] == "float32" and not rows["0.bias"]["fp8"]
@@ -47,7 +47,7 @@ def test_report_reads_tensors_not_the_table() -> None:
     model(torch.randn(4, 32)).sum().backward()
     row = amp8.report(model, optimizer).rows[0]
     # FP16 weight, FP8 gradient, FP32 m and v: 2 + 1 + 8 bytes, plus 3 scales.
-    assert row["grad"] == "float8_e5m2" and row["bytes"] == row["numel"] * 11 + 4 + 4 + 4
+    assert row["grad"] == "float8_e4m3fn" and row["bytes"] == row["numel"] * 11 + 4 + 4 + 4
     model[0].weight_grad = None
     row = amp8.report(model, optimizer).rows[0]
     assert row["grad"] is None, "a cleared gradient must show as None"
@@ -82,12 +82,12 @@ def test_json_and_print() -> None:
     model, optimizer = _trained()
     report = amp8.report(model, optimizer)
     data = json.loads(report.to_json())
-    assert data["rows"][0]["grad"] == "float8_e5m2"
+    assert data["rows"][0]["grad"] == "float8_e4m3fn"
     assert data["bytes_per_param"] == pytest.approx(report.bytes_per_param)
     console = Console(record=True, width=200)
     report.print(console)
     text = console.export_text()
-    assert "0.weight" in text and "e5m2" in text
+    assert "0.weight" in text and "e4m3" in text
     assert "[1] 4.weight: out_features=10 is not a multiple of 16" in text
     assert " ".join(report.summary().split()) in " ".join(text.split()), "the summary line is missing"
     assert "master" not in text.split("\n")[2], "an empty master column is hidden before O3"

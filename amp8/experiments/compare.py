@@ -31,7 +31,7 @@ from torch import nn
 
 from ..console import default_console
 from ..frontend import initialize
-from ..levels import LEVELS
+from ..levels import LEVELS, OptLevel
 from ..recipe import Recipe
 from ..report import PrecisionReport, report
 from .corpus import ByteCorpus, CorpusConfig, load_corpus, sample_batch
@@ -153,10 +153,11 @@ def _check_device(device: object) -> None:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run: its name, opt level, recipe and seed, or torchao's float8."""
+    """One run: its name, opt level (a name, or an ``OptLevel`` such as
+    ``amp8.levels.override("O2", exp_avg="fp32")``), recipe and seed, or torchao's float8."""
 
     name: str
-    level: str
+    level: str | OptLevel
     seed: int
     recipe: Recipe = Recipe()
     torchao: bool = False
@@ -427,8 +428,9 @@ def train_run(
     """Train one run and measure it; an opt level ``initialize`` cannot do yet (it raises
     ``NotImplementedError``) comes back as ``status="unavailable"``."""
     device = torch.device(config.device)
-    result = RunResult(spec.name, spec.level, spec.seed,
-                       recipe=None if spec.torchao or spec.level == "O0" else _recipe_dict(spec.recipe))
+    level_name = spec.level.name if isinstance(spec.level, OptLevel) else spec.level
+    result = RunResult(spec.name, level_name, spec.seed,
+                       recipe=None if spec.torchao or level_name == "O0" else _recipe_dict(spec.recipe))
     model: nn.Module = GPT(config.model, torch.Generator().manual_seed(spec.seed)).to(device)
     optimizer: torch.optim.Optimizer | None = torch.optim.AdamW(
         _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95)
@@ -484,6 +486,17 @@ def train_run(
     return result
 
 
+def validation_batches(config: CompareConfig, corpus: ByteCorpus) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation batches every run of ``config`` is measured on (the same for
+    every run and seed), on ``config.device``."""
+    generator = torch.Generator().manual_seed(_VAL_SEED)
+    device = torch.device(config.device)
+    return [
+        tuple(t.to(device) for t in sample_batch(corpus.val, config.batch_size, config.model.block_size, generator))
+        for _ in range(config.eval_batches)
+    ]
+
+
 def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
     return {key: getattr(value, "value", value) for key, value in dataclasses.asdict(recipe).items()}
 
@@ -526,12 +539,8 @@ def compare(
             raise ValueError(f"out_dir={str(out_dir)!r} cannot be created ({error.strerror}); pick a folder you can write") from None
     console = console or default_console()
     corpus = load_corpus(config.corpus)
-    val_generator = torch.Generator().manual_seed(_VAL_SEED)
     device = torch.device(config.device)
-    val_batches = [
-        tuple(t.to(device) for t in sample_batch(corpus.val, config.batch_size, config.model.block_size, val_generator))
-        for _ in range(config.eval_batches)
-    ]
+    val_batches = validation_batches(config, corpus)
     specs = run_specs(config)
     note = missing_peer_note(config)
     if note is not None:

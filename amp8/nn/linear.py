@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ..checks import check_loaded_history, check_loaded_scales
-from ..formats import gradient_dtype
 from ..levels import Precision
 from ..recipe import Recipe
 from ..stored_weight import StoredWeight, stored_weight
@@ -95,7 +94,7 @@ class Fp8Linear(nn.Module):
         its hook, which runs eagerly also after a compiled backward, hands it on. The
         gradient cannot be returned for the weight itself: autograd would cast it to the
         weight's dtype."""
-        dtype = gradient_dtype(self.recipe.fp8_format)
+        dtype = self.stored_weight.grad_dtype
         sink = torch.zeros((), dtype=dtype, device=self.weight_scale.device).expand(self.weight.shape)
         sink.requires_grad_(True)
         sink.register_post_accumulate_grad_hook(self._new_weight_grad)

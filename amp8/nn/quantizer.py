@@ -17,7 +17,7 @@ import torch
 
 from .. import scaling
 from ..formats import forward_dtype, gradient_dtype
-from ..recipe import AmaxAlgo, Granularity, Recipe, Scaling, operand_tile
+from ..recipe import AmaxAlgo, Granularity, Recipe, Scaling, WeightGradScaling, operand_tile
 from ..tensor import ScaledTensor
 
 
@@ -72,11 +72,16 @@ class CastRule:
 
     @classmethod
     def for_weight_grad(cls, recipe: Recipe) -> "CastRule":
-        """The rule of the weight gradient: the gradient format, fresh scales from its own
-        amax under every scaling kind, tiled like the weight's FP8 scales (the rule of
-        ``amp8.StoredWeight.quantize_grad``)."""
+        """The rule of the weight gradient: ``Recipe.weight_grad_dtype``, fresh scales from
+        its own amax under every scaling kind, tiled like the weight's FP8 scales or one
+        per row (``Recipe.weight_grad_scaling``): the rule of
+        ``amp8.StoredWeight.quantize_grad``."""
         weight = cls.for_role(recipe, TensorRole.WEIGHT)
-        return dataclasses.replace(weight, dtype=gradient_dtype(recipe.fp8_format), scaling=Scaling.CURRENT)
+        rowwise = recipe.weight_grad_scaling is WeightGradScaling.ROWWISE
+        return dataclasses.replace(
+            weight, dtype=recipe.weight_grad_dtype, scaling=Scaling.CURRENT,
+            granularity=Granularity.ROWWISE if rowwise else weight.granularity,
+        )
 
     @property
     def scale_block_size(self) -> int:

@@ -1,0 +1,324 @@
+"""Where FP8 error enters training: paired gaps to O0, one source at a time.
+
+    python bench/numerics_ablation.py --configs docs-lr3e-3 --variants O1-e5m2 O2-e5m2 O3-e5m2
+    python bench/numerics_ablation.py --configs docs-lr3e-3 --variants sources
+    python bench/numerics_ablation.py --configs all --variants levels --steps 600 --seeds 0 1 2 3 4
+    python bench/numerics_ablation.py --configs docs-lr0.003 stdlib-lr0.003 --variants gradients --gradients
+    python bench/numerics_ablation.py --table      # the recorded results as markdown
+
+Every configuration trains the byte-level GPT (``small`` preset, 16 sequences of 64 bytes
+per step) at O0 and at each variant from the same seeds, on the same batches; a variant's
+gap is the mean over seeds of (its final validation loss - O0's) / O0's, in percent.
+Variants change one thing at a time against O1 with the 0.1 recipe's weight gradients
+(E5M2, one scale per tensor): one GEMM in high precision, the weight gradient's storage,
+the gradient format, the scale granularity; the O2 and O3 rows add the low-bit moments
+and the FP8 weights beside FP16 masters. Results are merged into
+bench/results/numerics_ablation-<device>.json (each configuration's O0 losses are kept
+and reused), so a study can be run in parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from amp8 import Recipe, initialize
+from amp8.scaling import sqnr
+from amp8.stored_weight import stored_weight
+from amp8.experiments.compare import _param_groups
+from amp8.experiments.corpus import load_corpus, sample_batch
+from amp8.experiments.gpt import GPT
+from amp8.console import default_console
+from amp8.experiments.compare import CompareConfig
+from amp8.experiments.corpus import CorpusConfig
+from amp8.experiments.gpt import PRESETS
+from amp8.experiments.paired import BASELINE, PairedResult, Variant, paired_runs
+from amp8.levels import FP8_COMPUTE_ONLY, override
+from common import RESULTS, write_result
+
+NAME = "numerics_ablation"
+_BASE = CompareConfig(
+    model=PRESETS["small"], steps=300, batch_size=16, eval_interval=300, eval_batches=32,
+    seeds=1, ablation=False, torchao=False,
+)
+
+
+def _config(corpus: str, lr: float, warmup: bool, decay: bool) -> CompareConfig:
+    return _BASE.replace(
+        corpus=CorpusConfig(source=corpus), lr=lr, warmup_steps=20 if warmup else 0,
+        weight_decay=0.1 if decay else 0.0,
+    )
+
+
+CONFIGS: Mapping[str, CompareConfig] = {
+    f"{corpus}-lr{lr:g}{'-warmup' if warmup else ''}{'-wd' if decay else ''}": _config(corpus, lr, warmup, decay)
+    for corpus in ("docs", "stdlib") for lr in (3e-3, 1e-3)
+    for warmup, decay in ((False, False), (True, True), (True, False), (False, True))
+}
+"""Corpus x peak learning rate x (warm-up, weight decay). "docs-lr0.003" (no warm-up,
+no decay, the language reference's prose) is the held-out check; "stdlib-lr0.001-warmup-wd"
+is ``amp8 compare``'s own setting."""
+
+E5M2_GRADS = Recipe(weight_grad_format="gradient", weight_grad_scaling="weight")
+"""Weight gradients as amp8 0.1 stored them: E5M2, one scale per tensor."""
+E4M3_GRADS = Recipe(weight_grad_format="E4M3", weight_grad_scaling="rowwise")
+"""Weight gradients in E4M3 with one scale per output feature."""
+
+VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
+    Variant("O1-e5m2", "O1", E5M2_GRADS),
+    Variant("O2-e5m2", "O2", E5M2_GRADS),
+    Variant("O3-e5m2", "O3", E5M2_GRADS),
+    Variant("O1", "O1", Recipe()),
+    Variant("O2", "O2", Recipe()),
+    Variant("O3", "O3", Recipe()),
+    # one source at a time, against O1-e5m2
+    Variant("fprop-high", "O1", E5M2_GRADS.replace(override_linear_precision=(True, False, False))),
+    Variant("dgrad-high", "O1", E5M2_GRADS.replace(override_linear_precision=(False, True, False))),
+    Variant("wgrad-high", "O1", E5M2_GRADS.replace(override_linear_precision=(False, False, True))),
+    Variant("wgrad-e4m3-tensor", "O1", E5M2_GRADS.replace(weight_grad_format="E4M3")),
+    Variant("wgrad-e4m3-rowwise", "O1", E4M3_GRADS),
+    Variant("storage-high", FP8_COMPUTE_ONLY, Recipe()),
+    Variant("grads-e4m3", "O1", E5M2_GRADS.replace(fp8_format="E4M3")),
+    Variant("rowwise", "O1", E5M2_GRADS.replace(granularity="rowwise")),
+    Variant("O2-fp32-moments", override("O2", exp_avg="fp32", exp_avg_sq="fp32"), E5M2_GRADS),
+)}
+GROUPS: Mapping[str, tuple[str, ...]] = {
+    "before": ("O1-e5m2", "O2-e5m2", "O3-e5m2"),
+    "levels": ("O1", "O2", "O3"),
+    "sources": ("grads-e4m3", "wgrad-high", "fprop-high", "storage-high", "wgrad-e4m3-rowwise", "dgrad-high"),
+    "gradients": ("O1-e5m2", "O1", "fprop-high", "dgrad-high", "wgrad-high", "wgrad-e4m3-tensor",
+                  "wgrad-e4m3-rowwise", "grads-e4m3", "rowwise"),
+}
+"""Named lists of variants: the levels before and after the fix, the per-source study,
+the one-step gradient study (``--gradients``)."""
+
+
+def _path(device: torch.device) -> Path:
+    return RESULTS / f"{NAME}-{'cuda' if device.type == 'cuda' else 'cpu'}.json"
+
+
+def summarize(study: dict[str, Any]) -> None:
+    """Fill a study's per-seed and mean paired gaps from its losses (seeds O0 has), and
+    the standard error of each mean (the seeds' spread of gaps over sqrt(seeds))."""
+    base = study["losses"].get(BASELINE, {})
+    study["gaps_percent"], study["mean_gap_percent"], study["stderr_percent"] = {}, {}, {}
+    for name, losses in study["losses"].items():
+        seeds = [seed for seed in losses if seed in base]
+        if name == BASELINE or not seeds:
+            continue
+        gaps = {seed: 100 * (losses[seed] - base[seed]) / base[seed] for seed in seeds}
+        study["gaps_percent"][name] = gaps
+        study["mean_gap_percent"][name] = statistics.fmean(gaps.values())
+        if len(gaps) > 1:
+            study["stderr_percent"][name] = statistics.stdev(gaps.values()) / len(gaps) ** 0.5
+
+
+def run(config_names: list[str], variant_names: list[str], seeds: list[int], steps: int) -> dict[str, Any]:
+    """Train the study, seed by seed, merging each run into the JSON as it ends (runs
+    already there are not trained again); returns the merged studies."""
+    console = default_console()
+    device = torch.device(_BASE.device)
+    path = _path(device)
+    studies: dict[str, Any] = json.loads(path.read_text())["studies"] if path.is_file() else {}
+    for config_name in config_names:
+        config = CONFIGS[config_name].replace(steps=steps, eval_interval=steps)
+        key = f"{config_name} steps={steps}"
+        study = studies.setdefault(key, {"configuration": config_name, "steps": steps, "losses": {}})
+        study["config"] = PairedResult(config, (), ()).to_dict()["config"]
+        for seed in seeds:
+            done = study["losses"]
+            todo = [VARIANTS[name] for name in variant_names if str(seed) not in done.get(name, {})]
+            baseline = [done[BASELINE][str(seed)]] if str(seed) in done.get(BASELINE, {}) else None
+            for variant in todo:  # one at a time, so each run is saved as soon as it ends
+                result = paired_runs(config, [variant], [seed], baseline=baseline)
+                for name, losses in result.losses.items():
+                    done.setdefault(name, {})[str(seed)] = losses[0]
+                for name, losses in result.train_losses.items():
+                    study.setdefault("train_losses", {}).setdefault(name, {})[str(seed)] = losses[0]
+                study.setdefault("variants", {})[variant.name] = variant.describe()
+                study.setdefault("skipped_steps", {}).setdefault(variant.name, {})[str(seed)] = (
+                    result.skipped_steps[variant.name][0])
+                study.setdefault("wall_s", {}).setdefault(variant.name, {})[str(seed)] = result.wall_s[variant.name][0]
+                baseline = [done[BASELINE][str(seed)]]
+                summarize(study)
+                console.print(f"{key} seed {seed} {variant.name}: {done[variant.name][str(seed)]:.4f} "
+                              f"(O0 {baseline[0]:.4f})", highlight=False)
+                _write(device, studies=studies)
+        console.print(f"{key}: mean gaps " + ", ".join(
+            f"{name} {gap:+.3f}% ({len(study['gaps_percent'][name])} seeds)"
+            for name, gap in study["mean_gap_percent"].items()), highlight=False)
+    return studies
+
+
+@torch.no_grad()
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (stored.grad().dequantize() if (stored := stored_weight(param)) else param.grad).clone()
+            for name, param in model.named_parameters() if stored_weight(param) is not None or param.grad is not None}
+
+
+def gradient_error(config_name: str, variant_names: list[str], train_steps: int, batches: int,
+                   seed: int = 0) -> dict[str, Any]:
+    """Where the error enters one step, without the noise of whole runs: train O0 for
+    ``train_steps`` under the configuration, then, on ``batches`` fixed batches, compare
+    each variant's gradients with FP32's. Per variant: the SQNR (dB) of the weight
+    gradients of the FP8 layers (mean over layers and batches, and the worst layer), of
+    the position embedding's gradient (what reaches the bottom of the network through
+    every FP8 input-gradient GEMM), and the loss's relative error (the forward GEMMs)."""
+    config = CONFIGS[config_name]
+    corpus = load_corpus(config.corpus)
+    generator = torch.Generator().manual_seed(seed)
+    model = GPT(config.model, torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
+    for step in range(train_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(step)
+        x, y = sample_batch(corpus.train, config.batch_size, config.model.block_size, generator)
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        optimizer.step()
+    data = [sample_batch(corpus.train, config.batch_size, config.model.block_size, generator) for _ in range(batches)]
+    references = []
+    for x, y in data:
+        model.zero_grad()
+        loss = model(x, y)[1]
+        loss.backward()
+        references.append((float(loss.detach()), {name: param.grad.clone() for name, param in model.named_parameters()}))
+    rows: dict[str, Any] = {}
+    for name in variant_names:
+        variant = VARIANTS[name]
+        copy_ = copy.deepcopy(model)
+        fp8, _ = initialize(copy_, torch.optim.AdamW(copy_.parameters()), variant.level, recipe=variant.recipe,
+                            layer_selection="all")
+        layer_sqnr: dict[str, list[float]] = {}
+        position, loss_error = [], []
+        for (x, y), (reference_loss, reference) in zip(data, references):
+            fp8.zero_grad()
+            loss = fp8(x, y)[1]
+            loss.backward()
+            grads = _snapshot(fp8)
+            for key, grad in grads.items():
+                if grad.dim() == 2 and "emb" not in key:
+                    layer_sqnr.setdefault(key, []).append(sqnr(reference[key], grad))
+            position.append(sqnr(reference["pos_emb.weight"], grads["pos_emb.weight"]))
+            loss_error.append(abs(float(loss.detach()) - reference_loss) / reference_loss)
+        per_layer = {key: statistics.fmean(values) for key, values in layer_sqnr.items()}
+        rows[name] = {
+            "weight_grad_sqnr_db": statistics.fmean(per_layer.values()),
+            "worst_layer_sqnr_db": min(per_layer.values()),
+            "position_grad_sqnr_db": statistics.fmean(position),
+            "loss_relative_error_percent": 100 * statistics.fmean(loss_error),
+            "per_layer_db": per_layer,
+        }
+    return {"configuration": config_name, "train_steps": train_steps, "batches": batches, "seed": seed,
+            "variants": rows}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The studies as markdown tables: paired gap (mean ± standard error over seeds, in
+    percent) per variant and configuration, and the one-step gradient errors."""
+    lines = []
+    studies = data.get("studies", {})
+    if studies:
+        keys = list(studies)
+        names = list(dict.fromkeys(name for key in keys for name in studies[key]["mean_gap_percent"]))
+        lines += ["| variant | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        for name in names:
+            cells = []
+            for key in keys:
+                study = studies[key]
+                if name not in study["mean_gap_percent"]:
+                    cells.append("")
+                    continue
+                error = study.get("stderr_percent", {}).get(name)
+                seeds = len(study["gaps_percent"][name])
+                cells.append(f"{study['mean_gap_percent'][name]:+.2f}"
+                             + ("" if error is None else f" ± {error:.2f}") + f" ({seeds})")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        spread = []
+        for key in keys:
+            base = list(studies[key]["losses"].get(BASELINE, {}).values())
+            spread.append(f"{100 * (max(base) - min(base)) / min(base):.2f}" if len(base) > 1 else "")
+        lines.append("| O0 seed spread (max-min, %) | " + " | ".join(spread) + " |")
+    probes = data.get("gradient_error", {})
+    if probes:  # one column per configuration, each cell the mean over its seeds
+        by_config: dict[str, list[dict[str, Any]]] = {}
+        for key, probe in probes.items():
+            by_config.setdefault(key.split(" seed=")[0], []).append(probe)
+        lines += ["", "SQNR against FP32 in dB (mean over seeds): weight gradients of the FP8 layers "
+                  "(mean / worst layer), position-embedding gradient", "",
+                  "| variant | " + " | ".join(by_config) + " |", "|---" * (len(by_config) + 1) + "|"]
+        names = list(dict.fromkeys(name for probe in probes.values() for name in probe))
+        for name in names:
+            cells = []
+            for runs in by_config.values():
+                rows = [run[name] for run in runs if name in run]
+                mean = {key: statistics.fmean(row[key] for row in rows) for key in
+                        ("weight_grad_sqnr_db", "worst_layer_sqnr_db", "position_grad_sqnr_db")} if rows else None
+                cells.append("" if mean is None else f"{mean['weight_grad_sqnr_db']:.1f} / "
+                             f"{mean['worst_layer_sqnr_db']:.1f} / {mean['position_grad_sqnr_db']:.1f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["docs-lr0.003"],
+                        help=f"configurations, or 'all' (choices: {', '.join(CONFIGS)})")
+    parser.add_argument("--variants", nargs="+", default=["before"],
+                        help=f"variants or groups ({', '.join(GROUPS)}); choices: {', '.join(VARIANTS)}")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=_BASE.steps)
+    parser.add_argument("--gradients", action="store_true",
+                        help="measure one step's gradient error per variant instead of training runs")
+    parser.add_argument("--table", action="store_true", help="print the recorded results as markdown and exit")
+    args = parser.parse_args()
+    if args.table:
+        path = _path(torch.device(_BASE.device))
+        print(markdown(json.loads(path.read_text())) if path.is_file() else f"{path} does not exist yet")
+        return
+    configs = list(CONFIGS) if args.configs == ["all"] else args.configs
+    variants = [name for item in args.variants for name in GROUPS.get(item, (item,))]
+    unknown = [name for name in configs if name not in CONFIGS] + [name for name in variants if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown configurations or variants {unknown}")
+    if args.gradients:
+        measure_gradients(configs, variants, args.seeds)
+    else:
+        run(configs, variants, args.seeds, args.steps)
+
+
+def measure_gradients(configs: list[str], variants: list[str], seeds: list[int],
+                      train_steps: int = 100, batches: int = 4) -> None:
+    """Run ``gradient_error`` per configuration and seed, print it, merge it into the JSON."""
+    console = default_console()
+    device = torch.device(_BASE.device)
+    path = _path(device)
+    previous = json.loads(path.read_text()) if path.is_file() else {"studies": {}}
+    probes = previous.setdefault("gradient_error", {})
+    for config_name in configs:
+        for seed in seeds:
+            probe = gradient_error(config_name, variants, train_steps, batches, seed)
+            probes.setdefault(f"{config_name} after={train_steps} seed={seed}", {}).update(probe["variants"])
+            for name, row in probe["variants"].items():
+                console.print(f"{config_name} seed {seed} {name:20s} wgrad {row['weight_grad_sqnr_db']:5.1f} dB "
+                              f"(worst {row['worst_layer_sqnr_db']:5.1f}), pos grad {row['position_grad_sqnr_db']:5.1f} dB, "
+                              f"loss {row['loss_relative_error_percent']:.3f}%", highlight=False)
+        _write(device, gradient_error=probes)
+
+
+def _write(device: torch.device, **sections: Any) -> None:
+    """Merge ``sections`` into the JSON, keeping the sections other runs wrote."""
+    path = _path(device)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    kept = {key: data[key] for key in ("studies", "gradient_error") if key in data}
+    write_result(NAME, device, {"method": __doc__.split("\n\n")[2].replace("\n", " "), **kept, **sections})
+
+
+if __name__ == "__main__":
+    main()
