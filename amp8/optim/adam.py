@@ -42,7 +42,7 @@ from .support import check_hyperparameters, check_options, check_state_precision
 
 DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
 # From this many parameter elements on, fused=None compiles the step on the CPU too.
-FUSED_CPU_MIN_ELEMENTS = 1 << 24
+FUSED_CPU_MIN_ELEMENTS = 1 << 22
 _EXTRA_STATE_KEY = "amp8"
 
 
@@ -71,9 +71,10 @@ class LowBitAdam(torch.optim.Optimizer):
             (``amp8.optim.fused``): True anywhere (the CPU compiles it to C++), False
             never, None (default) for parameters on CUDA, and on the CPU for an
             optimizer over at least ``FUSED_CPU_MIN_ELEMENTS`` elements where a C++
-            compiler is found (there the compile, a few seconds per kind of tensor, pays
-            for itself within tens of steps: the fused step runs 3-8x faster than the
-            reference on the CPU, ``bench/optimizer.py``). Where the fused step does
+            compiler is found (the compile, a few seconds per kind of tensor, pays for
+            itself within a few hundred steps there, and sooner for larger models: the
+            fused step runs 3-8x faster than the reference on the CPU,
+            ``bench/optimizer.py``). Where the fused step does
             not apply (the chunks of weights sharded over data-parallel ranks), those
             tensors take the reference step. Both round with the same noise; they agree
             up to the compiler's reordering of float32 arithmetic.
