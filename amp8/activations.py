@@ -17,6 +17,7 @@ is a relative error of the probabilities).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,7 +113,7 @@ class ActivationStorage:
     meters: list[SavedBytes] = field(default_factory=list)
     _persistent: frozenset[StorageKey] = frozenset()
     _active: list[contextlib.AbstractContextManager[Any]] = field(default_factory=list)
-    _packed: dict[tuple[Any, ...], Fp8Saved] = field(default_factory=dict)
+    _packed: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], Fp8Saved]] = field(default_factory=dict)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | Fp8Saved:
         """What autograd keeps of ``tensor``: an ``Fp8Saved`` or the tensor itself."""
@@ -125,22 +126,29 @@ class ActivationStorage:
                 meter.add(tensor)
             return tensor
         # One FP8 copy of a tensor several operations save (log-softmax's output, which
-        # the loss saves too); the version tells an in-place change apart.
+        # the loss saves too); the version tells an in-place change apart, and the weak
+        # reference a new tensor at a freed address (the storage itself is not kept).
         view = (storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor._version)
-        if view in self._packed:
-            return self._packed[view]
+        earlier = self._packed.get(view)
+        if earlier is not None and earlier[0]() is tensor:
+            self._count(earlier[1])
+            return earlier[1]
         rows = tensor.detach().reshape(-1, tensor.shape[-1])  # (M, C)
         log_space = self.policy.in_log_space(tensor)
         if log_space:
             rows = rows.float().exp()
         tile = self.policy.tile(rows.shape[1])
         data, scale = quantize_tiles(rows, self.policy.dtype, tile, power_of_2=self.policy.power_of_2_scales)
-        for meter in self.meters:
-            meter.add(data)
-            meter.add(scale)
         packed = Fp8Saved(data, scale, tensor.shape, tensor.dtype, max(tile), log_space)
-        self._packed[view] = packed
+        self._packed[view] = (weakref.ref(tensor), packed)
+        self._count(packed)
         return packed
+
+    def _count(self, packed: Fp8Saved) -> None:
+        """Report the FP8 data and scales of ``packed`` to the meters (each storage once)."""
+        for meter in self.meters:
+            meter.add(packed.data)
+            meter.add(packed.scale)
 
     @staticmethod
     def unpack(packed: torch.Tensor | Fp8Saved) -> torch.Tensor:
