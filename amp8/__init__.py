@@ -11,7 +11,8 @@ from .formats import Fp8Format
 from .frontend import initialize
 from .levels import LEVELS, OptLevel, Precision
 from .optim.clip import clip_grad_norm_
-from .recipe import AmaxAlgo, Granularity, Recipe, RecipeName, Scaling
+from .memory import SavedBytes, count_saved_bytes
+from .recipe import ActivationFormat, AmaxAlgo, Granularity, Recipe, RecipeName, Scaling
 from .report import PrecisionReport, report
 from .selection import SpeedRule
 from .stored_weight import StoredWeight, stored_weight
@@ -31,6 +32,7 @@ def compare(*args: Any, **kwargs: Any) -> Any:
 
 __all__ = [
     "LEVELS",
+    "ActivationFormat",
     "AmaxAlgo",
     "Fp8Format",
     "Granularity",
@@ -39,6 +41,7 @@ __all__ = [
     "PrecisionReport",
     "Recipe",
     "RecipeName",
+    "SavedBytes",
     "Scaling",
     "SpeedRule",
     "StoredWeight",
@@ -47,6 +50,7 @@ __all__ = [
     "clip_grad_norm_",
     "export",
     "compare",
+    "count_saved_bytes",
     "initialize",
     "report",
     "stored_weight",

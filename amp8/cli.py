@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .console import default_console
 from .levels import LEVELS
-from .recipe import Recipe, RecipeName
+from .recipe import ActivationFormat, Recipe, RecipeName
 
 
 def print_levels(console: Console) -> None:
@@ -67,6 +67,8 @@ def _add_compare(commands: Any) -> None:
                               f"(default: {defaults.corpus.source})")
     compare.add_argument("--recipe", choices=[name.value for name in RecipeName], default="tensorwise",
                          help="FP8 recipe preset of the O1-O3 runs (default: tensorwise)")
+    compare.add_argument("--activations", choices=[name.value for name in ActivationFormat], default="high",
+                         help="how the O1-O3 runs store tensors saved for backward (default: high)")
     compare.add_argument("--no-ablation", action="store_true", help="skip the no-scaling ablation")
     compare.add_argument("--no-torchao", action="store_true", help="skip torchao's float8 even when installed")
     compare.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
@@ -86,7 +88,7 @@ def _run_compare(args: argparse.Namespace, console: Console) -> None:
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         ablation=not args.no_ablation, torchao=not args.no_torchao, seeds=args.seeds, seed=args.seed,
         device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes, source=args.corpus),
-        recipe=Recipe.preset(args.recipe),
+        recipe=Recipe.preset(args.recipe).replace(activations=args.activations),
     )
     compare(config, out_dir=args.out, console=console, progress=not args.no_progress)
 

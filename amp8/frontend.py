@@ -16,7 +16,8 @@ from .nn.swap import ModuleFilter, swap_linear_layers
 from .comm.reduction import GradientReduction
 from .optim.adam import LowBitAdam
 from .optim.support import check_state_precision, check_supported
-from .recipe import Granularity, Recipe
+from .activations import attach_activation_storage
+from .recipe import ActivationFormat, Granularity, Recipe
 from .selection import LayerSelection, resolve_selection
 
 
@@ -100,7 +101,9 @@ def initialize(
     eligible layer, and an ``amp8.SpeedRule`` (e.g. one measured with ``bench/linear.py
     --sweep``) applies that rule; the optimizer (``torch.optim.Adam`` or
     ``AdamW``) is replaced by a ``LowBitAdam`` with the same param groups. O0 returns
-    both unchanged, and ``amp8.levels.FP8_COMPUTE_ONLY`` ("O1-compute") swaps the layers
+    both unchanged (unless ``recipe.activations`` is "fp8": at every level, a forward
+    pre-hook and a forward hook on ``model`` then store the tensors autograd saves for
+    backward in FP8, see ``amp8.activations``), and ``amp8.levels.FP8_COMPUTE_ONLY`` ("O1-compute") swaps the layers
     but keeps weights, gradients and the optimizer as they are (any optimizer). Use the
     returned objects from here on, and build LR schedulers after this call.
 
@@ -138,6 +141,8 @@ def initialize(
         check_ranks_agree(model, level, checked_recipe, process_group, failure)
     assert level is not None and checked_recipe is not None  # else the check above raised
     recipe = checked_recipe
+    if recipe.activations is ActivationFormat.FP8:
+        attach_activation_storage(model)
     if not level.swaps_layers:
         return model, optimizer
     if distributed and level.shard_optimizer and recipe.granularity is not Granularity.TENSORWISE:

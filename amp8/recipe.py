@@ -73,6 +73,18 @@ class WeightGradScaling(str, Enum):
     ROWWISE = "rowwise"
 
 
+class ActivationFormat(str, Enum):
+    """How tensors saved for backward inside the model are stored.
+
+    HIGH: as the forward made them (FP32, or BF16 under autocast).
+    FP8: E4M3 with one scale per 1 x 128 tile along the last dimension
+        (``amp8.activations``); FP8 layers of every granularity keep their FP8 input.
+    """
+
+    HIGH = "high"
+    FP8 = "fp8"
+
+
 class RecipeName(str, Enum):
     """Names of the recipes ``Recipe.preset`` builds."""
 
@@ -153,6 +165,10 @@ class Recipe:
             but values more than 2**17 below the amax of their tile.
         weight_grad_scaling: the scales of stored weight gradients: "weight" (the tiles
             of the weight's FP8 scales) or "rowwise" (one per output feature).
+        activations: how tensors autograd saves for backward inside the model are
+            stored: "high" (as they are, the default) or "fp8" (E4M3 with one scale per
+            1 x 128 tile along the last dimension, restored in backward; FP8 layers of
+            every granularity then keep their FP8 input for the weight gradient).
     """
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
@@ -166,6 +182,7 @@ class Recipe:
     block_size: int = 128
     weight_grad_format: WeightGradFormat = WeightGradFormat.E4M3
     weight_grad_scaling: WeightGradScaling = WeightGradScaling.WEIGHT
+    activations: ActivationFormat = ActivationFormat.HIGH
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -202,6 +219,7 @@ class Recipe:
                   _as_enum(WeightGradFormat, "weight_grad_format", self.weight_grad_format))
         set_field(self, "weight_grad_scaling",
                   _as_enum(WeightGradScaling, "weight_grad_scaling", self.weight_grad_scaling))
+        set_field(self, "activations", _as_enum(ActivationFormat, "activations", self.activations))
         _check_int(
             "block_size", self.block_size, 16, MAX_BLOCK_SIZE,
             "(FP8 GEMMs need K-blocks that are multiples of 16), such as 128", multiple_of=16,

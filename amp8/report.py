@@ -109,11 +109,15 @@ class PrecisionReport:
     saturated (FP8 layers' weights only, else None; over this rank's rows of a weight
     sharded over data-parallel ranks), bytes (what this process stores: weight + gradient
     + optimizer state, scales included; a sharded weight counts its own rows).
+
+    ``activation_bytes_per_token``: bytes autograd saved for backward per token in one
+    measured step (``amp8.count_saved_bytes``), when the caller measured it.
     """
 
     rows: list[dict[str, Any]]
     skipped_steps: int | None = None
     baseline_bytes_per_param: int = field(default=FP32_ADAM_BYTES_PER_PARAM)
+    activation_bytes_per_token: float | None = None
 
     @staticmethod
     def _per_param(rows: list[dict[str, Any]]) -> float:
@@ -153,6 +157,7 @@ class PrecisionReport:
             rows=[dict(row) for row in data["rows"]],
             skipped_steps=data.get("skipped_steps"),
             baseline_bytes_per_param=data.get("baseline_bytes_per_param", FP32_ADAM_BYTES_PER_PARAM),
+            activation_bytes_per_token=data.get("activation_bytes_per_token"),
         )
 
     def highlights(self, top: int = 3) -> list[str]:
@@ -205,6 +210,7 @@ class PrecisionReport:
             "fp8_share": self.fp8_share,
             "baseline_bytes_per_param": self.baseline_bytes_per_param,
             "skipped_steps": self.skipped_steps,
+            "activation_bytes_per_token": self.activation_bytes_per_token,
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -249,6 +255,8 @@ class PrecisionReport:
             text += f" ({self.fp8_bytes_per_param:.2f} over FP8 layers)"
         if total:
             text += f" vs {baseline} for FP32 Adam ({baseline / total:.2f}x less)"
+        if self.activation_bytes_per_token is not None:
+            text += f"; {self.activation_bytes_per_token:,.0f} activation bytes/token saved for backward"
         if self.skipped_steps is not None:
             text += f"; skipped (overflow) steps: {self.skipped_steps}"
         return text + "."
@@ -293,8 +301,14 @@ _NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
 _STATS = ("granularity", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated")
 
 
-def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PrecisionReport:
-    """The precision report of ``model`` (and ``optimizer``'s state, when given).
+def report(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    activation_bytes_per_token: float | None = None,
+) -> PrecisionReport:
+    """The precision report of ``model`` (and ``optimizer``'s state, when given), with
+    ``activation_bytes_per_token`` (measured with ``amp8.count_saved_bytes``) beside the
+    bytes per parameter when given.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
@@ -347,4 +361,4 @@ def report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> 
             "bytes": weight_bytes + grad_bytes + state_bytes,
         })
     skipped = getattr(optimizer, "skipped_steps", None)
-    return PrecisionReport(rows=rows, skipped_steps=skipped)
+    return PrecisionReport(rows=rows, skipped_steps=skipped, activation_bytes_per_token=activation_bytes_per_token)

@@ -146,3 +146,14 @@ def test_numerics_markdown_shows_mean_error_and_seeds() -> None:
     assert study["mean_gap_percent"]["O1"] == pytest.approx(0.5)
     table = numerics.markdown({"studies": {"cfg": study}})
     assert "| O1 | +0.50 ± 0.50 (2) |" in table and "| O0 seed spread (max-min, %) | 10.00 |" in table
+
+
+def test_memory_bench_measures_every_case_and_fp8_halves_bf16() -> None:
+    memory = load_bench("memory")
+    rows = memory.run(["tiny"], 2, torch.device("cpu"))["tiny"]
+    assert len(rows) == len(memory.cases())
+    for row in rows:
+        assert row["bytes_per_token"] > 0, row
+        if row["activations"] == "fp8":
+            assert row["vs_bf16"] <= 0.5, row
+    print(memory.table({"tiny": rows}).title)

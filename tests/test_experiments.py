@@ -178,6 +178,13 @@ def test_recipe_reaches_the_fp8_runs_and_the_ablation() -> None:
     assert specs[ABLATION].recipe == block.replace(scaling="none")
 
 
+def test_fp8_activations_reach_the_fp8_runs_but_not_the_baseline() -> None:
+    recipe = amp8.Recipe(activations="fp8")
+    specs = {spec.name: spec for spec in run_specs(TINY.replace(recipe=recipe))}
+    assert specs["O1"].recipe == recipe and specs[ABLATION].recipe.activations is amp8.ActivationFormat.FP8
+    assert specs["O0"].recipe.activations is amp8.ActivationFormat.HIGH
+
+
 def test_learning_rate_warms_up_then_decays() -> None:
     config = TINY.replace(steps=100, warmup_steps=10)
     rates = [config.lr_at(step) for step in range(100)]
@@ -204,13 +211,16 @@ def test_compare_writes_json_with_every_curve(tiny_run: tuple[Path, str]) -> Non
         assert run["status"] == "ok", run["reason"]
         assert len(run["train_curve"]) == TINY.steps
         assert [step for step, _ in run["val_curve"]] == [3, 6]
-        for key in ("final_train_loss", "final_val_loss", "tokens_per_s", "bytes_per_param", "fp8_share"):
+        for key in ("final_train_loss", "final_val_loss", "tokens_per_s", "bytes_per_param", "fp8_share",
+                    "activation_bytes_per_token"):
             assert run[key] > 0 or (key == "fp8_share" and name.startswith("O0")), (name, key)
         assert run["report"]["rows"] and run["highlights"]
     assert runs["O0"]["gap_percent"] == 0 and runs["O0"]["skipped_steps"] is None
     assert runs["O1"]["skipped_steps"] == 0 and runs["O1"]["recipe"]["scaling"] == "current"
     assert runs[ABLATION]["recipe"]["scaling"] == "none"
     assert runs["O1"]["bytes_per_param"] < runs["O0"]["bytes_per_param"]
+    # O1's FP8 layers keep their input in FP8: fewer bytes saved per token than FP32 O0.
+    assert runs["O1"]["activation_bytes_per_token"] < runs["O0"]["activation_bytes_per_token"]
     spread = data["o0_seed_spread"]
     assert spread["seeds"] == 2 and spread["spread"] >= 0
     assert data["corpus"]["sha256"] == load_corpus(TINY.corpus).sha256
@@ -228,7 +238,8 @@ def test_unavailable_levels_are_recorded_and_printed(tiny_run: tuple[Path, str])
 
 def test_compare_prints_the_table(tiny_run: tuple[Path, str]) -> None:
     _, text = tiny_run
-    for header in ("run", "train loss", "val loss", "gap to O0", "tokens/s", "peak mem", "bytes/param", "skipped"):
+    for header in ("run", "train loss", "val loss", "gap to O0", "tokens/s", "peak mem", "bytes/param",
+                   "act bytes/token", "skipped"):
         assert header in text, header
     assert "O0 seed spread over 2 seeds" in text
     assert "O1: FP8:" in text

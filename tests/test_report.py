@@ -181,3 +181,20 @@ def test_long_parameter_names_fold_instead_of_being_cut(width: int) -> None:
     name = "model.layers.0.self_attn.q_proj.weight"
     first_column = "".join(line.split("│")[1].strip() for line in text.splitlines() if line.count("│") > 2)
     assert name in first_column, f"{name} is not whole in\n{text}"
+
+
+@pytest.mark.parametrize("activations", ["high", "fp8"])
+def test_activation_bytes_per_token_sit_beside_bytes_per_param(activations: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1",
+                                       recipe=amp8.Recipe(activations=activations))
+    x = torch.randn(32, 64, requires_grad=True)
+    with amp8.count_saved_bytes(model) as saved:
+        loss = model(x).square().mean()
+    loss.backward()
+    measured = saved.per_token(x.shape[0])
+    report = amp8.report(model, optimizer, activation_bytes_per_token=measured)
+    assert f"{measured:,.0f} activation bytes/token" in report.summary()
+    again = amp8.PrecisionReport.from_dict(json.loads(report.to_json()))
+    assert again.activation_bytes_per_token == measured

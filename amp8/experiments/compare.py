@@ -16,6 +16,7 @@ The results hold every loss curve and figure; ``write_json`` and ``plot`` save t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -32,7 +33,8 @@ from torch import nn
 from ..console import default_console
 from ..frontend import initialize
 from ..levels import LEVELS, OptLevel
-from ..recipe import Recipe
+from ..memory import count_saved_bytes
+from ..recipe import ActivationFormat, Recipe
 from ..report import PrecisionReport, report
 from .corpus import ByteCorpus, CorpusConfig, load_corpus, sample_batch
 from .gpt import GPT, PRESETS, GPTConfig
@@ -67,7 +69,8 @@ class CompareConfig:
         train_loss_window: the final train loss is the mean of this many last steps.
         device: "cpu" or "cuda" (any torch device string).
         corpus: which bytes to train on.
-        recipe: the FP8 recipe of the O1-O3 runs (the ablation takes it with no scaling).
+        recipe: the FP8 recipe of the O1-O3 runs (the ablation takes it with no scaling;
+            O0 ignores it, FP8 activations included).
     """
 
     model: GPTConfig = PRESETS["small"]
@@ -169,7 +172,9 @@ class RunResult:
 
     Losses are mean cross-entropy in nats per byte. ``train_curve`` holds one loss per
     step; ``val_curve`` holds ``[step, loss]`` pairs. ``peak_memory_bytes`` is measured on
-    CUDA only (None elsewhere). ``report`` is the precision report of the final model.
+    CUDA only (None elsewhere). ``activation_bytes_per_token`` is what autograd saved for
+    backward in the first step's forward (``amp8.count_saved_bytes``), per token.
+    ``report`` is the precision report of the final model.
     """
 
     name: str
@@ -185,6 +190,7 @@ class RunResult:
     tokens_per_s: float | None = None
     peak_memory_bytes: int | None = None
     bytes_per_param: float | None = None
+    activation_bytes_per_token: float | None = None
     fp8_share: float | None = None
     skipped_steps: int | None = None
     wall_s: float | None = None
@@ -275,11 +281,11 @@ class CompareResult:
 
         table = Table(title=f"amp8 compare: {self.describe()}")
         for title in ("run", "train loss", "val loss", "gap to O0", "tokens/s", "peak mem",
-                      "bytes/param", "FP8 share", "skipped"):
+                      "bytes/param", "act bytes/token", "FP8 share", "skipped"):
             table.add_column(title, justify="left" if title == "run" else "right", overflow="fold")
         for result in self.runs:
             if not result.ok:
-                table.add_row(result.name, *["-"] * 7, "unavailable")
+                table.add_row(result.name, *["-"] * 8, "unavailable")
                 continue
             gap = self.gap_percent(result.name)
             table.add_row(
@@ -290,6 +296,7 @@ class CompareResult:
                 f"{result.tokens_per_s:,.0f}",
                 "-" if result.peak_memory_bytes is None else f"{result.peak_memory_bytes / 2**20:.0f} MiB",
                 "-" if result.bytes_per_param is None else f"{result.bytes_per_param:.2f}",
+                "-" if result.activation_bytes_per_token is None else f"{result.activation_bytes_per_token:,.0f}",
                 "-" if result.fp8_share is None else f"{100 * result.fp8_share:.0f}%",
                 "-" if result.skipped_steps is None else str(result.skipped_steps),
             )
@@ -299,6 +306,8 @@ class CompareResult:
         """One line: model shape, steps, batch, device, and the recipe when not the default."""
         c, m = self.config, self.config.model
         recipe = "" if c.recipe == Recipe() else f", {c.recipe.granularity.value} scaling"
+        if c.recipe.activations is ActivationFormat.FP8:
+            recipe += ", FP8 activations"
         return (f"GPT {m.n_layer}x{m.n_embd} (ctx {m.block_size}), {c.steps} steps x "
                 f"{c.batch_size} seqs, {c.device}{recipe}")
 
@@ -365,8 +374,11 @@ class CompareResult:
 
 
 def run_specs(config: CompareConfig) -> list[RunSpec]:
-    """The runs ``config`` asks for, in the order they train."""
-    specs = [RunSpec(level, level, config.seed, config.recipe) for level in config.levels]
+    """The runs ``config`` asks for, in the order they train. O0 is the baseline as the
+    model is: it keeps its activations as they are whatever the recipe says."""
+    baseline = config.recipe.replace(activations=ActivationFormat.HIGH)
+    specs = [RunSpec(level, level, config.seed, baseline if level == "O0" else config.recipe)
+             for level in config.levels]
     if config.ablation:
         specs.append(RunSpec(ABLATION, "O1", config.seed, config.recipe.replace(scaling="none")))
     if config.torchao and torchao_available():
@@ -461,7 +473,10 @@ def train_run(
         for group in optimizer.param_groups:
             group["lr"] = config.lr_at(step)
         optimizer.zero_grad()
-        _, loss = model(x, y)
+        with count_saved_bytes(model) if step == 0 else contextlib.nullcontext() as saved:
+            _, loss = model(x, y)
+        if saved is not None:
+            result.activation_bytes_per_token = saved.per_token(x.numel())
         loss.backward()
         optimizer.step()
         loss_value = float(loss.detach())  # also synchronizes
@@ -477,7 +492,7 @@ def train_run(
     result.final_val_loss = result.val_curve[-1][1]
     result.tokens_per_s = config.steps * config.batch_size * config.model.block_size / train_time
     result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-    precision = report(model, optimizer)
+    precision = report(model, optimizer, result.activation_bytes_per_token)
     result.bytes_per_param = precision.bytes_per_param
     result.fp8_share = precision.fp8_share
     result.skipped_steps = getattr(optimizer, "skipped_steps", None)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..gemm import GemmRole, fp8_gemm
-from ..recipe import Granularity, Recipe
+from ..recipe import ActivationFormat, Granularity, Recipe
 from ..tensor import ScaledTensor
 from .quantizer import LinearQuantizers
 
@@ -32,6 +32,9 @@ class LinearGemmConfig:
         tensorwise: one scale per tensor, so the forward's FP8 input serves wgrad too.
         fp8_wgrad: the weight gradient leaves backward in FP8 through the grad sink;
             otherwise in the weight's dtype, as the weight's own gradient.
+        fp8_saved_input: finer-than-tensorwise granularities keep the forward's FP8
+            input for wgrad (re-cast along tokens from its values) instead of the
+            high-precision input (``Recipe(activations="fp8")``).
         update_history: casts that record a scale also push their amax to the history
             (the layer is training).
         out_dtype: the dtype of the output.
@@ -44,6 +47,7 @@ class LinearGemmConfig:
     high_wgrad: bool
     tensorwise: bool
     fp8_wgrad: bool
+    fp8_saved_input: bool
     update_history: bool
     out_dtype: torch.dtype
 
@@ -62,6 +66,7 @@ class LinearGemmConfig:
             high_wgrad=high_wgrad,
             tensorwise=recipe.granularity is Granularity.TENSORWISE,
             fp8_wgrad=fp8_wgrad,
+            fp8_saved_input=recipe.activations is ActivationFormat.FP8,
             update_history=update_history,
             out_dtype=out_dtype,
         )
@@ -124,17 +129,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         y = y.view(*x.shape[:-1], config.out_features)
         if bias is not None:  # the sum is a new tensor, not a view (FSDP2 warns of views)
             y = y + bias.to(config.out_dtype)
-        if config.high_wgrad or not config.tensorwise:
-            wgrad_input: torch.Tensor | ScaledTensor = x2
+        # The input for wgrad goes through save_for_backward, so saved-tensor hooks see
+        # (and count) it: its FP8 data and scales, or the high-precision rows.
+        ctx.x8_block_size = None
+        if config.high_wgrad or not (config.tensorwise or config.fp8_saved_input):
+            ctx.save_for_backward(x2)
         else:
-            wgrad_input = x8 if x8 is not None else quantizers.input.cast(
-                x2, record=True, update_history=config.update_history
-            )
+            if x8 is None:
+                x8 = quantizers.input.cast(x2, record=True, update_history=config.update_history)
+            ctx.save_for_backward(x8.data, x8.scale)
+            ctx.x8_block_size = x8.block_size
         ctx.config, ctx.quantizers, ctx.grad_scale = config, quantizers, grad_scale
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.weight_dtype = weight.dtype
-        ctx.w8_dgrad, ctx.w_stored, ctx.wgrad_input = w8_dgrad, w_stored, wgrad_input
+        ctx.w8_dgrad, ctx.w_stored = w8_dgrad, w_stored
         return y
 
     @staticmethod
@@ -160,9 +169,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 )
             grad_x = grad_x.reshape(ctx.x_shape)
 
-        grad_w = _weight_grad(ctx.wgrad_input, g2, g8, quantizers, config) if needs_w else None
+        grad_w = None
+        if needs_w:
+            saved = ctx.saved_tensors
+            wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(*saved, ctx.x8_block_size)
+            grad_w = _weight_grad(wgrad_input, g2, g8, quantizers, config)
         grad_b = g2.float().sum(0).to(ctx.bias_dtype) if needs_b else None
-        ctx.w8_dgrad = ctx.w_stored = ctx.wgrad_input = None
+        ctx.w8_dgrad = ctx.w_stored = None
         unused = (None,) * 6  # grad_scale, w8, w8_dgrad, w_stored, quantizers, config
         if grad_w is None:
             return (grad_x, None, grad_b, None, *unused)
@@ -184,7 +197,9 @@ def _weight_grad(
     config: LinearGemmConfig,
 ) -> torch.Tensor:
     """The float32 (N, K) weight gradient ``g2^T @ x2`` (wgrad), in FP8 unless
-    ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast."""
+    ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast.
+    ``wgrad_input`` is the forward's FP8 input where it was kept (tensorwise, or
+    ``config.fp8_saved_input``), else the high-precision input."""
     if config.high_wgrad:
         return g2.float().t() @ wgrad_input.float()  # type: ignore[union-attr]
     if config.tensorwise:
@@ -193,7 +208,9 @@ def _weight_grad(
         x_rows = x8.with_data(_pad_rows(x8.data, _GEMM_ALIGNMENT))
     else:  # scales along the token dim M, which wgrad contracts
         g_rows = quantizers.grad_output.cast(_pad_rows(g2, _GEMM_ALIGNMENT), 0)
-        x_rows = quantizers.input.cast(_pad_rows(wgrad_input, _GEMM_ALIGNMENT), 0)  # type: ignore[arg-type]
+        if isinstance(wgrad_input, ScaledTensor):  # the forward's FP8 input, re-cast from its values
+            wgrad_input = wgrad_input.dequantize()
+        x_rows = quantizers.input.cast(_pad_rows(wgrad_input, _GEMM_ALIGNMENT), 0)
     g_t = g_rows.t()  # (N, M)
     return fp8_gemm(
         g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
