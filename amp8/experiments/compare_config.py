@@ -1,0 +1,141 @@
+"""What one ``amp8 compare`` call trains: its configuration and the runs it makes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..levels import LEVELS, OptLevel
+from ..recipe import Recipe
+from .corpus import CorpusConfig
+from .gpt import PRESETS, GPTConfig
+
+ABLATION = "O1-noscale"
+TORCHAO = "torchao"
+JSON_NAME = "compare.json"
+DEFAULT_OUT = "runs/compare"
+PNG_NAME = "loss_curves.png"
+_VAL_SEED = 1234  # the validation windows are the same for every run and seed
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """What ``compare`` trains and how.
+
+    Attributes:
+        model: the GPT's shape (see ``amp8.experiments.gpt.PRESETS``).
+        steps: optimizer steps per run.
+        batch_size: sequences per step.
+        lr: peak learning rate (linear warm-up, cosine decay to ``lr * min_lr_ratio``).
+        min_lr_ratio: final learning rate as a fraction of ``lr``.
+        warmup_steps: steps of linear warm-up.
+        weight_decay: AdamW decay of matrices (biases, norms and positions are not decayed).
+        levels: opt levels to train, names from ``amp8.LEVELS``; must include "O0".
+        ablation: also train O1 with ``Recipe(scaling="none")``.
+        torchao: also train torchao's float8 when torchao is importable.
+        seeds: runs of O0 from seeds ``seed, seed + 1, ...`` (the others use ``seed``).
+        seed: the seed of the model's initial weights and of the batch order.
+        eval_interval: steps between validation-loss evaluations on the curve.
+        eval_batches: batches of the fixed validation set.
+        train_loss_window: the final train loss is the mean of this many last steps.
+        device: "cpu" or "cuda" (any torch device string).
+        corpus: which bytes to train on.
+        recipe: the FP8 recipe of the O1-O3 runs (the ablation takes it with no scaling;
+            O0 ignores it, FP8 activations included).
+    """
+
+    model: GPTConfig = PRESETS["small"]
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    levels: tuple[str, ...] = tuple(LEVELS)
+    ablation: bool = True
+    torchao: bool = True
+    seeds: int = 1
+    seed: int = 0
+    eval_interval: int = 50
+    eval_batches: int = 16
+    train_loss_window: int = 20
+    device: str = "cpu"
+    corpus: CorpusConfig = CorpusConfig()
+    recipe: Recipe = Recipe()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", tuple(self.levels))
+        for name in ("steps", "batch_size", "seeds", "eval_interval", "eval_batches", "train_loss_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CompareConfig.{name}={value!r} is not valid; use an int >= 1")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"CompareConfig.warmup_steps={self.warmup_steps!r} is not valid; use an int >= 0")
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"CompareConfig lr={self.lr}, min_lr_ratio={self.min_lr_ratio} are not valid; "
+                "use a finite lr > 0 and 0 <= min_lr_ratio <= 1"
+            )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"CompareConfig.weight_decay={self.weight_decay!r} is not valid; use a finite float >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"CompareConfig.seed={self.seed!r} is not valid; use an int in [0, 2**63)")
+        for name, kind in (("model", GPTConfig), ("corpus", CorpusConfig), ("recipe", Recipe)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"CompareConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        _check_device(self.device)
+        unknown = [level for level in self.levels if level not in LEVELS]
+        if unknown:
+            raise ValueError(
+                f"CompareConfig.levels has {', '.join(map(repr, unknown))}, not amp8 opt levels; "
+                f"use names from {', '.join(map(repr, LEVELS))}"
+            )
+        if "O0" not in self.levels:
+            raise ValueError(
+                f"CompareConfig.levels={self.levels} lacks 'O0'; every gap is measured against O0, "
+                "so include it"
+            )
+
+    def replace(self, **changes: Any) -> "CompareConfig":
+        """A copy with ``changes`` applied and validated again."""
+        return dataclasses.replace(self, **changes)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based)."""
+        warmup = min(self.warmup_steps, self.steps // 5)  # short runs keep most steps for decay
+        if step < warmup:
+            return self.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.steps - 1 - warmup)
+        floor = self.lr * self.min_lr_ratio
+        return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def _check_device(device: object) -> None:
+    """Raise ``ValueError`` unless ``device`` names a torch device this machine has."""
+    try:
+        parsed = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"CompareConfig.device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'"
+        ) from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"CompareConfig.device={device!r} is not available: this torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); use 'cpu'"
+        )
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: its name, opt level (a name, or an ``OptLevel`` such as
+    ``amp8.levels.override("O2", exp_avg="fp32")``), recipe and seed, or torchao's float8."""
+
+    name: str
+    level: str | OptLevel
+    seed: int
+    recipe: Recipe = Recipe()
+    torchao: bool = False
