@@ -93,7 +93,7 @@ def quantize_stochastic(
     Rounding to nearest drops every update smaller than half a unit in the last place;
     stochastic rounding keeps it on average, so a long run of tiny updates lands where a
     float32 run lands. Saturates like ``quantize``: finite values clip to the max, inf
-    and NaN become NaN. The randomness is counter-based noise (``amp8.noise.uniform``)
+    and NaN become NaN. The randomness is counter-based (``amp8.noise.random_bits``)
     under ``noise_key`` (an int or int64 scalar tensor in ``[0, 2**32)``, see
     ``amp8.noise.rounding_key``): the same key gives the same bits eagerly and inside
     ``torch.compile``, on any device.

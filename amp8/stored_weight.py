@@ -299,9 +299,19 @@ class StoredWeight:
             )
 
 
+def float_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """``param``'s gradient in float32 as backward left it: the real values of an FP8
+    layer's weight gradient (see ``StoredWeight.grad``), else ``param.grad``."""
+    handle = stored_weight(param)
+    if handle is not None:
+        grad = handle.grad()
+        return None if grad is None else grad.dequantize()
+    return None if param.grad is None else param.grad.float()
+
+
 def is_fp8_weight(param: torch.Tensor) -> bool:
     """Whether ``param`` is the weight of an FP8 layer (it has a ``StoredWeight``)."""
     return stored_weight(param) is not None
 
 
-__all__ = ["StoredWeight", "WeightGrad", "encode_fp16", "is_fp8_weight", "is_sharded", "stored_weight"]
+__all__ = ["StoredWeight", "WeightGrad", "encode_fp16", "float_grad", "is_fp8_weight", "is_sharded", "stored_weight"]

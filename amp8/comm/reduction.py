@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..stored_weight import StoredWeight, stored_weight
+from ..stored_weight import StoredWeight, float_grad, stored_weight
 from .buckets import GradientBuckets
 from .data_parallel import DataParallelGroup, agree_on_delayed_scales
 
@@ -59,11 +59,7 @@ class GradientReduction:
     # -- what each rank's backward left ----------------------------------------------
     def local_gradient(self, param: nn.Parameter) -> torch.Tensor | None:
         """``param``'s gradient as this rank's backward left it, in float32."""
-        handle = self.weights.get(param)
-        if handle is not None:
-            grad = handle.grad()
-            return None if grad is None else grad.dequantize()
-        return None if param.grad is None else param.grad.float()
+        return float_grad(param)
 
     def _has_local_gradient(self, param: nn.Parameter) -> bool:
         handle = self.weights.get(param)

@@ -29,12 +29,12 @@ from .. import scaling
 from ..comm.data_parallel import DataParallelGroup
 from ..comm.reduction import GradientReduction
 from ..levels import O1, OptLevel, resolve_level
-from ..stored_weight import StoredWeight, stored_weight
+from ..stored_weight import StoredWeight, float_grad, stored_weight
 from ..tensor import is_sharded
 from . import checkpoint
 from . import fused as fused_step
 from . import state as state_storage
-from .checkpoint import MOMENTS
+from .state import MOMENTS
 from .fused import cpp_compiler_found
 from .fused_update import fused_update
 from .stored_state import StoredState
@@ -220,11 +220,7 @@ class LowBitAdam(torch.optim.Optimizer):
         (this rank's chunk of the averaged gradient for a sharded weight)."""
         if self._is_sharded(param):
             return self.reduction.averaged_chunk(param)  # type: ignore[union-attr]
-        handle = self.weights.get(param)
-        if handle is not None:
-            grad = handle.grad()
-            return None if grad is None else grad.dequantize()
-        return None if param.grad is None else param.grad.float()
+        return float_grad(param)
 
     def stored_gradients(self) -> list[torch.Tensor]:
         """Every gradient as stored (FP8 data, ``param.grad``, or the averaged chunk of a

@@ -18,10 +18,9 @@ from torch import nn
 from ..checks import check_loaded_scales
 from ..levels import OptLevel, Precision
 from . import state as state_storage
+from .state import MOMENTS
 
 MARKER_KEY = "amp8_low_bit_state"
-MOMENTS = ("exp_avg", "exp_avg_sq")
-MASTER = "master"
 
 
 def has_low_bit_state(level: OptLevel) -> bool:

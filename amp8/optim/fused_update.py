@@ -13,9 +13,7 @@ from ..formats import E4M3
 from ..stored_weight import StoredWeight
 from . import fused
 from . import state as state_storage
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-MASTER = "master"
+from .state import MASTER, MOMENTS
 
 
 def fused_update(

@@ -21,6 +21,8 @@ from ..formats import E4M3
 from ..levels import Precision
 
 _STORAGE_DTYPES = {Precision.FP8: E4M3, Precision.FP16: torch.float16}
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's moments, by their keys in the state
+MASTER = "master"  # O3's master weight
 SCALE_SUFFIX = "_scale"
 BLOCK_SUFFIX = "_block_size"
 

@@ -15,7 +15,7 @@ from ..levels import OptLevel, Precision
 from ..stored_weight import StoredWeight, encode_fp16
 from ..tensor import local_tensor
 from . import state as state_storage
-from .checkpoint import MASTER, MOMENTS
+from .state import MASTER, MOMENTS
 
 
 class StoredState:
