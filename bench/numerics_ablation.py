@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fcntl
 import json
 import statistics
 from pathlib import Path
@@ -38,7 +39,7 @@ from amp8.console import default_console
 from amp8.experiments.compare import CompareConfig
 from amp8.experiments.corpus import CorpusConfig
 from amp8.experiments.gpt import PRESETS
-from amp8.experiments.paired import BASELINE, PairedResult, Variant, paired_runs
+from amp8.experiments.paired import BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs
 from amp8.levels import FP8_COMPUTE_ONLY, override
 from common import RESULTS, write_result
 
@@ -71,6 +72,7 @@ E4M3_GRADS = Recipe(weight_grad_format="E4M3", weight_grad_scaling="rowwise")
 """Weight gradients in E4M3 with one scale per output feature."""
 
 VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
+    null_variant(),
     Variant("O1-e5m2", "O1", E5M2_GRADS),
     Variant("O2-e5m2", "O2", E5M2_GRADS),
     Variant("O3-e5m2", "O3", E5M2_GRADS),
@@ -91,12 +93,18 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
 GROUPS: Mapping[str, tuple[str, ...]] = {
     "before": ("O1-e5m2", "O2-e5m2", "O3-e5m2"),
     "levels": ("O1", "O2", "O3"),
+    "targets": (NULL, "O1", "O2", "O3"),
     "sources": ("grads-e4m3", "wgrad-high", "fprop-high", "storage-high", "wgrad-e4m3-rowwise", "dgrad-high"),
     "gradients": ("O1-e5m2", "O1", "fprop-high", "dgrad-high", "wgrad-high", "wgrad-e4m3-tensor",
                   "wgrad-e4m3-rowwise", "grads-e4m3", "rowwise"),
 }
-"""Named lists of variants: the levels before and after the fix, the per-source study,
-the one-step gradient study (``--gradients``)."""
+"""Named lists of variants: the levels before and after the fix, the levels beside the
+null variant (O0 from initial weights perturbed by 1e-6: the drift of runs that differ
+by rounding alone), the per-source study, the one-step gradient study (``--gradients``)."""
+TARGET_CONFIGS = tuple(f"{corpus}-lr{lr:g}{warmup}" for corpus in ("docs", "stdlib")
+                       for lr in (3e-3, 1e-3) for warmup in ("", "-warmup"))
+"""The configurations of the targets: two corpora, peak lr 3e-3 and 1e-3, with and
+without warm-up, no weight decay (``--configs targets``)."""
 
 
 def _path(device: torch.device) -> Path:
@@ -146,10 +154,10 @@ def run(config_names: list[str], variant_names: list[str], seeds: list[int], ste
                     result.skipped_steps[variant.name][0])
                 study.setdefault("wall_s", {}).setdefault(variant.name, {})[str(seed)] = result.wall_s[variant.name][0]
                 baseline = [done[BASELINE][str(seed)]]
-                summarize(study)
                 console.print(f"{key} seed {seed} {variant.name}: {done[variant.name][str(seed)]:.4f} "
                               f"(O0 {baseline[0]:.4f})", highlight=False)
-                _write(device, studies=studies)
+                _save_study(device, key, study)
+        summarize(study)
         console.print(f"{key}: mean gaps " + ", ".join(
             f"{name} {gap:+.3f}% ({len(study['gaps_percent'][name])} seeds)"
             for name, gap in study["mean_gap_percent"].items()), highlight=False)
@@ -269,7 +277,7 @@ def markdown(data: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=["docs-lr0.003"],
-                        help=f"configurations, or 'all' (choices: {', '.join(CONFIGS)})")
+                        help=f"configurations, 'targets' or 'all' (choices: {', '.join(CONFIGS)})")
     parser.add_argument("--variants", nargs="+", default=["before"],
                         help=f"variants or groups ({', '.join(GROUPS)}); choices: {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -282,7 +290,7 @@ def main() -> None:
         path = _path(torch.device(_BASE.device))
         print(markdown(json.loads(path.read_text())) if path.is_file() else f"{path} does not exist yet")
         return
-    configs = list(CONFIGS) if args.configs == ["all"] else args.configs
+    configs = {"all": list(CONFIGS), "targets": list(TARGET_CONFIGS)}.get(" ".join(args.configs), args.configs)
     variants = [name for item in args.variants for name in GROUPS.get(item, (item,))]
     unknown = [name for name in configs if name not in CONFIGS] + [name for name in variants if name not in VARIANTS]
     if unknown:
@@ -310,6 +318,29 @@ def measure_gradients(configs: list[str], variants: list[str], seeds: list[int],
                               f"(worst {row['worst_layer_sqnr_db']:5.1f}), pos grad {row['position_grad_sqnr_db']:5.1f} dB, "
                               f"loss {row['loss_relative_error_percent']:.3f}%", highlight=False)
         _write(device, gradient_error=probes)
+
+
+_PER_RUN = ("losses", "train_losses", "skipped_steps", "wall_s")
+
+
+def _save_study(device: torch.device, key: str, study: dict[str, Any]) -> None:
+    """Merge one study's runs into the JSON, under a file lock, keeping what other
+    processes running other configurations (or seeds) wrote."""
+    path = _path(device)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        studies = json.loads(path.read_text()).get("studies", {}) if path.is_file() else {}
+        merged = studies.setdefault(key, {})
+        for field, value in study.items():
+            if field in _PER_RUN:
+                for name, runs in value.items():
+                    merged.setdefault(field, {}).setdefault(name, {}).update(runs)
+            elif field == "variants":
+                merged.setdefault(field, {}).update(value)
+            else:
+                merged[field] = value
+        summarize(merged)
+        _write(device, studies=studies)
 
 
 def _write(device: torch.device, **sections: Any) -> None:

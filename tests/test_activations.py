@@ -179,3 +179,15 @@ def test_default_recipe_attaches_nothing() -> None:
     model = _gpt("tiny", "O1", amp8.Recipe())
     assert all(attached_storage(module) is None for module in model.modules())
 
+
+
+@pytest.mark.parametrize("compiled", ["model", "submodule"])
+def test_compiled_regions_are_refused(compiled: str) -> None:
+    """A compiled region saves its own tensors, which the hooks cannot store in FP8:
+    ``Module.compile()`` on the model or inside it is refused before anything runs."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    amp8.initialize(model, None, "O0", recipe=amp8.Recipe(activations="fp8"))
+    (model if compiled == "model" else model[1]).compile()
+    with pytest.raises(RuntimeError, match="activations='high'"):
+        model(torch.randn(4, 16))
+    assert not attached_storage(model)._active, "the refusal left the hooks active"

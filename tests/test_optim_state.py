@@ -44,3 +44,27 @@ def test_round_trip_of_stored_values_is_exact() -> None:
     once = storage.load(state, "v")
     storage.store(state, "v", once, Precision.FP16, 128)
     assert_bitwise_equal(storage.load(state, "v"), once)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("vocab, dim", [(48, 16), (130, 24)])
+def test_embedding_first_moment_keeps_rare_rows(fused: bool, vocab: int, dim: int) -> None:
+    """The FP8 first moment of a matrix outside FP8 layers (an embedding) takes one scale
+    per row: a rare token's row, 2**-40 the size of the frequent ones, keeps its 3
+    mantissa bits instead of rounding to zero under one scale for the table."""
+    from amp8.optim import LowBitAdam
+
+    embedding = torch.nn.Embedding(vocab, dim)
+    optimizer = LowBitAdam(embedding.parameters(), level="O2", fused=fused)
+    row_size = 2.0 ** -torch.linspace(0, 40, vocab).round()
+    embedding.weight.grad = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(0)) * row_size[:, None]
+    optimizer.step()
+    state = optimizer.state[embedding.weight]
+    assert state["exp_avg"].dtype == torch.float8_e4m3fn
+    assert state["exp_avg_scale"].shape == (vocab, 1)
+    expected = (1 - 0.9) * embedding.weight.grad
+    restored = storage.load(state, "exp_avg")
+    relative = ((restored - expected).abs() / expected.abs()).amax(dim=1)
+    assert (relative <= 2.0**-4).all(), f"rows off by up to {relative.max():.3g} (worst row {relative.argmax()})"
+    one_scale, _ = scaling.quantize_blockwise(expected, torch.float8_e4m3fn, 0)
+    assert (one_scale.float() == 0).all(dim=1).any(), "the test's rare rows must vanish under one scale"

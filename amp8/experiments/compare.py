@@ -99,6 +99,18 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
     return total / len(batches)
 
 
+_PERTURBATION_SEED = 1234
+
+
+@torch.no_grad()
+def _perturb(model: nn.Module, relative: float) -> None:
+    """Multiply every parameter by ``1 + relative * N(0, 1)``, elementwise."""
+    generator = torch.Generator().manual_seed(_PERTURBATION_SEED)
+    for param in model.parameters():
+        noise = torch.randn(param.shape, generator=generator).to(param.device)
+        param.mul_(1 + relative * noise)
+
+
 def train_run(
     spec: RunSpec,
     config: CompareConfig,
@@ -113,6 +125,8 @@ def train_run(
     result = RunResult(spec.name, level_name, spec.seed,
                        recipe=None if spec.torchao or level_name == "O0" else _recipe_dict(spec.recipe))
     model: nn.Module = GPT(config.model, torch.Generator().manual_seed(spec.seed)).to(device)
+    if spec.init_perturbation:
+        _perturb(model, spec.init_perturbation)
     optimizer: torch.optim.Optimizer | None = torch.optim.AdamW(
         _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95)
     )

@@ -132,10 +132,17 @@ def _check_device(device: object) -> None:
 @dataclass(frozen=True)
 class RunSpec:
     """One run: its name, opt level (a name, or an ``OptLevel`` such as
-    ``amp8.levels.override("O2", exp_avg="fp32")``), recipe and seed, or torchao's float8."""
+    ``amp8.levels.override("O2", exp_avg="fp32")``), recipe and seed, or torchao's float8.
+
+    ``init_perturbation``: when > 0, every initial weight is multiplied by
+    ``1 + init_perturbation * N(0, 1)`` (noise drawn from a fixed generator) before
+    training: an O0 run so perturbed measures how far two runs drift apart from a
+    difference of rounding size alone.
+    """
 
     name: str
     level: str | OptLevel
     seed: int
     recipe: Recipe = Recipe()
     torchao: bool = False
+    init_perturbation: float = 0.0

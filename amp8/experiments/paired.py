@@ -25,11 +25,14 @@ BASELINE = "O0"
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to train: a name, an opt level (a name or an ``OptLevel``) and a recipe."""
+    """One way to train: a name, an opt level (a name or an ``OptLevel``), a recipe, and
+    a relative perturbation of the initial weights (``RunSpec.init_perturbation``; the
+    null variant ``null_variant()`` is O0 with one of 1e-6)."""
 
     name: str
     level: str | OptLevel
     recipe: Recipe = Recipe()
+    init_perturbation: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         """The variant as plain data, for JSON."""
@@ -37,7 +40,18 @@ class Variant:
             key: getattr(value, "value", value) for key, value in dataclasses.asdict(self.level).items()
             if key not in ("brief", "description")
         }
-        return {"name": self.name, "level": level, "recipe": _recipe_dict(self.recipe)}
+        return {"name": self.name, "level": level, "recipe": _recipe_dict(self.recipe),
+                "init_perturbation": self.init_perturbation}
+
+
+NULL = "O0-null"
+NULL_PERTURBATION = 1e-6
+
+
+def null_variant() -> Variant:
+    """O0 from initial weights perturbed by 1e-6 relative (16 float32 ulps): its gap to
+    O0 is what run-to-run drift alone gives, the floor a paired gap can be read against."""
+    return Variant(NULL, BASELINE, init_perturbation=NULL_PERTURBATION)
 
 
 @dataclass
@@ -124,7 +138,8 @@ def paired_runs(
     to_train = (*([] if baseline is not None else [Variant(BASELINE, BASELINE)]), *variants)
     for seed in seeds:
         for variant in to_train:
-            run = train_run(RunSpec(variant.name, variant.level, seed, variant.recipe), config, corpus, val_batches)
+            spec = RunSpec(variant.name, variant.level, seed, variant.recipe, init_perturbation=variant.init_perturbation)
+            run = train_run(spec, config, corpus, val_batches)
             if not run.ok or run.final_val_loss is None:
                 raise RuntimeError(f"variant {variant.name!r} did not train: {run.reason}")
             result.losses.setdefault(variant.name, []).append(run.final_val_loss)

@@ -76,11 +76,15 @@ class StoredState:
         )
 
     def store_moment(self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor) -> None:
-        """Store a moment at its level's precision; the FP8 first moment of an FP8
-        layer's weight takes the tiles of that layer's weight scales (rowwise or block
-        recipes), other low-bit moments ``state_block_size``."""
+        """Store a moment at its level's precision. An FP8 first moment takes the tiles
+        of its FP8 layer's weight scales (rowwise or block recipes), or one scale per row
+        for any other matrix (an embedding: a rare token's row would round to zero under
+        a scale set by the frequent ones); other low-bit moments take ``state_block_size``."""
         handle = self.weights.get(param)
-        tile = None if handle is None else handle.tile()
+        if handle is not None:
+            tile = handle.tile()
+        else:
+            tile = (1, param.shape[1]) if param.dim() == 2 and param.numel() else None
         state_storage.store(param_state, key, value, getattr(self.level, key), self.state_block_size, tile)
 
     def weight(self, param: nn.Parameter, param_state: dict[str, Any]) -> torch.Tensor:
