@@ -7,6 +7,7 @@ import copy
 import torch
 from torch import nn
 
+from .nn.embedding import LowBitEmbedding
 from .nn.linear import Fp8Linear
 from .tensor import is_sharded
 from .validation import check_model_and_optimizer
@@ -21,7 +22,8 @@ def export(
     dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """A deep copy of ``model`` with every ``Fp8Linear`` replaced by an ``nn.Linear``
-    holding the layer's real weight, cast to ``dtype``. The original is not changed.
+    (and every ``LowBitEmbedding`` by an ``nn.Embedding``) holding the layer's real
+    weight, cast to ``dtype``. The original is not changed.
 
     Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
 
@@ -38,7 +40,9 @@ def export(
     real_weights: dict[str, torch.Tensor] = {}
     masters = getattr(optimizer, "master_weight", None)
     for name, module in model.named_modules():
-        if isinstance(module, Fp8Linear):
+        if isinstance(module, LowBitEmbedding):
+            real_weights[name] = module.read_weight()
+        elif isinstance(module, Fp8Linear):
             if is_sharded(module.weight):
                 raise ValueError(
                     f"{name}.weight is sharded over data-parallel ranks (O3 in a process "
@@ -51,14 +55,18 @@ def export(
     exported = copy.deepcopy(model)
     for name, real in real_weights.items():
         layer = exported.get_submodule(name)
-        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                           device=real.device)
+        if isinstance(layer, LowBitEmbedding):
+            plain: nn.Module = nn.Embedding(
+                layer.num_embeddings, layer.embedding_dim, padding_idx=layer.padding_idx, device=real.device,
+            )
+        else:
+            plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device=real.device)
         with torch.no_grad():
-            linear.weight.copy_(real)
-            if layer.bias is not None:
-                linear.bias.copy_(layer.bias)
+            plain.weight.copy_(real)
+            if getattr(layer, "bias", None) is not None:
+                plain.bias.copy_(layer.bias)  # type: ignore[union-attr]
         parent_name, _, child_name = name.rpartition(".")
         parent = exported.get_submodule(parent_name) if parent_name else exported
-        setattr(parent, child_name, linear)
+        setattr(parent, child_name, plain)
         layer.weight_grad = None
     return exported.to(dtype)

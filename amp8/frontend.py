@@ -11,8 +11,10 @@ from .comm.data_parallel import DataParallelGroup, broadcast_module, process_gro
 from .comm.ddp import leave_to_amp8, watch_for_ddp
 from .gemm import check_fp8_device
 from .levels import OptLevel, Precision, resolve_level
+from .nn.embedding import LowBitEmbedding
 from .nn.linear import Fp8Linear
-from .nn.swap import ModuleFilter, swap_linear_layers
+from .nn.stored_module import StoredWeightModule
+from .nn.swap import ModuleFilter, swap_embeddings, swap_linear_layers
 from .comm.reduction import GradientReduction
 from .optim.adam import LowBitAdam
 from .optim.support import check_state_precision, check_supported
@@ -66,10 +68,10 @@ def _check_call(
         )
     for device_type in {param.device.type for param in model.parameters()}:
         resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
-    already = next((name for name, m in model.named_modules() if isinstance(m, Fp8Linear)), None)
+    already = next(((name, m) for name, m in model.named_modules() if isinstance(m, StoredWeightModule)), None)
     if already is not None:
         raise ValueError(
-            f"model is already initialized by amp8 (found Fp8Linear at {already!r}); "
+            f"model is already initialized by amp8 (found {type(already[1]).__name__} at {already[0]!r}); "
             "call amp8.initialize once, on a model that has not been through it"
         )
     if optimizer is not None and level.takes_over_optimizer:
@@ -163,12 +165,14 @@ def initialize(
     layers = fp8_layers(model)
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
         return model, optimizer
+    swap_embeddings(model, lambda embedding: LowBitEmbedding.from_embedding(embedding, recipe))
     data_parallel = None
     if distributed:
         broadcast_module(model, process_group)
         data_parallel = DataParallelGroup(process_group)
-        for layer in layers.values():
-            layer.stored_weight.data_parallel = data_parallel
+        for module in model.modules():
+            if isinstance(module, StoredWeightModule):
+                module.stored_weight.data_parallel = data_parallel
     master_weights = {}
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:

@@ -20,7 +20,8 @@ from .formats import max_value, short_name
 from .nn.linear import Fp8Linear
 from .nn.quantizer import TensorRole
 from .levels import Precision
-from .nn.swap import high_precision_reason, shared_weight_names
+from .nn.swap import embedding_reason, high_precision_reason, shared_weight_names
+from .stored_weight import stored_weight
 from .tensor import local_tensor
 from .selection import resolve_selection
 from .validation import check_model_and_optimizer
@@ -83,6 +84,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                     or _default_rule_reason(module)
                     or "not selected for FP8 (module_filter or layer_selection)"
                 )
+            elif type(module) is nn.Embedding and param_name == "weight":
+                note = embedding_reason(module, shared)
             owner = owners.setdefault(id(param), (module, note))
             if note and owner[1] is None:
                 # A tied weight: the row belongs to its first owner (the embedding), but
@@ -90,6 +93,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                 owners[id(param)] = (owner[0], note)
     return owners
 
+
+_LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row): a lookup, not a GEMM"
 
 _SHORT_DTYPES = {
     "float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
@@ -325,14 +330,17 @@ def report(
             grad_dtype = None if param.grad is None else param.grad.dtype
             grad_bytes, weight_bytes = _nbytes(param.grad), param.nbytes
             stats = _fp8_cast_stats(fp8_layer, fp8_layer.read_weight())
-        elif fp8_layer is not None:
-            grad = fp8_layer.weight_grad
+        elif (handle := stored_weight(param)) is not None:  # an FP8 layer's weight, or a low-bit table
+            grad = handle.grad()
             grad_dtype = None if grad is None else grad.dtype
             grad_bytes = 0 if grad is None else grad.nbytes  # FP8 data + scales, while there is one
-            weight_bytes = local_tensor(param).nbytes + fp8_layer.weight_scale.nbytes
-            read = getattr(optimizer, "master_weight", None)
-            real = read(param) if read is not None else fp8_layer.read_weight()
-            stats: dict[str, Any] = _fp8_cast_stats(fp8_layer, real)
+            weight_bytes = local_tensor(param).nbytes + handle.scale.nbytes
+            stats: dict[str, Any] = dict.fromkeys(_STATS)
+            if fp8_layer is not None:
+                read = getattr(optimizer, "master_weight", None)
+                stats = _fp8_cast_stats(fp8_layer, read(param) if read is not None else fp8_layer.read_weight())
+            else:
+                note = note or _LOW_BIT_TABLE_NOTE
         else:
             grad_dtype = None if param.grad is None else param.grad.dtype
             grad_bytes = _nbytes(param.grad)

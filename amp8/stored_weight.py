@@ -70,15 +70,20 @@ class StoredWeight:
         storage: ``Precision.FP16`` or ``Precision.FP8``.
         on_store: called whenever the stored weight changes (the layer drops its cached
             FP8 casts).
+        fixed_storage: the weight keeps ``storage`` at every opt level: no FP8 copy, no
+            master weight, never sharded (an embedding's FP16 table, which forward reads
+            row by row). Its Adam first moment takes one scale per row.
     """
 
     def __init__(
-        self, module: nn.Module, recipe: Recipe, storage: Precision, on_store: Callable[[], None]
+        self, module: nn.Module, recipe: Recipe, storage: Precision, on_store: Callable[[], None],
+        *, fixed_storage: bool = False,
     ) -> None:
         check_storage(storage)
         self._module = module
         self.recipe = recipe
         self.storage = storage
+        self.fixed_storage = fixed_storage
         self._on_store = on_store
         self.sharded = False  # set when FSDP2 shards the weight (see amp8.comm.fsdp)
         # The data-parallel group amp8.initialize found (an amp8.comm.DataParallelGroup), so an
@@ -127,6 +132,11 @@ class StoredWeight:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
         ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
         return self.recipe.tile(tuple(self.param.shape), contract_dim, weight=True)
+
+    def state_tile(self) -> tuple[int, int] | None:
+        """The tile of the scales of Adam's FP8 first moment of this weight: the tiles of
+        the weight's FP8 scales, or one per row for a weight of fixed storage."""
+        return (1, self.param.shape[1]) if self.fixed_storage else self.tile()
 
     def stored(self) -> ScaledTensor:
         """The stored data (this rank's rows of a sharded weight) with its scales."""

@@ -89,18 +89,21 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
     Variant("grads-e4m3", "O1", E5M2_GRADS.replace(fp8_format="E4M3")),
     Variant("rowwise", "O1", E5M2_GRADS.replace(granularity="rowwise")),
     Variant("O2-fp32-moments", override("O2", exp_avg="fp32", exp_avg_sq="fp32"), E5M2_GRADS),
+    *(Variant(f"{level}-act8", level, Recipe(activations="fp8")) for level in ("O1", "O2", "O3")),
 )}
 GROUPS: Mapping[str, tuple[str, ...]] = {
     "before": ("O1-e5m2", "O2-e5m2", "O3-e5m2"),
     "levels": ("O1", "O2", "O3"),
     "targets": (NULL, "O1", "O2", "O3"),
+    "activations": ("O1-act8", "O2-act8", "O3-act8"),
     "sources": ("grads-e4m3", "wgrad-high", "fprop-high", "storage-high", "wgrad-e4m3-rowwise", "dgrad-high"),
     "gradients": ("O1-e5m2", "O1", "fprop-high", "dgrad-high", "wgrad-high", "wgrad-e4m3-tensor",
                   "wgrad-e4m3-rowwise", "grads-e4m3", "rowwise"),
 }
 """Named lists of variants: the levels before and after the fix, the levels beside the
 null variant (O0 from initial weights perturbed by 1e-6: the drift of runs that differ
-by rounding alone), the per-source study, the one-step gradient study (``--gradients``)."""
+by rounding alone), the levels with FP8 activations, the per-source study, the one-step
+gradient study (``--gradients``)."""
 TARGET_CONFIGS = tuple(f"{corpus}-lr{lr:g}{warmup}" for corpus in ("docs", "stdlib")
                        for lr in (3e-3, 1e-3) for warmup in ("", "-warmup"))
 """The configurations of the targets: two corpora, peak lr 3e-3 and 1e-3, with and

@@ -1,17 +1,25 @@
 """FP8 layers and the module swap that installs them."""
 
+from .embedding import LowBitEmbedding
 from .linear import Fp8Linear
 from .quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
-from .swap import ModuleFilter, high_precision_reason, shared_weight_names, swap_linear_layers
+from .stored_module import StoredWeightModule
+from .swap import (
+    ModuleFilter, embedding_reason, high_precision_reason, shared_weight_names, swap_embeddings, swap_linear_layers,
+)
 
 __all__ = [
     "CastRule",
     "Fp8Linear",
     "LinearQuantizers",
+    "LowBitEmbedding",
     "ModuleFilter",
     "Quantizer",
+    "StoredWeightModule",
     "TensorRole",
+    "embedding_reason",
     "high_precision_reason",
     "shared_weight_names",
+    "swap_embeddings",
     "swap_linear_layers",
 ]

@@ -11,8 +11,7 @@ it. See DESIGN.md, "Weight gradients".
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,13 +19,13 @@ from torch import nn
 from ..checks import check_loaded_history, check_loaded_scales
 from ..levels import Precision
 from ..recipe import Recipe
-from ..stored_weight import StoredWeight, stored_weight
 from ..tensor import ScaledTensor
 from .function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
 from .quantizer import LinearQuantizers, TensorRole
+from .stored_module import StoredWeightModule
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(StoredWeightModule):
     """A linear layer whose forward, input-gradient and weight-gradient GEMMs run in FP8.
 
     Build one with ``Fp8Linear.from_linear(linear, recipe, weight_storage)``; it takes
@@ -60,23 +59,13 @@ class Fp8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.recipe = recipe
         device = weight.device
-        self.register_buffer("weight_scale", torch.ones((), device=device))
         self.register_buffer("scale", torch.ones(len(TensorRole), device=device))
         self.register_buffer("amax_history", torch.zeros(len(TensorRole), recipe.history_len, device=device))
         self._bind_quantizers()
-        real_weight = weight.detach().float()
-        self.weight = weight
-        self.bias = bias
         # FP8 copies of an FP16 weight, by the dim their GEMM contracts; see ``fp8_weight``.
         self._weight_cache: dict[int, ScaledTensor] = {}
-        self.stored_weight = StoredWeight(self, recipe, weight_storage, self.drop_weight_cache)
-        # Backward writes the scales of each new FP8 weight gradient here, in place, and
-        # returns its data as the gradient of ``_grad_sink``; see ``_new_weight_grad``.
-        self.register_buffer(
-            "_grad_scale", torch.ones(self.stored_weight.grad_scale_shape, device=device), persistent=False
-        )
-        self._make_grad_sink()
-        self.stored_weight.write(real_weight)
+        self._init_storage(weight, recipe, weight_storage)
+        self.bias = bias
 
     @classmethod
     def from_linear(
@@ -87,100 +76,26 @@ class Fp8Linear(nn.Module):
         layer.train(linear.training)
         return layer
 
-    # -- the weight gradient's way out of backward -------------------------------------
-    def _make_grad_sink(self) -> None:
-        """A leaf that holds no memory (one element, expanded to the weight's shape) and
-        requires grad: backward returns each new FP8 weight gradient as its gradient, and
-        its hook, which runs eagerly also after a compiled backward, hands it on. The
-        gradient cannot be returned for the weight itself: autograd would cast it to the
-        weight's dtype."""
-        dtype = self.stored_weight.grad_dtype
-        sink = torch.zeros((), dtype=dtype, device=self.weight_scale.device).expand(self.weight.shape)
-        sink.requires_grad_(True)
-        sink.register_post_accumulate_grad_hook(self._new_weight_grad)
-        self._grad_sink = sink
-
     def _bind_quantizers(self) -> None:
         """(Re)build ``quantizers`` over the current ``scale`` and ``amax_history``
         buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace them)."""
         self.quantizers = LinearQuantizers.build(self.recipe, self.scale, self.amax_history)
 
-    def _new_weight_grad(self, sink: torch.Tensor) -> None:
-        data, sink.grad = sink.grad, None
-        self.stored_weight.add_grad(data, self._grad_scale.clone())
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_grad_sink", None)  # a leaf with a hook does not pickle; rebuilt below
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._make_grad_sink()
+    def _after_move(self) -> None:
         self._bind_quantizers()
-        if self.weight_storage is not Precision.AS_IS:  # a copied Parameter loses its mark
-            self.stored_weight.mark(self.weight)
-
-    # -- weight storage (see ``amp8.StoredWeight``) ------------------------------------
-    @property
-    def weight_storage(self) -> Precision:
-        """How the weight is stored: ``Precision.FP16`` or ``Precision.FP8``."""
-        return self.stored_weight.storage
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The dtype the weight is stored in (float16 or float8_e4m3fn)."""
-        return self.stored_weight.dtype
-
-    @property
-    def block_size(self) -> int:
-        """Elements per block edge of this layer's scales (0 unless the recipe is "block")."""
-        return self.stored_weight.block_size
-
-    def read_weight(self) -> torch.Tensor:
-        """The weight's real values in float32 (this rank's rows, outside forward and
-        backward, when FSDP2 shards the weight: see ``amp8.comm.fsdp``)."""
-        return self.stored_weight.read()
-
-    def write_weight(self, real_weight: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
-        """Store ``real_weight`` (any float dtype) into the weight Parameter, in place,
-        rounded stochastically under ``noise_key`` when one is given."""
-        self.stored_weight.write(real_weight, noise_key)
 
     def weight_tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
         ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
         return self.stored_weight.tile(contract_dim)
 
-    def set_weight_storage(self, weight_storage: Precision) -> None:
-        """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
-        self.stored_weight.restore(weight_storage)
-
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Load, converting a weight saved at another storage (another opt level, or a
         plain ``nn.Linear``) and filling scale buffers such a checkpoint lacks."""
-        weight_key, scale_key = prefix + "weight", prefix + "weight_scale"
-        saved, saved_scale = state_dict.get(weight_key), state_dict.get(scale_key)
-        if saved_scale is not None:
-            check_loaded_scales(scale_key, saved_scale)
         if state_dict.get(prefix + "scale") is not None:
             check_loaded_scales(prefix + "scale", state_dict[prefix + "scale"])
         if state_dict.get(prefix + "amax_history") is not None:
             check_loaded_history(prefix + "amax_history", state_dict[prefix + "amax_history"])
-        if saved is not None and (
-            saved.dtype != self.weight.dtype
-            or saved_scale is None
-            or saved_scale.shape != self.weight_scale.shape
-        ):
-            if saved_scale is None:
-                saved_scale = torch.ones((), device=saved.device)
-            real = ScaledTensor(saved, saved_scale.to(saved.device), self.recipe.block_size).dequantize()
-            state_dict[weight_key], state_dict[scale_key] = self.stored_weight.encode(real.to(self.weight.device))
-            warnings.warn(
-                f"amp8: converted {weight_key} from {saved.dtype} to {self.weight_dtype} storage "
-                f"(scales of shape {tuple(saved_scale.shape)} to {tuple(state_dict[scale_key].shape)})",
-                stacklevel=2,
-            )
         for key, buffer in ((prefix + "scale", self.scale), (prefix + "amax_history", self.amax_history)):
             saved_buffer = state_dict.get(key)
             if saved_buffer is None:
@@ -190,28 +105,7 @@ class Fp8Linear(nn.Module):
                 length = min(saved_buffer.shape[-1], buffer.shape[-1])
                 resized[..., :length] = saved_buffer[..., :length]
                 state_dict[key] = resized
-        self.drop_weight_cache()
         super()._load_from_state_dict(state_dict, prefix, *args)
-        self._bind_quantizers()
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "Fp8Linear":
-        """``.to()``, ``.cuda()``, ``.half()`` and friends: move amp8's tensors to the new
-        device, keeping their dtypes (a float32 scale of 2**17 would be inf in FP16)."""
-        self.drop_weight_cache()
-        kept = {name: (buffer, buffer.dtype) for name, buffer in self._buffers.items() if buffer is not None}
-        weight_dtype, stored = self.weight.dtype, self.weight.data
-        super()._apply(fn, recurse)
-        device = self.weight.device
-        for name, (original, dtype) in kept.items():
-            buffer = self._buffers[name]
-            if buffer is not None and buffer.dtype != dtype:
-                self._buffers[name] = original.to(device)
-        if self.weight.dtype != weight_dtype and self.weight_storage is not Precision.AS_IS:
-            self.weight.data = stored.to(device)
-        if self._grad_sink.device != device:
-            self._make_grad_sink()
-        self._bind_quantizers()
-        return self
 
     # -- FP8 casts (see ``quantizers``) ------------------------------------------------
     def fp8_dtype(self, role: TensorRole) -> torch.dtype:
@@ -267,19 +161,6 @@ class Fp8Linear(nn.Module):
         """Forget the cached FP8 casts of the weight (see ``fp8_weight``)."""
         self._weight_cache.clear()
 
-    # -- weight gradient -------------------------------------------------------------
-    @property
-    def weight_grad(self) -> ScaledTensor | None:
-        """The weight gradient as FP8 + scales (tiled like the weight's FP8 scales under
-        fine-grained granularities), or None: the FP8 tensors inside ``weight.grad`` (see
-        ``amp8.StoredWeight.grad``). Assign None to clear it, or a ``ScaledTensor`` of the
-        gradient's dtype, shape and scale layout to replace it."""
-        return self.stored_weight.grad()
-
-    @weight_grad.setter
-    def weight_grad(self, value: ScaledTensor | None) -> None:
-        self.stored_weight.set_grad(value)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + b`` for ``x`` of shape (..., in_features)."""
         if x.shape[-1] != self.in_features:
@@ -288,9 +169,9 @@ class Fp8Linear(nn.Module):
             )
         if not torch.compiler.is_compiling():
             self._check_weight_is_amp8s()
-        fp8_wgrad = self.weight_storage is not Precision.AS_IS
+        sink = self._sink()
         config = LinearGemmConfig.build(
-            self.recipe, self.in_features, self.out_features, fp8_wgrad=fp8_wgrad, update_history=self.training,
+            self.recipe, self.in_features, self.out_features, fp8_wgrad=self.weight_storage is not Precision.AS_IS, update_history=self.training,
             out_dtype=output_dtype(x),
         )
         # The weight's FP8 casts happen here, outside the autograd.Function, so that the
@@ -301,24 +182,10 @@ class Fp8Linear(nn.Module):
         if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):
             w8_dgrad = self.fp8_weight(contract_dim=0)  # rowwise: scales per column
         w_stored = self.stored_weight.stored() if config.high_fprop or config.high_dgrad else None
-        sink = self._grad_sink if self.weight.requires_grad and fp8_wgrad else None
         with torch.autocast(x.device.type, enabled=False):  # the GEMMs choose their own dtypes
             return _Fp8LinearFunction.apply(
                 x, self.weight, self.bias, sink, self._grad_scale, w8, w8_dgrad, w_stored, self.quantizers, config
             )
-
-    def _check_weight_is_amp8s(self) -> None:
-        """Refuse a weight Parameter amp8 did not place: a ``fully_shard`` (or other
-        wrapper) applied after ``amp8.initialize`` would reduce a gradient it cannot read."""
-        handle = self.stored_weight
-        if handle.sharded or handle.storage is Precision.AS_IS or stored_weight(self.weight) is handle:
-            return
-        raise RuntimeError(
-            "the weight of an Fp8Linear was replaced after amp8.initialize (by fully_shard, "
-            "or by assigning a new Parameter); for FSDP2 use opt_level='O3' in a process "
-            "group, where amp8 applies fully_shard itself, or DistributedDataParallel at "
-            "O1/O2, wrapped after amp8.initialize"
-        )
 
     def extra_repr(self) -> str:
         """Shape, weight storage and recipe, for ``print(model)``."""

@@ -6,7 +6,7 @@ attributes of the parent modules that held eligible ``nn.Linear`` layers.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
 
@@ -68,24 +68,69 @@ def swap_linear_layers(
             "nn.Sequential(linear), and pass that"
         )
     shared = shared_weight_names(model)
+
+    def reason(linear: nn.Linear, fqn: str) -> str | None:
+        found = high_precision_reason(linear, shared)
+        rule = resolve_selection(layer_selection, linear.weight.device.type)
+        if found is None and rule is not None:
+            found = rule.reason(linear)
+        if found is None and module_filter is not None and not module_filter(linear, fqn):
+            found = "excluded by module_filter"
+        return found
+
+    return _swap_children(model, nn.Linear, reason, make_fp8)
+
+
+def embedding_reason(embedding: nn.Embedding, shared: dict[int, list[str]]) -> str | None:
+    """Why amp8 keeps ``embedding``'s table as the model has it, or None if it can store
+    it at the level's bytes (``LowBitEmbedding``): options that renormalize the table in
+    forward (``max_norm``), scale or sparsify its gradient, or a table another module
+    shares (a tied output head reads it whole, in its own dtype)."""
+    reasons = []
+    if embedding.max_norm is not None:
+        reasons.append(f"max_norm={embedding.max_norm} renormalizes the table in place during forward")
+    if embedding.scale_grad_by_freq:
+        reasons.append("scale_grad_by_freq=True")
+    if embedding.sparse:
+        reasons.append("sparse=True (a sparse gradient)")
+    names = shared.get(id(embedding.weight))
+    if names:
+        reasons.append(f"weight is shared ({', '.join(names)})")
+    return "; ".join(reasons) or None
+
+
+def swap_embeddings(model: nn.Module, make_low_bit: Callable[[nn.Embedding], nn.Module]) -> dict[str, str]:
+    """Replace ``nn.Embedding`` children of ``model`` that ``embedding_reason`` allows by
+    ``make_low_bit(embedding)``.
+
+    Returns:
+        ``{fqn: reason}`` for every ``nn.Embedding`` left as it is.
+    """
+    shared = shared_weight_names(model)
+    return _swap_children(model, nn.Embedding, lambda embedding, fqn: embedding_reason(embedding, shared), make_low_bit)
+
+
+def _swap_children(
+    model: nn.Module,
+    kind: type[nn.Module],
+    reason: Callable[[Any, str], str | None],
+    make: Callable[[Any], nn.Module],
+) -> dict[str, str]:
+    """Replace every child of exactly type ``kind`` (children before parents) for which
+    ``reason(child, fqn)`` is None by ``make(child)``; ``{fqn: reason}`` of the others."""
     kept: dict[str, str] = {}
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
             visit(child, fqn)
-            if type(child) is not nn.Linear:
+            if type(child) is not kind:
                 continue
-            reason = high_precision_reason(child, shared)
-            rule = resolve_selection(layer_selection, child.weight.device.type)
-            if reason is None and rule is not None:
-                reason = rule.reason(child)
-            if reason is None and module_filter is not None and not module_filter(child, fqn):
-                reason = "excluded by module_filter"
-            if reason is None:
-                setattr(parent, child_name, make_fp8(child))
+            found = reason(child, fqn)
+            if found is None:
+                setattr(parent, child_name, make(child))
             else:
-                kept[fqn] = reason
+                kept[fqn] = found
 
     visit(model, "")
     return kept

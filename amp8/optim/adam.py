@@ -189,7 +189,7 @@ class LowBitAdam(torch.optim.Optimizer):
         return self.reduction is not None and self.level.shard_optimizer
 
     def _is_sharded(self, param: nn.Parameter) -> bool:
-        return self.sharded and param in self.weights
+        return self.sharded and param in self.weights and not self.weights[param].fixed_storage
 
     def no_sync(self) -> ContextManager[None]:
         """Context for the backward passes of gradient-accumulation micro-batches except

@@ -60,7 +60,7 @@ class StoredState:
         """Step 0, zero moments at the level's precisions, and the master weight (from
         ``master_weight``, else from the stored weight)."""
         handle = self.weights.get(param)
-        if handle is not None and self.level.master_weight is not None:
+        if handle is not None and self.level.master_weight is not None and not handle.fixed_storage:
             real = master_weight if master_weight is not None else handle.read()
             self.store_master(param_state, self._own_chunk(param, real))
         shape_source = param_state.get(MASTER, param)
@@ -82,7 +82,7 @@ class StoredState:
         a scale set by the frequent ones); other low-bit moments take ``state_block_size``."""
         handle = self.weights.get(param)
         if handle is not None:
-            tile = handle.tile()
+            tile = handle.state_tile()
         else:
             tile = (1, param.shape[1]) if param.dim() == 2 and param.numel() else None
         state_storage.store(param_state, key, value, getattr(self.level, key), self.state_block_size, tile)
@@ -119,7 +119,9 @@ class StoredState:
             if key in param_state and state_storage.stored_precision(param_state, key) is not wanted:
                 self.store_moment(param, param_state, key, state_storage.load(param_state, key))
                 converted.add(key)
-        wants_master = self.level.master_weight is not None and param in self.weights
+        wants_master = (
+            self.level.master_weight is not None and param in self.weights and not self.weights[param].fixed_storage
+        )
         if wants_master and MASTER not in param_state:
             self.store_master(param_state, self._own_chunk(param, self.weights[param].read()))
             converted.add("master weights")

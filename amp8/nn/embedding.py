@@ -1,0 +1,135 @@
+"""``LowBitEmbedding``: an embedding table stored at an opt level's bytes.
+
+The lookup is a gather, not a GEMM, so nothing here computes in FP8. What the level
+changes is storage: the table is kept in FP16 with one power-of-two scale (2 bytes per
+element, rounded stochastically by the optimizer, as FP8 layers' FP16 weights are), and
+its gradient in FP8 with one scale per row (1 byte per element: a row is one token's
+gradient, and the rows of rare and frequent tokens differ by orders of magnitude). The
+table keeps FP16 at O3 too: forward reads a few rows of it, so an FP8 copy beside FP16
+master weights would cost more bytes than it saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..levels import Precision
+from ..recipe import Recipe, WeightGradScaling
+from ..scaling import quantize_tiles
+from ..tensor import ScaledTensor
+from .stored_module import StoredWeightModule
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """What one call of ``_EmbeddingFunction`` needs besides its tensors.
+
+    Attributes:
+        num_embeddings: rows of the table.
+        embedding_dim: columns of the table.
+        padding_idx: the row that gets no gradient, or None.
+        grad_dtype: the FP8 dtype of the weight gradient.
+        out_dtype: the dtype of the looked-up rows (the table's dtype before amp8).
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    padding_idx: int | None
+    grad_dtype: torch.dtype
+    out_dtype: torch.dtype
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    """Rows of a scaled table, and the table's gradient in FP8 with one scale per row.
+
+    Arguments of ``apply``: ``ids`` (integer indices); ``grad_sink`` (the leaf whose
+    gradient is the FP8 weight gradient, or None when none is needed) and ``grad_scale``
+    (the buffer its per-row scales are copied into, in place); ``table`` (the stored
+    table with its scale); the ``EmbeddingConfig``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        ids: torch.Tensor,
+        grad_sink: torch.Tensor | None,
+        grad_scale: torch.Tensor,
+        table: ScaledTensor,
+        config: EmbeddingConfig,
+    ) -> torch.Tensor:
+        rows = nn.functional.embedding(ids, table.data)
+        ctx.save_for_backward(ids)
+        ctx.config, ctx.grad_scale = config, grad_scale
+        return (rows.float() / table.scale).to(config.out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        unused = (None, None, None)  # grad_scale, table, config
+        if not ctx.needs_input_grad[1]:
+            return (None, None, *unused)
+        (ids,) = ctx.saved_tensors
+        config: EmbeddingConfig = ctx.config
+        grad = torch.zeros(config.num_embeddings, config.embedding_dim, device=grad_output.device)
+        grad.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, config.embedding_dim).float())
+        if config.padding_idx is not None:
+            grad[config.padding_idx] = 0
+        data, scale = quantize_tiles(grad, config.grad_dtype, (1, config.embedding_dim))
+        with torch.no_grad():
+            ctx.grad_scale.copy_(scale)
+        return (None, data, *unused)
+
+
+class LowBitEmbedding(StoredWeightModule):
+    """``nn.Embedding`` with its table in FP16 (one scale) and its gradient in FP8 (one
+    scale per row), for opt levels that store weights in low precision.
+
+    Build one with ``LowBitEmbedding.from_embedding(embedding, recipe)``; it takes over
+    the ``nn.Embedding``'s Parameter, so an optimizer that holds it still points at the
+    right tensor. ``recipe.weight_grad_dtype`` is the gradient's FP8 format.
+    """
+
+    def __init__(self, weight: nn.Parameter, recipe: Recipe, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = padding_idx
+        self.out_dtype = weight.dtype
+        self.recipe = recipe.replace(weight_grad_scaling=WeightGradScaling.ROWWISE)
+        self._init_storage(weight, self.recipe, Precision.FP16, fixed_storage=True)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, recipe: Recipe) -> "LowBitEmbedding":
+        """Swap-in for ``embedding`` that reuses its Parameter (its data is re-stored).
+
+        Raises:
+            ValueError: an embedding whose options need its full-precision table or a
+                sparse gradient (see ``amp8.nn.swap.embedding_reason``).
+        """
+        from .swap import embedding_reason  # swap imports this module's users
+
+        reason = embedding_reason(embedding, {})
+        if reason is not None:
+            raise ValueError(f"amp8 cannot store this nn.Embedding in low precision: {reason}")
+        layer = cls(embedding.weight, recipe, embedding.padding_idx)
+        layer.train(embedding.training)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of the table at ``ids`` (any integer shape), in the table's dtype."""
+        if not torch.compiler.is_compiling():
+            self._check_weight_is_amp8s()
+        config = EmbeddingConfig(
+            self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_dtype, self.out_dtype
+        )
+        return _EmbeddingFunction.apply(ids, self._sink(), self._grad_scale, self.stored_weight.stored(), config)
+
+    def extra_repr(self) -> str:
+        """Shape and storage, for ``print(model)``."""
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}{padding}, weight={self.weight_dtype}, "
+            f"grad={self.stored_weight.grad_dtype}"
+        )
