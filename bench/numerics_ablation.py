@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import fcntl
+import subprocess
 import json
 import statistics
 from pathlib import Path
@@ -130,18 +131,34 @@ def summarize(study: dict[str, Any]) -> None:
             study["stderr_percent"][name] = statistics.stdev(gaps.values()) / len(gaps) ** 0.5
 
 
-def run(config_names: list[str], variant_names: list[str], seeds: list[int], steps: int) -> dict[str, Any]:
+def _code_version() -> str:
+    """The amp8 commit the runs train with (``+changes`` when the tree differs from it)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "amp8"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+changes" if dirty else "")
+
+
+def run(config_names: list[str], variant_names: list[str], seeds: list[int], steps: int,
+        tag: str = "") -> dict[str, Any]:
     """Train the study, seed by seed, merging each run into the JSON as it ends (runs
-    already there are not trained again); returns the merged studies."""
+    already there are not trained again); returns the merged studies. ``tag`` names a
+    separate study of the same configuration (another version of amp8, say)."""
     console = default_console()
     device = torch.device(_BASE.device)
     path = _path(device)
     studies: dict[str, Any] = json.loads(path.read_text())["studies"] if path.is_file() else {}
     for config_name in config_names:
         config = CONFIGS[config_name].replace(steps=steps, eval_interval=steps)
-        key = f"{config_name} steps={steps}"
+        key = f"{config_name} steps={steps}" + (f" {tag}" if tag else "")
         study = studies.setdefault(key, {"configuration": config_name, "steps": steps, "losses": {}})
         study["config"] = PairedResult(config, (), ()).to_dict()["config"]
+        study["code"] = _code_version()
         for seed in seeds:
             done = study["losses"]
             todo = [VARIANTS[name] for name in variant_names if str(seed) not in done.get(name, {})]
@@ -285,6 +302,7 @@ def main() -> None:
                         help=f"variants or groups ({', '.join(GROUPS)}); choices: {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=_BASE.steps)
+    parser.add_argument("--tag", default="", help="keep these runs apart from the untagged study of each configuration")
     parser.add_argument("--gradients", action="store_true",
                         help="measure one step's gradient error per variant instead of training runs")
     parser.add_argument("--table", action="store_true", help="print the recorded results as markdown and exit")
@@ -301,7 +319,7 @@ def main() -> None:
     if args.gradients:
         measure_gradients(configs, variants, args.seeds)
     else:
-        run(configs, variants, args.seeds, args.steps)
+        run(configs, variants, args.seeds, args.steps, args.tag)
 
 
 def measure_gradients(configs: list[str], variants: list[str], seeds: list[int],
