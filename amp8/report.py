@@ -176,7 +176,8 @@ class PrecisionReport:
             raise ValueError(f"highlights(top={top!r}) is not valid; use an int >= 1")
         rows = self.rows
         fp8_rows = [row for row in rows if row["fp8"]]
-        kept = [row for row in rows if row["note"]]
+        tables = [row["name"] for row in rows if row["note"] == _LOW_BIT_TABLE_NOTE]
+        kept = [row for row in rows if row["note"] and row["note"] != _LOW_BIT_TABLE_NOTE]
         line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
         if not fp8_rows:
             line = "FP8: none (no FP8 layers)"
@@ -184,6 +185,8 @@ class PrecisionReport:
             shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
             more = f" and {len(kept) - top} more" if len(kept) > top else ""
             line += f"; high precision: {shown}{more}"
+        if tables:
+            line += f"; FP16 tables with FP8 gradients: {', '.join(tables)}"
         lines = [line]
         for key, label in (("underflow", "underflow"), ("saturated", "saturation")):
             hot = sorted((row for row in fp8_rows if row[key]), key=lambda row: -row[key])[:top]

@@ -90,6 +90,7 @@ def test_initialize_stores_untied_tables_and_keeps_the_others(level: str) -> Non
         "sparse": nn.Embedding(40, 16, sparse=True),
         "tied": nn.Embedding(40, 16),
         "head": nn.Linear(16, 40, bias=False),
+        "proj": nn.Linear(16, 16),
     })
     model["head"].weight = model["tied"].weight
     model, _ = amp8.initialize(model, torch.optim.Adam(model.parameters()), level, layer_selection="all")
@@ -102,6 +103,9 @@ def test_initialize_stores_untied_tables_and_keeps_the_others(level: str) -> Non
     assert "sparse" in notes["sparse.weight"]
     assert "shared" in notes["tied.weight"]
     assert "FP16 table" in notes["plain.weight"]
+    first = amp8.report(model).highlights()[0]
+    assert first.endswith("FP16 tables with FP8 gradients: plain.weight"), first
+    assert "renormalized.weight" in first.split("; FP16 tables")[0]
 
 
 def test_compute_only_and_o0_leave_embeddings_alone() -> None:
