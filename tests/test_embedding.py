@@ -173,3 +173,16 @@ def test_copies_and_compiled_forward_agree() -> None:
         assert_bitwise_equal(other.data.view(torch.uint8), results[0].data.view(torch.uint8))
         assert_bitwise_equal(other.scale, results[0].scale)
     assert all(isinstance(candidate.embedding, StoredWeightModule) for candidate in (copied, compiled))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rows_follow_the_model_dtype_and_the_table_keeps_its_storage(dtype: torch.dtype) -> None:
+    model, _ = amp8.initialize(_Lookup(), None, "O2", layer_selection="all")
+    table = model.embedding.read_weight()
+    model.to(dtype)
+    ids = _zipf_ids(96, (2, 8))
+    assert model.embedding.weight.dtype == torch.float16 and model.embedding.weight_scale.dtype == torch.float32
+    assert_bitwise_equal(model.embedding.read_weight(), table)
+    assert model.embedding(ids).dtype == dtype
+    model.float()
+    assert model.embedding(ids).dtype == torch.float32

@@ -12,7 +12,7 @@ master weights would cost more bytes than it saves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -116,6 +116,14 @@ class LowBitEmbedding(StoredWeightModule):
         layer = cls(embedding.weight, recipe, embedding.padding_idx)
         layer.train(embedding.training)
         return layer
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "LowBitEmbedding":
+        """``.to()``, ``.half()`` and friends: the table keeps its FP16 storage, and the
+        looked-up rows follow the cast, as an ``nn.Embedding``'s would."""
+        probe = fn(torch.zeros((), dtype=self.out_dtype))
+        if probe.is_floating_point():
+            self.out_dtype = probe.dtype
+        return super()._apply(fn, recurse)  # type: ignore[return-value]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the table at ``ids`` (any integer shape), in the table's dtype."""
