@@ -186,3 +186,20 @@ def test_rows_follow_the_model_dtype_and_the_table_keeps_its_storage(dtype: torc
     assert model.embedding(ids).dtype == dtype
     model.float()
     assert model.embedding(ids).dtype == torch.float32
+
+
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_backward_casts_the_gradient_as_the_handle_re_stores_a_sum(margin: int, power_of_2: bool) -> None:
+    """Backward's FP8 cast and ``StoredWeight.quantize_grad`` (gradient accumulation)
+    follow one rule: the recipe's format, margin and power-of-two scales, per row."""
+    recipe = amp8.Recipe(margin=margin, power_of_2_scales=power_of_2)
+    layer = LowBitEmbedding.from_embedding(nn.Embedding(64, 32), recipe)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:40]  # each row once: exact sums
+    upstream = torch.randn(40, 32, generator=torch.Generator().manual_seed(1)) * torch.logspace(-6, 0, 40)[:, None]
+    (layer(ids) * upstream).sum().backward()
+    expected = torch.zeros(64, 32)
+    expected[ids] = upstream
+    data, scale = layer.stored_weight.quantize_grad(expected)
+    assert_bitwise_equal(layer.weight_grad.data.view(torch.uint8), data.view(torch.uint8))
+    assert_bitwise_equal(layer.weight_grad.scale, scale)

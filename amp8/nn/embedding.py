@@ -22,6 +22,7 @@ from ..recipe import Recipe, WeightGradScaling
 from ..scaling import quantize_tiles
 from ..tensor import ScaledTensor
 from .stored_module import StoredWeightModule
+from .swap import embedding_reason
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class EmbeddingConfig:
         embedding_dim: columns of the table.
         padding_idx: the row that gets no gradient, or None.
         grad_dtype: the FP8 dtype of the weight gradient.
+        grad_margin, grad_power_of_2: the recipe's margin and power-of-two rounding of
+            the gradient's scales (as ``StoredWeight.quantize_grad`` re-stores a sum).
         out_dtype: the dtype of the looked-up rows (the table's dtype before amp8).
     """
 
@@ -40,6 +43,8 @@ class EmbeddingConfig:
     embedding_dim: int
     padding_idx: int | None
     grad_dtype: torch.dtype
+    grad_margin: int
+    grad_power_of_2: bool
     out_dtype: torch.dtype
 
 
@@ -77,7 +82,10 @@ class _EmbeddingFunction(torch.autograd.Function):
         grad.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, config.embedding_dim).float())
         if config.padding_idx is not None:
             grad[config.padding_idx] = 0
-        data, scale = quantize_tiles(grad, config.grad_dtype, (1, config.embedding_dim))
+        data, scale = quantize_tiles(
+            grad, config.grad_dtype, (1, config.embedding_dim), margin=config.grad_margin,
+            power_of_2=config.grad_power_of_2,
+        )
         with torch.no_grad():
             ctx.grad_scale.copy_(scale)
         return (None, data, *unused)
@@ -108,8 +116,6 @@ class LowBitEmbedding(StoredWeightModule):
             ValueError: an embedding whose options need its full-precision table or a
                 sparse gradient (see ``amp8.nn.swap.embedding_reason``).
         """
-        from .swap import embedding_reason  # swap imports this module's users
-
         reason = embedding_reason(embedding, {})
         if reason is not None:
             raise ValueError(f"amp8 cannot store this nn.Embedding in low precision: {reason}")
@@ -130,7 +136,8 @@ class LowBitEmbedding(StoredWeightModule):
         if not torch.compiler.is_compiling():
             self._check_weight_is_amp8s()
         config = EmbeddingConfig(
-            self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_dtype, self.out_dtype
+            self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_dtype,
+            self.recipe.margin, self.recipe.power_of_2_scales, self.out_dtype,
         )
         return _EmbeddingFunction.apply(ids, self._sink(), self._grad_scale, self.stored_weight.stored(), config)
 

@@ -60,7 +60,7 @@ class StoredState:
         """Step 0, zero moments at the level's precisions, and the master weight (from
         ``master_weight``, else from the stored weight)."""
         handle = self.weights.get(param)
-        if handle is not None and self.level.master_weight is not None and not handle.fixed_storage:
+        if handle is not None and self.wants_master(param):
             real = master_weight if master_weight is not None else handle.read()
             self.store_master(param_state, self._own_chunk(param, real))
         shape_source = param_state.get(MASTER, param)
@@ -68,6 +68,12 @@ class StoredState:
         for key in MOMENTS:
             zeros = torch.zeros(shape_source.shape, dtype=torch.float32, device=param.device)
             self.store_moment(param, param_state, key, zeros)
+
+    def wants_master(self, param: nn.Parameter) -> bool:
+        """Whether the level keeps a master weight of ``param``: an FP8 layer's weight at
+        a level with master weights (a low-bit table keeps its fixed FP16 storage)."""
+        handle = self.weights.get(param)
+        return self.level.master_weight is not None and handle is not None and not handle.fixed_storage
 
     def store_master(self, param_state: dict[str, Any], value: torch.Tensor) -> None:
         """Store a master weight as FP16 weights are stored (``encode_fp16``)."""
@@ -119,9 +125,7 @@ class StoredState:
             if key in param_state and state_storage.stored_precision(param_state, key) is not wanted:
                 self.store_moment(param, param_state, key, state_storage.load(param_state, key))
                 converted.add(key)
-        wants_master = (
-            self.level.master_weight is not None and param in self.weights and not self.weights[param].fixed_storage
-        )
+        wants_master = self.wants_master(param)
         if wants_master and MASTER not in param_state:
             self.store_master(param_state, self._own_chunk(param, self.weights[param].read()))
             converted.add("master weights")
