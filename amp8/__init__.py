@@ -6,6 +6,7 @@
 
 from typing import Any
 
+from .controller import Controller, ControllerConfig, HealthThresholds, Move, PrecisionPhase
 from .export import export
 from .formats import Fp8Format
 from .frontend import initialize
@@ -34,10 +35,15 @@ __all__ = [
     "LEVELS",
     "ActivationFormat",
     "AmaxAlgo",
+    "Controller",
+    "ControllerConfig",
     "Fp8Format",
     "Granularity",
+    "HealthThresholds",
+    "Move",
     "OptLevel",
     "Precision",
+    "PrecisionPhase",
     "PrecisionReport",
     "Recipe",
     "RecipeName",

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .controller import Controller
 from .comm.agreement import check_ranks_agree
 from .comm.data_parallel import DataParallelGroup, broadcast_module, process_group_size
 from .comm.ddp import leave_to_amp8, watch_for_ddp
@@ -91,6 +92,7 @@ def initialize(
     module_filter: ModuleFilter | None = None,
     process_group: dist.ProcessGroup | None = None,
     layer_selection: LayerSelection = "auto",
+    controller: Controller | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``; returns ``(model, optimizer)``.
 
@@ -121,6 +123,11 @@ def initialize(
     around each layer's forward and backward. Pass the bare model: amp8 refuses a model
     that DDP or FSDP already wraps (O0 leaves the model to them).
 
+    ``controller`` (an ``amp8.Controller``) watches the FP8 layers' casts and moves a
+    layer's GEMMs to finer scales or high precision when they lose too much, and applies
+    its precision schedule; it acts after each step of the returned optimizer (needed
+    then) and is saved with its ``state_dict`` (see ``amp8.controller``).
+
     Raises:
         ValueError: unknown opt level (or an override amp8 cannot store), a model amp8
             already initialized, optimizer options amp8 does not support, ranks of a
@@ -131,6 +138,44 @@ def initialize(
             on every other rank when one rank fails any of these checks (O0 included), so
             no rank waits for it in a collective.
     """
+    if controller is not None:
+        _check_controller(controller, optimizer)
+    model, optimizer = _initialize(model, optimizer, opt_level, recipe, module_filter, process_group, layer_selection)
+    if controller is not None:
+        controller.attach(model, optimizer, _decision_group(model, process_group))  # type: ignore[arg-type]
+    return model, optimizer
+
+
+def _check_controller(controller: Controller, optimizer: torch.optim.Optimizer | None) -> None:
+    if not isinstance(controller, Controller):
+        raise TypeError(f"controller must be an amp8.Controller, got {type(controller).__name__}")
+    if controller.attached:
+        raise RuntimeError("this amp8.Controller already watches a model; build one Controller per model")
+    if optimizer is None:
+        raise ValueError("amp8.initialize(controller=...) needs the optimizer: the controller acts after each step")
+
+
+def _decision_group(model: nn.Module, process_group: dist.ProcessGroup | None) -> DataParallelGroup | None:
+    """The data-parallel group whose ranks must take the same decisions: amp8's own
+    where the layers have one, else one over ``process_group`` (None on one process)."""
+    if process_group_size(process_group) <= 1:
+        return None
+    for module in model.modules():
+        if isinstance(module, StoredWeightModule) and module.stored_weight.data_parallel is not None:
+            return module.stored_weight.data_parallel
+    return DataParallelGroup(process_group)
+
+
+def _initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    opt_level: str | OptLevel,
+    recipe: Recipe | None,
+    module_filter: ModuleFilter | None,
+    process_group: dist.ProcessGroup | None,
+    layer_selection: LayerSelection,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """``initialize`` without the controller."""
     distributed = process_group_size(process_group) > 1
     level = checked_recipe = failure = None
     try:

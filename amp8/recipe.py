@@ -49,6 +49,10 @@ class Granularity(str, Enum):
     BLOCK = "block"
 
 
+GRANULARITY_LADDER: tuple[Granularity, ...] = (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCK)
+"""Granularities from coarsest to finest: the rungs ``amp8.Controller`` steps a layer up."""
+
+
 class WeightGradFormat(str, Enum):
     """The FP8 dtype a stored weight gradient takes.
 
@@ -286,6 +290,18 @@ class Recipe:
         if unknown:
             raise TypeError(f"Recipe.replace got unknown fields {unknown}; the fields are {', '.join(fields)}")
         return dataclasses.replace(self, **changes)
+
+    def for_gemms(self, granularity: Granularity, high_precision: tuple[bool, bool, bool]) -> "Recipe":
+        """This recipe with the GEMMs at ``granularity`` and ``high_precision`` as
+        ``override_linear_precision``; current scaling where a finer granularity
+        cannot keep delayed scaling's one amax history per tensor."""
+        granularity = _as_enum(Granularity, "granularity", granularity)
+        delayed = self.scaling is Scaling.DELAYED and granularity is not Granularity.TENSORWISE
+        return self.replace(
+            granularity=granularity,
+            override_linear_precision=tuple(high_precision),
+            scaling=Scaling.CURRENT if delayed else self.scaling,
+        )
 
     @property
     def history_len(self) -> int:

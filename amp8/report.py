@@ -7,6 +7,7 @@ weight with the scale its layer would use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,8 @@ def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     saturated = (scaled.abs() > max_value(dtype) * (1 + _ROUNDING)).float().mean()
     return {
         "granularity": layer.recipe.granularity.value,
+        "gemms": layer.gemm_description,
+        "moves": [dataclasses.asdict(move) for move in layer.gemm_moves],
         "scale": float(scale) if scale.numel() == 1 else None,
         "scale_min": float(scale.amin()),
         "scale_max": float(scale.amax()),
@@ -109,7 +112,10 @@ class PrecisionReport:
     Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
     weights of FP8 layers), note (why a Linear weight stays in high precision, or None),
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
-    None), granularity (the recipe's), scale (None when the weight has several),
+    None), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
+    "block, wgrad high", after ``amp8.Controller`` moved it), moves (the controller's
+    moves of the layer as dicts: step, before, after, reason), scale (None when the
+    weight has several),
     scale_min, scale_max (the range of the weight's FP8 scales), amax, underflow,
     saturated (FP8 layers' weights only, else None; over this rank's rows of a weight
     sharded over data-parallel ranks), bytes (what this process stores: weight + gradient
@@ -197,6 +203,10 @@ class PrecisionReport:
                 )
             elif fp8_rows:
                 lines.append(f"{label}: none")
+        moved = [row for row in fp8_rows if row.get("moves")]
+        if moved:
+            lines.append("GEMMs moved: " + ", ".join(f"{row['name']} ({row['gemms']})" for row in moved[:top])
+                         + (f" and {len(moved) - top} more" if len(moved) > top else ""))
         total = sum(row["bytes"] for row in rows)
         biggest = sorted(rows, key=lambda row: -row["bytes"])[:top]
         if total:
@@ -208,6 +218,12 @@ class PrecisionReport:
                 )
             )
         return lines
+
+    def moves(self) -> list[dict[str, Any]]:
+        """Every move ``amp8.Controller`` made, over all layers, by step (each a dict:
+        step, layer, before, after, reason)."""
+        found = [move for row in self.rows for move in (row.get("moves") or [])]
+        return sorted(found, key=lambda move: move["step"])
 
     def to_dict(self) -> dict[str, Any]:
         """Rows and totals as plain Python data."""
@@ -236,6 +252,9 @@ class PrecisionReport:
         # The scale range is shown where some tensor has scales finer than per tensor.
         if all(row["granularity"] in (None, "tensorwise") for row in self.rows):
             columns = [(title, key) for title, key in columns if key != "scale_min"]
+        # The GEMMs' precision is shown where some layer's differs from its recipe.
+        if not self.moves() and all(row.get("gemms") in (None, row["granularity"]) for row in self.rows):
+            columns = [(title, key) for title, key in columns if key != "gemms"]
         table = Table(title="amp8 precision report")
         for title, key in columns:
             # Names and headers fold onto more lines rather than being cut short.
@@ -250,6 +269,11 @@ class PrecisionReport:
         console.print(table)
         for index, note in enumerate(notes, start=1):
             console.print(f"[{index}] {note}", highlight=False, markup=False)
+        for move in self.moves():
+            console.print(
+                f"step {move['step']}: {move['layer']} {move['before']} -> {move['after']} ({move['reason']})",
+                highlight=False, markup=False,
+            )
         console.print(self.summary(), highlight=False)
         for line in self.highlights():
             console.print(f"  {line}", highlight=False, markup=False)
@@ -300,13 +324,13 @@ def _cell(row: dict[str, Any], key: str) -> str:
 _COLUMNS = (
     ("parameter", "name"), ("shape", "shape"), ("layer", "layer"), ("weight", "weight"),
     ("grad", "grad"), ("master", "master"), ("m", "exp_avg"), ("v", "exp_avg_sq"),
-    ("granularity", "granularity"), ("scale", "scale"), ("scale range", "scale_min"),
+    ("granularity", "granularity"), ("GEMMs", "gemms"), ("scale", "scale"), ("scale range", "scale_min"),
     ("amax", "amax"), ("underflow", "underflow"),
     ("saturated", "saturated"), ("B/param", "bytes"),
 )
 _ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
 _NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
-_STATS = ("granularity", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated")
+_STATS = ("granularity", "gemms", "moves", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated")
 
 
 def report(

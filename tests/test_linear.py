@@ -259,7 +259,7 @@ def test_state_dict_holds_scales_and_history() -> None:
     _, layer = _pair(32, 16, Recipe(scaling="delayed", amax_history_len=4))
     layer(torch.randn(4, 32))
     state = layer.state_dict()
-    assert set(state) == {"weight", "bias", "weight_scale", "scale", "amax_history"}
+    assert set(state) == {"weight", "bias", "weight_scale", "scale", "amax_history", "gemm_precision"}
     assert state["weight"].dtype == torch.float16
 
 

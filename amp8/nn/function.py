@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..gemm import GemmRole, fp8_gemm
+from ..health import GemmOperand
 from ..recipe import ActivationFormat, Granularity, Recipe
 from ..tensor import ScaledTensor
 from .quantizer import LinearQuantizers
@@ -38,6 +39,8 @@ class LinearGemmConfig:
         update_history: casts that record a scale also push their amax to the history
             (the layer is training).
         out_dtype: the dtype of the output.
+        watch_health: every GEMM operand's cast (or, for a GEMM in high precision, the
+            cast it would get) writes its health signals (see ``amp8.health``).
     """
 
     in_features: int
@@ -50,11 +53,12 @@ class LinearGemmConfig:
     fp8_saved_input: bool
     update_history: bool
     out_dtype: torch.dtype
+    watch_health: bool = False
 
     @classmethod
     def build(
         cls, recipe: Recipe, in_features: int, out_features: int, *,
-        fp8_wgrad: bool, update_history: bool, out_dtype: torch.dtype,
+        fp8_wgrad: bool, update_history: bool, out_dtype: torch.dtype, watch_health: bool = False,
     ) -> "LinearGemmConfig":
         """The config of one call of a layer with ``recipe`` and an (N, K) weight."""
         high_fprop, high_dgrad, high_wgrad = recipe.override_linear_precision
@@ -69,7 +73,27 @@ class LinearGemmConfig:
             fp8_saved_input=recipe.activations is ActivationFormat.FP8,
             update_history=update_history,
             out_dtype=out_dtype,
+            watch_health=watch_health,
         )
+
+    def watched(self, *operands: GemmOperand) -> tuple[GemmOperand, ...]:
+        """``operands`` while health is watched, else none."""
+        return operands if self.watch_health else ()
+
+    @property
+    def input_operands(self) -> tuple[GemmOperand, ...]:
+        """The operands the input's forward cast serves: the weight-gradient GEMM's too
+        under one scale per tensor, where that cast is reused."""
+        if self.tensorwise:
+            return self.watched(GemmOperand.FPROP_INPUT, GemmOperand.WGRAD_INPUT)
+        return self.watched(GemmOperand.FPROP_INPUT)
+
+    @property
+    def grad_output_operands(self) -> tuple[GemmOperand, ...]:
+        """The operands the output gradient's first cast serves (as ``input_operands``)."""
+        if self.tensorwise:
+            return self.watched(GemmOperand.DGRAD_GRAD_OUTPUT, GemmOperand.WGRAD_GRAD_OUTPUT)
+        return self.watched(GemmOperand.DGRAD_GRAD_OUTPUT)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -124,7 +148,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if config.high_fprop:
             y = (x2.float() @ w_stored.dequantize().t()).to(config.out_dtype)  # type: ignore[union-attr]
         else:
-            x8 = quantizers.input.cast(x2, record=True, update_history=config.update_history)
+            x8 = quantizers.input.cast(
+                x2, record=True, update_history=config.update_history, watch=config.input_operands
+            )
             y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, GemmRole.FPROP)  # type: ignore[union-attr]
         y = y.view(*x.shape[:-1], config.out_features)
         if bias is not None:  # the sum is a new tensor, not a view (FSDP2 warns of views)
@@ -136,9 +162,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2)
         else:
             if x8 is None:
-                x8 = quantizers.input.cast(x2, record=True, update_history=config.update_history)
+                x8 = quantizers.input.cast(
+                    x2, record=True, update_history=config.update_history, watch=config.input_operands
+                )
             ctx.save_for_backward(x8.data, x8.scale)
             ctx.x8_block_size = x8.block_size
+        if x8 is None and config.watch_health:
+            quantizers.input.watch(x2, 1, config.input_operands)
         ctx.config, ctx.quantizers, ctx.grad_scale = config, quantizers, grad_scale
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -155,7 +185,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         g2 = grad_output.reshape(-1, config.out_features)  # (M, N)
         g8 = None
         if (needs_x and not config.high_dgrad) or (needs_w and not config.high_wgrad and config.tensorwise):
-            g8 = quantizers.grad_output.cast(g2, record=True, update_history=config.update_history)
+            g8 = quantizers.grad_output.cast(
+                g2, record=True, update_history=config.update_history, watch=config.grad_output_operands
+            )
+        elif config.watch_health:
+            quantizers.grad_output.watch(g2, 1, config.grad_output_operands)
 
         grad_x = None
         if needs_x:
@@ -201,21 +235,31 @@ def _weight_grad(
     ``wgrad_input`` is the forward's FP8 input where it was kept (tensorwise, or
     ``config.fp8_saved_input``), else the high-precision input."""
     if config.high_wgrad:
-        return g2.float().t() @ wgrad_input.float()  # type: ignore[union-attr]
+        if config.watch_health and not config.tensorwise:  # tensorwise: watched with the first casts
+            quantizers.grad_output.watch(g2, 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
+            quantizers.input.watch(_real(wgrad_input), 0, (GemmOperand.WGRAD_INPUT,))
+        return g2.float().t() @ _real(wgrad_input)
     if config.tensorwise:
         x8: ScaledTensor = wgrad_input  # type: ignore[assignment]
         g_rows = g8.with_data(_pad_rows(g8.data, _GEMM_ALIGNMENT))  # type: ignore[union-attr]
         x_rows = x8.with_data(_pad_rows(x8.data, _GEMM_ALIGNMENT))
     else:  # scales along the token dim M, which wgrad contracts
-        g_rows = quantizers.grad_output.cast(_pad_rows(g2, _GEMM_ALIGNMENT), 0)
-        if isinstance(wgrad_input, ScaledTensor):  # the forward's FP8 input, re-cast from its values
-            wgrad_input = wgrad_input.dequantize()
-        x_rows = quantizers.input.cast(_pad_rows(wgrad_input, _GEMM_ALIGNMENT), 0)
+        g_rows = quantizers.grad_output.cast(
+            _pad_rows(g2, _GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_GRAD_OUTPUT)
+        )
+        x_rows = quantizers.input.cast(  # the forward's FP8 input is re-cast from its values
+            _pad_rows(_real(wgrad_input), _GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_INPUT)
+        )
     g_t = g_rows.t()  # (N, M)
     return fp8_gemm(
         g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
         torch.float32, GemmRole.WGRAD,
     )
+
+
+def _real(x: torch.Tensor | ScaledTensor) -> torch.Tensor:
+    """The values of ``x`` in float32, dequantized where it is FP8 with its scales."""
+    return x.dequantize() if isinstance(x, ScaledTensor) else x.float()
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:

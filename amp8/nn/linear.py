@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from ..checks import check_loaded_history, check_loaded_scales
+from ..health import Gemm, GemmOperand, new_health
 from ..levels import Precision
-from ..recipe import Recipe
+from ..recipe import GRANULARITY_LADDER, Granularity, Recipe
 from ..tensor import ScaledTensor
 from .function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
 from .quantizer import LinearQuantizers, TensorRole
@@ -39,6 +40,13 @@ class Fp8Linear(StoredWeightModule):
         scale: (3,) float32, the FP8 scale last used for input, weight, grad_output
             (the smallest of a tensor's scales under fine-grained granularities).
         amax_history: (3, L) float32, newest first; L is 1 under current scaling.
+        gemm_precision: (4,) int64, how the GEMMs run now: the index of their
+            granularity in ``GRANULARITY_LADDER``, then 1 for each of fprop, dgrad and
+            wgrad that runs in high precision (``set_gemm_precision``).
+
+    A non-persistent ``health`` buffer (operands, signals) receives the health signals
+    of the casts while ``watch_health`` is True (see ``amp8.health``); ``gemm_moves``
+    lists the changes ``amp8.Controller`` made to ``gemm_precision``.
 
     ``quantizers`` (a ``LinearQuantizers``) casts each tensor role to FP8 and writes
     those buffers in place; the autograd Function gets them, never the layer.
@@ -61,6 +69,11 @@ class Fp8Linear(StoredWeightModule):
         device = weight.device
         self.register_buffer("scale", torch.ones(len(TensorRole), device=device))
         self.register_buffer("amax_history", torch.zeros(len(TensorRole), recipe.history_len, device=device))
+        self.register_buffer("health", new_health(device), persistent=False)
+        self.register_buffer("gemm_precision", torch.zeros(4, dtype=torch.int64, device=device))
+        self.watch_health = False
+        self.gemm_moves: list[Any] = []  # the ``amp8.controller.Move``s of this layer
+        self._write_gemm_precision(recipe.granularity, recipe.override_linear_precision)
         self._bind_quantizers()
         # FP8 copies of an FP16 weight, by the dim their GEMM contracts; see ``fp8_weight``.
         self._weight_cache: dict[int, ScaledTensor] = {}
@@ -77,9 +90,48 @@ class Fp8Linear(StoredWeightModule):
         return layer
 
     def _bind_quantizers(self) -> None:
-        """(Re)build ``quantizers`` over the current ``scale`` and ``amax_history``
-        buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace them)."""
-        self.quantizers = LinearQuantizers.build(self.recipe, self.scale, self.amax_history)
+        """(Re)build ``quantizers`` over the current ``scale``, ``amax_history`` and
+        ``health`` buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace
+        them), for the GEMMs as ``gemm_precision`` says."""
+        granularity_index, *high = self.gemm_precision.tolist()
+        self.gemm_recipe = self.recipe.for_gemms(GRANULARITY_LADDER[granularity_index], tuple(map(bool, high)))
+        self.quantizers = LinearQuantizers.build(
+            self.gemm_recipe, self.scale, self.amax_history, self.health, storage_recipe=self.recipe
+        )
+
+    def _write_gemm_precision(self, granularity: Granularity, high_precision: tuple[bool, bool, bool]) -> None:
+        with torch.no_grad():
+            self.gemm_precision.copy_(torch.tensor(
+                [GRANULARITY_LADDER.index(Granularity(granularity)), *map(int, high_precision)]
+            ))
+
+    def set_gemm_precision(self, granularity: Granularity | str, high_precision: tuple[bool, bool, bool]) -> None:
+        """Run the GEMMs from now on at ``granularity``, with each of (fprop, dgrad,
+        wgrad) in high precision where ``high_precision`` says True. The weight, its
+        gradient and their scales stay as the recipe stores them; only the casts that
+        feed the GEMMs change. ``amp8.Controller`` calls this; it is kept in
+        ``state_dict`` (``gemm_precision``)."""
+        self._write_gemm_precision(Granularity(granularity), high_precision)
+        self.drop_weight_cache()
+        self._bind_quantizers()
+
+    @property
+    def gemm_granularity(self) -> Granularity:
+        """The granularity of the GEMMs' FP8 scales now (see ``set_gemm_precision``)."""
+        return self.gemm_recipe.granularity
+
+    @property
+    def high_precision_gemms(self) -> tuple[bool, bool, bool]:
+        """Which of (fprop, dgrad, wgrad) run in high precision now."""
+        return self.gemm_recipe.override_linear_precision  # type: ignore[return-value]
+
+    @property
+    def gemm_description(self) -> str:
+        """The GEMMs' precision in words: the granularity of their FP8 scales, then the
+        GEMMs in high precision, e.g. "block, wgrad high"."""
+        high = [gemm.name.lower() for gemm, flag in zip(Gemm, self.high_precision_gemms) if flag]
+        text = self.gemm_granularity.value
+        return f"{text}, {'+'.join(high)} high" if high else text
 
     def _after_move(self) -> None:
         self._bind_quantizers()
@@ -87,7 +139,7 @@ class Fp8Linear(StoredWeightModule):
     def weight_tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
         ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
-        return self.stored_weight.tile(contract_dim)
+        return self.quantizers.weight.rule.tile(tuple(self.weight.shape), contract_dim)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Load, converting a weight saved at another storage (another opt level, or a
@@ -96,6 +148,8 @@ class Fp8Linear(StoredWeightModule):
             check_loaded_scales(prefix + "scale", state_dict[prefix + "scale"])
         if state_dict.get(prefix + "amax_history") is not None:
             check_loaded_history(prefix + "amax_history", state_dict[prefix + "amax_history"])
+        if state_dict.get(prefix + "gemm_precision") is None:  # saved before the GEMMs could move
+            state_dict[prefix + "gemm_precision"] = self.gemm_precision.clone()
         for key, buffer in ((prefix + "scale", self.scale), (prefix + "amax_history", self.amax_history)):
             saved_buffer = state_dict.get(key)
             if saved_buffer is None:
@@ -144,18 +198,32 @@ class Fp8Linear(StoredWeightModule):
         micro-batches of gradient accumulation cast it once per optimizer step. Call
         ``drop_weight_cache()`` after changing ``weight`` in place by other means.
         """
+        weight = self.quantizers.weight
+        watch = self._weight_operands(contract_dim) if self.watch_health else ()
         if self.weight_storage is Precision.AS_IS:  # the user's optimizer writes it: no cache
-            return self.cast(TensorRole.WEIGHT, self.read_weight(), contract_dim, record=contract_dim == 1)
+            return weight.cast(
+                self.read_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
+            )
         if self.weight_storage is Precision.FP8:
             stored = self.stored_weight.stored()
-            if self.weight_tile(contract_dim) == self.weight_tile():
-                return stored
-            return self.cast(TensorRole.WEIGHT, stored.dequantize(), contract_dim, record=False)
+            if self.weight_tile(contract_dim) == self.stored_weight.tile():
+                return stored  # the optimizer cast it: nothing to watch here
+            return weight.cast(stored.dequantize(), contract_dim, watch=watch)
         cached = self._weight_cache.get(contract_dim)
         if cached is None:
-            cached = self.cast(TensorRole.WEIGHT, self.read_weight(), contract_dim, record=contract_dim == 1)
+            cached = weight.cast(
+                self.read_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
+            )
             self._weight_cache[contract_dim] = cached
         return cached
+
+    def _weight_operands(self, contract_dim: int) -> tuple[GemmOperand, ...]:
+        """The GEMM operands a cast of the weight for ``contract_dim`` serves."""
+        if contract_dim == 0:
+            return (GemmOperand.DGRAD_WEIGHT,)
+        if self.weight_tile(0) == self.weight_tile(1):
+            return (GemmOperand.FPROP_WEIGHT, GemmOperand.DGRAD_WEIGHT)
+        return (GemmOperand.FPROP_WEIGHT,)
 
     def drop_weight_cache(self) -> None:
         """Forget the cached FP8 casts of the weight (see ``fp8_weight``)."""
@@ -171,8 +239,9 @@ class Fp8Linear(StoredWeightModule):
             self._check_weight_is_amp8s()
         sink = self._sink()
         config = LinearGemmConfig.build(
-            self.recipe, self.in_features, self.out_features, fp8_wgrad=self.weight_storage is not Precision.AS_IS, update_history=self.training,
-            out_dtype=output_dtype(x),
+            self.gemm_recipe, self.in_features, self.out_features,
+            fp8_wgrad=self.weight_storage is not Precision.AS_IS, update_history=self.training,
+            out_dtype=output_dtype(x), watch_health=self.watch_health,
         )
         # The weight's FP8 casts happen here, outside the autograd.Function, so that the
         # cache (a module attribute) is written where a compiled graph may write it.
@@ -182,6 +251,10 @@ class Fp8Linear(StoredWeightModule):
         if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):
             w8_dgrad = self.fp8_weight(contract_dim=0)  # rowwise: scales per column
         w_stored = self.stored_weight.stored() if config.high_fprop or config.high_dgrad else None
+        if self.watch_health:  # a GEMM in high precision: watch the cast it would get
+            for contract_dim, high in ((1, config.high_fprop), (0, config.high_dgrad)):
+                if high:
+                    self.quantizers.weight.watch(w_stored.dequantize(), contract_dim, self._weight_operands(contract_dim))  # type: ignore[union-attr]
         with torch.autocast(x.device.type, enabled=False):  # the GEMMs choose their own dtypes
             return _Fp8LinearFunction.apply(
                 x, self.weight, self.bias, sink, self._grad_scale, w8, w8_dgrad, w_stored, self.quantizers, config
@@ -193,5 +266,6 @@ class Fp8Linear(StoredWeightModule):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight={self.weight_dtype}, "
             f"format={self.recipe.fp8_format.value}, scaling={self.recipe.scaling.value}, "
-            f"granularity={self.recipe.granularity.value}"
+            f"granularity={self.gemm_granularity.value}"
+            + (f", gemms={self.gemm_description!r}" if self.high_precision_gemms != (False,) * 3 else "")
         )

@@ -17,6 +17,7 @@ import torch
 
 from .. import scaling
 from ..formats import forward_dtype, gradient_dtype
+from ..health import GemmOperand, cast_health, record_health
 from ..recipe import AmaxAlgo, Granularity, Recipe, Scaling, WeightGradScaling, operand_tile
 from ..tensor import ScaledTensor
 
@@ -111,12 +112,15 @@ class Quantizer:
             role that records nothing (the weight gradient).
         histories: the layer's ``amax_history`` buffer, or None likewise.
         row: the role's row in ``scales`` and ``histories``.
+        health: the layer's ``health`` buffer (see ``amp8.health``), or None: casts
+            asked to watch their operands write their signals there.
     """
 
     rule: CastRule
     scales: torch.Tensor | None = None
     histories: torch.Tensor | None = None
     row: int = 0
+    health: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.rule.scaling is Scaling.DELAYED and self.histories is None:
@@ -138,20 +142,38 @@ class Quantizer:
         return _SCALE_RULES[self.rule.scaling](self, amaxes, previous), amaxes.amax()
 
     def cast(
-        self, x: torch.Tensor, contract_dim: int = 1, *, record: bool = False, update_history: bool = False
+        self,
+        x: torch.Tensor,
+        contract_dim: int = 1,
+        *,
+        record: bool = False,
+        update_history: bool = False,
+        watch: tuple[GemmOperand, ...] = (),
     ) -> ScaledTensor:
         """``x`` (2-D) in FP8 with its scales, for a GEMM contracting its dim ``contract_dim``.
 
         With ``record``, the scale (the smallest, under fine-grained granularities) goes
         to the role's row of ``scales`` and, with ``update_history`` too, the amax to its
-        history, both in place; an empty ``x`` records nothing.
+        history, both in place; an empty ``x`` records nothing. The cast's health signals
+        go to the rows of ``health`` named by ``watch`` (see ``amp8.health``).
         """
         scale, current_amax = self.next_scale(x, contract_dim)
         if record and x.numel() > 0:  # an empty batch says nothing about the range
             self._record(scale, current_amax, update_history)
         block_size = self.rule.scale_block_size
         full_scale = scaling.expand_scale(scale, tuple(x.shape), block_size)
-        return ScaledTensor(scaling.quantize(x, full_scale, self.rule.dtype), scale, block_size)
+        data = scaling.quantize(x, full_scale, self.rule.dtype)
+        if watch:
+            if self.health is None:
+                raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
+            record_health(self.health, watch, cast_health(x, full_scale, data))
+        return ScaledTensor(data, scale, block_size)
+
+    def watch(self, x: torch.Tensor, contract_dim: int, operands: tuple[GemmOperand, ...]) -> None:
+        """Write the health signals of the cast ``x`` would get into the rows of
+        ``operands``, and nothing else: a GEMM that runs in high precision is still
+        watched, so its layer knows when FP8 would serve it again."""
+        self.cast(x, contract_dim, watch=operands)
 
     def _record(self, scale: torch.Tensor, current_amax: torch.Tensor, update_history: bool) -> None:
         if self.scales is None or self.histories is None:
@@ -199,11 +221,22 @@ class LinearQuantizers(NamedTuple):
     weight_grad: Quantizer
 
     @classmethod
-    def build(cls, recipe: Recipe, scales: torch.Tensor, histories: torch.Tensor) -> "LinearQuantizers":
-        """Quantizers for ``recipe`` over a layer's ``scale`` (roles,) and
-        ``amax_history`` (roles, L) buffers."""
-        recorded = [Quantizer(CastRule.for_role(recipe, role), scales, histories, role.value) for role in TensorRole]
-        return cls(*recorded, Quantizer(CastRule.for_weight_grad(recipe)))
+    def build(
+        cls,
+        recipe: Recipe,
+        scales: torch.Tensor,
+        histories: torch.Tensor,
+        health: torch.Tensor | None = None,
+        storage_recipe: Recipe | None = None,
+    ) -> "LinearQuantizers":
+        """Quantizers for ``recipe`` over a layer's ``scale`` (roles,), ``amax_history``
+        (roles, L) and ``health`` buffers. The weight gradient follows ``storage_recipe``
+        (default ``recipe``): its scales are laid out as the stored weight's, whatever
+        granularity the GEMMs use."""
+        recorded = [
+            Quantizer(CastRule.for_role(recipe, role), scales, histories, role.value, health) for role in TensorRole
+        ]
+        return cls(*recorded, Quantizer(CastRule.for_weight_grad(storage_recipe or recipe)))
 
     def of(self, role: TensorRole) -> Quantizer:
         """The quantizer of the tensor in ``role``."""

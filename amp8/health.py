@@ -1,0 +1,113 @@
+"""Health signals of FP8 casts: how much of a tensor its cast loses.
+
+Each ``Fp8Linear`` has six GEMM operands (``GemmOperand``: the input and weight of the
+forward GEMM, the output gradient and weight of the input-gradient GEMM, the output
+gradient and input of the weight-gradient GEMM). While a layer is measured, every cast
+of an operand writes three numbers (``Signal``) into its row of the layer's ``health``
+buffer, keeping the largest seen since the buffer was last cleared:
+
+- the operand's absolute maximum (before scaling);
+- the share of its values that the cast clips at the format's largest value;
+- the share of its nonzero values that the cast flushes to zero.
+
+They come from the tensor and its cast alone (two elementwise passes), written in place
+so a compiled graph writes them too. ``amp8.Controller`` reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+
+import torch
+
+from .formats import max_value
+
+
+class Gemm(IntEnum):
+    """The three GEMMs of a linear layer; also the index of its flag in
+    ``Recipe.override_linear_precision``."""
+
+    FPROP = 0
+    DGRAD = 1
+    WGRAD = 2
+
+
+class GemmOperand(IntEnum):
+    """One operand of one of a linear layer's GEMMs; also its row in ``health``."""
+
+    FPROP_INPUT = 0
+    FPROP_WEIGHT = 1
+    DGRAD_GRAD_OUTPUT = 2
+    DGRAD_WEIGHT = 3
+    WGRAD_GRAD_OUTPUT = 4
+    WGRAD_INPUT = 5
+
+    @property
+    def gemm(self) -> Gemm:
+        """The GEMM this operand feeds."""
+        return Gemm(self.value // 2)
+
+    @property
+    def label(self) -> str:
+        """``"fprop input"`` and the like, for reports."""
+        gemm, tensor = self.name.lower().split("_", 1)
+        return f"{gemm} {tensor.replace('_', ' ')}"
+
+
+class Signal(IntEnum):
+    """The columns of ``health``."""
+
+    AMAX = 0
+    SATURATED = 1
+    UNDERFLOW = 2
+
+    @property
+    def label(self) -> str:
+        """``"saturated"`` and the like, for reports."""
+        return self.name.lower()
+
+
+SLOTS = len(GemmOperand)
+SIGNALS = len(Signal)
+_MAGNITUDE_BITS = 0x7F  # an FP8 byte without its sign bit: zero for +0.0 and -0.0
+
+
+def new_health(device: torch.device | str | None = None) -> torch.Tensor:
+    """An empty ``health`` buffer: (operands, signals) float32 zeros."""
+    return torch.zeros(SLOTS, SIGNALS, device=device)
+
+
+def clip_limit(dtype: torch.dtype) -> float:
+    """The smallest scaled magnitude that ``dtype``'s cast clips: its max plus half the
+    spacing of its top binade (below that, rounding to nearest gives the max anyway,
+    as it does for the amax itself under current scaling)."""
+    top = max_value(dtype)
+    return top + torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(top)) / 2
+
+
+def cast_health(x: torch.Tensor, full_scale: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """The ``Signal`` values of one cast of ``x`` with ``full_scale`` (broadcastable
+    against ``x``) to the FP8 ``data``: (amax, share of values clipped, share of nonzero
+    values flushed to zero), float32 (3,)."""
+    with torch.no_grad():
+        magnitude = x.detach().float().abs()
+        if magnitude.numel() == 0:
+            return torch.zeros(SIGNALS, device=x.device)
+        clipped = (magnitude * full_scale > clip_limit(data.dtype)).sum()
+        nonzero = magnitude > 0
+        flushed = (((data.view(torch.uint8) & _MAGNITUDE_BITS) == 0) & nonzero).sum()
+        return torch.stack([
+            magnitude.amax(),
+            clipped.float() / magnitude.numel(),
+            flushed.float() / nonzero.sum().clamp(min=1).float(),
+        ])
+
+
+def record_health(health: torch.Tensor, operands: tuple[GemmOperand, ...], signals: torch.Tensor) -> None:
+    """Keep the largest of ``signals`` and what ``health`` holds, in the rows of
+    ``operands``, in place."""
+    with torch.no_grad():
+        for operand in operands:
+            row = int(operand)
+            health[row] = torch.maximum(health[row], signals)
