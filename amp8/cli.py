@@ -41,7 +41,9 @@ def _add_compare(commands: Any) -> None:
         description=(
             "Train a byte-level GPT on the Python standard library's sources at O0-O3, plus FP8 "
             "without scaling (and torchao's float8 when installed); print a table, write JSON "
-            "and a PNG of the loss curves. The defaults take a few minutes on a laptop CPU."
+            "and a PNG of the loss curves. The defaults take a few minutes on a laptop CPU. "
+            "--stress injects a growing outlier on the first token of the last MLP's input, "
+            "invisible in exact arithmetic, that tensorwise FP8 scales cannot hold."
         ),
     )
     compare.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
@@ -69,6 +71,11 @@ def _add_compare(commands: Any) -> None:
                          help="FP8 recipe preset of the O1-O3 runs (default: tensorwise)")
     compare.add_argument("--activations", choices=[name.value for name in ActivationFormat], default="high",
                          help="how the O1-O3 runs store tensors saved for backward (default: high)")
+    compare.add_argument("--stress", action="store_true",
+                         help="inject the default outlier stress (amp8.experiments.stress.OutlierStress) into "
+                              "every run and leave its position out of the loss")
+    compare.add_argument("--controller", nargs="*", metavar="LEVEL", default=None,
+                         help="train these FP8 levels once more with amp8.Controller() (no level: O1)")
     compare.add_argument("--no-ablation", action="store_true", help="skip the no-scaling ablation")
     compare.add_argument("--no-torchao", action="store_true", help="skip torchao's float8 even when installed")
     compare.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
@@ -79,6 +86,7 @@ def _run_compare(args: argparse.Namespace, console: Console) -> None:
     from .experiments.compare import CompareConfig, compare
     from .experiments.corpus import CorpusConfig
     from .experiments.gpt import GPTConfig
+    from .experiments.stress import OutlierStress
 
     shape = {key: getattr(args, key) for key in ("n_layer", "n_embd", "n_head", "block_size")
              if getattr(args, key) is not None}
@@ -89,6 +97,8 @@ def _run_compare(args: argparse.Namespace, console: Console) -> None:
         ablation=not args.no_ablation, torchao=not args.no_torchao, seeds=args.seeds, seed=args.seed,
         device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes, source=args.corpus),
         recipe=Recipe.preset(args.recipe).replace(activations=args.activations),
+        stress=OutlierStress() if args.stress else None,
+        controller_levels=() if args.controller is None else tuple(args.controller or ["O1"]),
     )
     compare(config, out_dir=args.out, console=console, progress=not args.no_progress)
 

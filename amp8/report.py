@@ -44,10 +44,12 @@ def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     the layer's real weight (its master weight where the optimizer keeps one)."""
     if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale, weight_amax = layer.weight_scale, scaling.amax(weight)
-    else:
+        block_size = layer.block_size
+    else:  # the cast the forward GEMM gets, at the GEMMs' granularity
         scale, weight_amax = layer.next_scale(TensorRole.WEIGHT, weight)
+        block_size = layer.quantizers.weight.rule.scale_block_size
     dtype = layer.fp8_dtype(TensorRole.WEIGHT)
-    full_scale = scaling.expand_scale(scale, tuple(weight.shape), layer.block_size)
+    full_scale = scaling.expand_scale(scale, tuple(weight.shape), block_size)
     scaled = weight * full_scale
     cast = scaling.quantize(weight, full_scale, dtype)
     nonzero = weight != 0

@@ -1,4 +1,5 @@
-"""Experiments that compare opt levels on real data: a byte corpus, a GPT, the runner.
+"""Experiments that compare opt levels on real data: a byte corpus, a GPT, the runner,
+and an outlier stress case (``stress``) that one scale per tensor cannot hold.
 
 Nothing here is imported by ``import amp8``; ``amp8.compare`` loads it on first use.
 """

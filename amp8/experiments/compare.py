@@ -9,7 +9,13 @@ the opt level (or recipe) differs. Runs:
 - ``O1-noscale``: O1 with ``Recipe(scaling="none")``, FP8 casts without scales, an
   ablation that shows why scaling matters;
 - ``torchao``: torchao's float8 training on the same model, when torchao is importable;
-- ``O0-seed<k>``: O0 again from other seeds (``seeds > 1``), to measure seed-to-seed spread.
+- ``O0-seed<k>``: O0 again from other seeds (``seeds > 1``), to measure seed-to-seed spread;
+- ``<level>+controller``: a level of ``controller_levels`` again with an
+  ``amp8.Controller``, which records its moves and the share of GEMM FLOPs left in FP8.
+
+With ``CompareConfig.stress`` set, every run (O0 included) trains under the same outlier
+injection (``amp8.experiments.stress``) and its position is left out of the training and
+validation loss.
 
 The results hold every loss curve and figure; ``write_json`` and ``plot`` save them.
 """
@@ -29,6 +35,7 @@ import torch
 from torch import nn
 
 from ..console import default_console
+from ..controller import Controller
 from ..frontend import initialize
 from ..levels import OptLevel
 from ..memory import count_saved_bytes
@@ -36,6 +43,7 @@ from ..recipe import ActivationFormat, Recipe
 from ..report import PrecisionReport, report
 from .corpus import ByteCorpus, load_corpus, sample_batch
 from .gpt import GPT
+from .stress import OutlierInjection, mask_position
 from .compare_config import (  # noqa: F401  (the public names of amp8.experiments.compare)
     ABLATION, DEFAULT_OUT, JSON_NAME, PNG_NAME, TORCHAO, _VAL_SEED, CompareConfig, RunSpec,
 )
@@ -53,6 +61,8 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
     if config.torchao and torchao_available():
         specs.append(RunSpec(TORCHAO, "O0", config.seed, torchao=True))
     specs += [RunSpec(f"O0-seed{config.seed + k}", "O0", config.seed + k) for k in range(1, config.seeds)]
+    specs += [RunSpec(f"{level}+controller", level, config.seed, config.recipe, controller=config.controller)
+              for level in config.controller_levels]
     return specs
 
 
@@ -117,14 +127,22 @@ def train_run(
     corpus: ByteCorpus,
     val_batches: list[tuple[torch.Tensor, torch.Tensor]],
     on_step: Callable[[int, float], None] | None = None,
+    on_model: Callable[[nn.Module], None] | None = None,
 ) -> RunResult:
     """Train one run and measure it; an opt level ``initialize`` cannot do yet (it raises
-    ``NotImplementedError``) comes back as ``status="unavailable"``."""
+    ``NotImplementedError``) comes back as ``status="unavailable"``.
+
+    ``on_step(step, loss)`` is called after each step; ``on_model(model)`` once, with the
+    model as it will train (after ``initialize`` and the stress injection), before the
+    first step, e.g. to register hooks that measure it. With ``config.stress``, the
+    outlier is injected (``OutlierInjection``) and its position's targets are ignored;
+    ``val_batches`` should come from ``validation_batches``, which masks them too."""
     device = torch.device(config.device)
     level_name = spec.level.name if isinstance(spec.level, OptLevel) else spec.level
     result = RunResult(spec.name, level_name, spec.seed,
                        recipe=None if spec.torchao or level_name == "O0" else _recipe_dict(spec.recipe))
     model: nn.Module = GPT(config.model, torch.Generator().manual_seed(spec.seed)).to(device)
+    controller = None
     if spec.init_perturbation:
         _perturb(model, spec.init_perturbation)
     optimizer: torch.optim.Optimizer | None = torch.optim.AdamW(
@@ -136,11 +154,19 @@ def train_run(
         else:
             # Every eligible layer, on every device: the comparison is of FP8 against
             # high precision, not of the speed rule's choice.
-            model, optimizer = initialize(model, optimizer, spec.level, recipe=spec.recipe, layer_selection="all")
+            controller = None if spec.controller is None else Controller(spec.controller)
+            model, optimizer = initialize(model, optimizer, spec.level, recipe=spec.recipe, layer_selection="all",
+                                          controller=controller)
     except (NotImplementedError, ImportError, RuntimeError) as error:
         result.status, result.reason = "unavailable", str(error)
         return result
     assert optimizer is not None  # initialize returns the optimizer it was given
+    injection = None
+    if config.stress is not None:  # after the swap: the hook goes on the module that runs
+        injection = OutlierInjection(config.stress, config.steps)
+        injection.attach(model)
+    if on_model is not None:
+        on_model(model)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -150,6 +176,9 @@ def train_run(
     model.train()
     for step in range(config.steps):
         x, y = (t.to(device) for t in sample_batch(corpus.train, config.batch_size, config.model.block_size, generator))
+        if injection is not None:
+            injection.step = step
+            y = mask_position(y, injection.stress.position)
         if cuda:
             torch.cuda.synchronize(device)
         tic = time.perf_counter()
@@ -181,18 +210,25 @@ def train_run(
     result.skipped_steps = getattr(optimizer, "skipped_steps", None)
     result.highlights = precision.highlights()
     result.report = precision.to_dict()
+    if controller is not None:
+        result.controller_moves = [dataclasses.asdict(move) for move in controller.moves]
+        result.gemm_fp8_share = controller.fp8_share()
     return result
 
 
 def validation_batches(config: CompareConfig, corpus: ByteCorpus) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The fixed validation batches every run of ``config`` is measured on (the same for
-    every run and seed), on ``config.device``."""
+    every run and seed), on ``config.device``; under ``config.stress`` the stressed
+    position's targets are ignored."""
     generator = torch.Generator().manual_seed(_VAL_SEED)
     device = torch.device(config.device)
-    return [
-        tuple(t.to(device) for t in sample_batch(corpus.val, config.batch_size, config.model.block_size, generator))
-        for _ in range(config.eval_batches)
-    ]
+    batches = []
+    for _ in range(config.eval_batches):
+        x, y = sample_batch(corpus.val, config.batch_size, config.model.block_size, generator)
+        if config.stress is not None:
+            y = mask_position(y, config.stress.position)
+        batches.append((x.to(device), y.to(device)))
+    return batches
 
 
 def _recipe_dict(recipe: Recipe) -> dict[str, Any]:

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
+from ..controller import ControllerConfig
 from ..levels import LEVELS, OptLevel
 from ..recipe import Recipe
 from .corpus import CorpusConfig
 from .gpt import PRESETS, GPTConfig
+from .stress import OutlierStress
 
 ABLATION = "O1-noscale"
 TORCHAO = "torchao"
@@ -46,6 +48,12 @@ class CompareConfig:
         corpus: which bytes to train on.
         recipe: the FP8 recipe of the O1-O3 runs (the ablation takes it with no scaling;
             O0 ignores it, FP8 activations included).
+        stress: an outlier injected into every run, O0 included, with its position left
+            out of the training and validation loss (see ``amp8.experiments.stress``);
+            None for none.
+        controller_levels: FP8 levels to train once more with an ``amp8.Controller``
+            (runs named ``<level>+controller``).
+        controller: the settings of those runs' controllers.
     """
 
     model: GPTConfig = PRESETS["small"]
@@ -66,9 +74,13 @@ class CompareConfig:
     device: str = "cpu"
     corpus: CorpusConfig = CorpusConfig()
     recipe: Recipe = Recipe()
+    stress: OutlierStress | None = None
+    controller_levels: tuple[str, ...] = ()
+    controller: ControllerConfig = ControllerConfig()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
+        object.__setattr__(self, "controller_levels", tuple(self.controller_levels))
         for name in ("steps", "batch_size", "seeds", "eval_interval", "eval_batches", "train_loss_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -84,15 +96,27 @@ class CompareConfig:
             raise ValueError(f"CompareConfig.weight_decay={self.weight_decay!r} is not valid; use a finite float >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"CompareConfig.seed={self.seed!r} is not valid; use an int in [0, 2**63)")
-        for name, kind in (("model", GPTConfig), ("corpus", CorpusConfig), ("recipe", Recipe)):
+        for name, kind in (
+            ("model", GPTConfig), ("corpus", CorpusConfig), ("recipe", Recipe), ("controller", ControllerConfig),
+        ):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"CompareConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        if self.stress is not None:
+            if not isinstance(self.stress, OutlierStress):
+                raise TypeError(f"CompareConfig.stress must be an OutlierStress or None, got {type(self.stress).__name__}")
+            self.stress.check_model(self.model)
         _check_device(self.device)
         unknown = [level for level in self.levels if level not in LEVELS]
         if unknown:
             raise ValueError(
                 f"CompareConfig.levels has {', '.join(map(repr, unknown))}, not amp8 opt levels; "
                 f"use names from {', '.join(map(repr, LEVELS))}"
+            )
+        not_fp8 = [level for level in self.controller_levels if level not in LEVELS or level == "O0"]
+        if not_fp8:
+            raise ValueError(
+                f"CompareConfig.controller_levels has {', '.join(map(repr, not_fp8))}; a controller "
+                "watches FP8 layers, so use levels among 'O1', 'O2', 'O3'"
             )
         if "O0" not in self.levels:
             raise ValueError(
@@ -138,6 +162,9 @@ class RunSpec:
     ``1 + init_perturbation * N(0, 1)`` (noise drawn from a fixed generator) before
     training: an O0 run so perturbed measures how far two runs drift apart from a
     difference of rounding size alone.
+
+    ``controller``: when given, the run trains with an ``amp8.Controller`` of these
+    settings (a fresh one per run).
     """
 
     name: str
@@ -146,3 +173,4 @@ class RunSpec:
     recipe: Recipe = Recipe()
     torchao: bool = False
     init_perturbation: float = 0.0
+    controller: ControllerConfig | None = None

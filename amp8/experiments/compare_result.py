@@ -24,7 +24,9 @@ class RunResult:
     step; ``val_curve`` holds ``[step, loss]`` pairs. ``peak_memory_bytes`` is measured on
     CUDA only (None elsewhere). ``activation_bytes_per_token`` is what autograd saved for
     backward in the first step's forward (``amp8.count_saved_bytes``), per token.
-    ``report`` is the precision report of the final model.
+    ``report`` is the precision report of the final model. A run with a controller
+    records its moves (``controller_moves``, as dicts) and the share of the FP8 layers'
+    GEMM FLOPs still in FP8 at the end (``gemm_fp8_share``).
     """
 
     name: str
@@ -46,6 +48,8 @@ class RunResult:
     wall_s: float | None = None
     highlights: list[str] = field(default_factory=list)
     report: dict[str, Any] | None = None
+    controller_moves: list[dict[str, Any]] | None = None
+    gemm_fp8_share: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -158,6 +162,8 @@ class CompareResult:
         recipe = "" if c.recipe == Recipe() else f", {c.recipe.granularity.value} scaling"
         if c.recipe.activations is ActivationFormat.FP8:
             recipe += ", FP8 activations"
+        if c.stress is not None:
+            recipe += f", outlier stress x2^{c.stress.max_log2_gain:g}"
         return (f"GPT {m.n_layer}x{m.n_embd} (ctx {m.block_size}), {c.steps} steps x "
                 f"{c.batch_size} seqs, {c.device}{recipe}")
 
