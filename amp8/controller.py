@@ -225,6 +225,8 @@ class _LayerWatch:
     passed_checks: int = 0
     last_amax: list[float] = dataclasses.field(default_factory=lambda: [0.0] * len(GemmOperand))
     cap_warned: bool = False
+    peak_underflow: float = 0.0
+    peak_saturated: float = 0.0
 
 
 class Controller:
@@ -331,6 +333,8 @@ class Controller:
         last = torch.tensor(watch.last_amax)
         growth = torch.where((last > 0) & (amax > 0), amax / last.clamp(min=1e-30), torch.ones_like(amax))
         watch.last_amax = [float(value) if value > 0 else float(old) for value, old in zip(amax, last)]
+        watch.peak_underflow = max(watch.peak_underflow, float(health[:, Signal.UNDERFLOW].max()))
+        watch.peak_saturated = max(watch.peak_saturated, float(health[:, Signal.SATURATED].max()))
         violations = self.config.thresholds.violations(health, growth)
         if violations:
             watch.failed_checks, watch.passed_checks = watch.failed_checks + 1, 0
@@ -446,6 +450,13 @@ class Controller:
         """The share of the FP8 layers' GEMM FLOPs (per token) that run in FP8 now."""
         high = sum(self._flops(layer) * sum(layer.high_precision_gemms) for layer in self._layers.values())
         return 1.0 - high / self._fp8_flops()
+
+    def peak_signals(self) -> dict[str, dict[str, float]]:
+        """The largest share flushed to zero and clipped that any operand of each layer
+        showed at any check so far, by module name: how close a run came to the
+        thresholds."""
+        return {name: {"underflow": watch.peak_underflow, "saturated": watch.peak_saturated}
+                for name, watch in self._watches.items()}
 
     def rungs(self) -> dict[str, str]:
         """Each FP8 layer's GEMM precision now, in words, by module name."""

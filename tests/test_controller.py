@@ -61,6 +61,7 @@ def test_a_token_outlier_walks_the_ladder_to_high_precision_wgrad(level) -> None
     ]
     assert first[0].reason.startswith("fprop input") and "flushed to zero" in first[0].reason
     assert first[1].reason.startswith("wgrad input"), "per-row scales fix fprop, not wgrad"
+    assert controller.peak_signals()["0"]["underflow"] > 0.9
     assert model[0].gemm_granularity is amp8.Granularity.BLOCK
     assert model[0].high_precision_gemms == (False, False, True)
     assert model[0].gemm_precision.tolist() == [2, 0, 0, 1]
@@ -84,6 +85,8 @@ def test_normal_training_moves_nothing() -> None:
     _train(model, optimizer, 12, outlier=False)
     assert controller.moves == []
     assert set(controller.rungs().values()) == {"tensorwise"}
+    peaks = controller.peak_signals()
+    assert all(0 <= peak["underflow"] < 0.01 and peak["saturated"] == 0 for peak in peaks.values()), peaks
 
 
 def test_a_layer_healthy_again_steps_back_down() -> None:
@@ -253,3 +256,24 @@ def test_the_report_shows_each_layers_gemms_and_moves() -> None:
     text = console.export_text()
     assert "GEMMs" in text and "step 2: 0 tensorwise -> rowwise (fprop input" in text
     assert amp8.PrecisionReport.from_dict(precision.to_dict()).moves() == precision.moves()
+
+
+def test_accelerate_steps_and_checkpoints_the_controller() -> None:
+    """Through Accelerate's optimizer wrapper and gradient accumulation, the controller
+    counts optimizer steps (not micro-batches) and its state is in the wrapper's
+    ``state_dict``."""
+    from accelerate import Accelerator
+
+    model, optimizer, controller = _build(LADDER)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for step in range(8):  # 8 micro-batches: 4 optimizer steps
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        x[0] *= OUTLIER
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x)[1:].square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert controller.step == 4
+    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [(2, "rowwise"), (4, "block")]
+    assert optimizer.state_dict()[STATE_DICT_KEY]["step"] == 4

@@ -213,6 +213,7 @@ def train_run(
     if controller is not None:
         result.controller_moves = [dataclasses.asdict(move) for move in controller.moves]
         result.gemm_fp8_share = controller.fp8_share()
+        result.controller_peaks = controller.peak_signals()
     return result
 
 

@@ -26,7 +26,8 @@ class RunResult:
     backward in the first step's forward (``amp8.count_saved_bytes``), per token.
     ``report`` is the precision report of the final model. A run with a controller
     records its moves (``controller_moves``, as dicts) and the share of the FP8 layers'
-    GEMM FLOPs still in FP8 at the end (``gemm_fp8_share``).
+    GEMM FLOPs still in FP8 at the end (``gemm_fp8_share``) and, per layer, the largest
+    shares flushed and clipped it saw (``controller_peaks``).
     """
 
     name: str
@@ -50,6 +51,7 @@ class RunResult:
     report: dict[str, Any] | None = None
     controller_moves: list[dict[str, Any]] | None = None
     gemm_fp8_share: float | None = None
+    controller_peaks: dict[str, dict[str, float]] | None = None
 
     @property
     def ok(self) -> bool:
