@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..checks import check_loaded_history, check_loaded_scales
+from ..hadamard import random_hadamard
 from ..levels import Precision
 from ..recipe import Recipe
 from ..tensor import ScaledTensor
@@ -39,6 +40,8 @@ class Fp8Linear(StoredWeightModule):
         scale: (3,) float32, the FP8 scale last used for input, weight, grad_output
             (the smallest of a tensor's scales under fine-grained granularities).
         amax_history: (3, L) float32, newest first; L is 1 under current scaling.
+        hadamard: (16, 16) float32, the random Hadamard matrix of wgrad's operands, only
+            under ``Recipe(wgrad_hadamard=True)``.
 
     ``quantizers`` (a ``LinearQuantizers``) casts each tensor role to FP8 and writes
     those buffers in place; the autograd Function gets them, never the layer.
@@ -61,6 +64,8 @@ class Fp8Linear(StoredWeightModule):
         device = weight.device
         self.register_buffer("scale", torch.ones(len(TensorRole), device=device))
         self.register_buffer("amax_history", torch.zeros(len(TensorRole), recipe.history_len, device=device))
+        if recipe.wgrad_hadamard:
+            self.register_buffer("hadamard", random_hadamard().to(device))
         self._bind_quantizers()
         # FP8 copies of an FP16 weight, by the dim their GEMM contracts; see ``fp8_weight``.
         self._weight_cache: dict[int, ScaledTensor] = {}
@@ -79,7 +84,9 @@ class Fp8Linear(StoredWeightModule):
     def _bind_quantizers(self) -> None:
         """(Re)build ``quantizers`` over the current ``scale`` and ``amax_history``
         buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace them)."""
-        self.quantizers = LinearQuantizers.build(self.recipe, self.scale, self.amax_history)
+        self.quantizers = LinearQuantizers.build(
+            self.recipe, self.scale, self.amax_history, getattr(self, "hadamard", None)
+        )
 
     def _after_move(self) -> None:
         self._bind_quantizers()
@@ -96,6 +103,10 @@ class Fp8Linear(StoredWeightModule):
             check_loaded_scales(prefix + "scale", state_dict[prefix + "scale"])
         if state_dict.get(prefix + "amax_history") is not None:
             check_loaded_history(prefix + "amax_history", state_dict[prefix + "amax_history"])
+        if self.recipe.wgrad_hadamard:  # a checkpoint of another recipe lacks it: keep this one's
+            state_dict.setdefault(prefix + "hadamard", self.hadamard.clone())
+        else:
+            state_dict.pop(prefix + "hadamard", None)
         for key, buffer in ((prefix + "scale", self.scale), (prefix + "amax_history", self.amax_history)):
             saved_buffer = state_dict.get(key)
             if saved_buffer is None:
@@ -148,7 +159,8 @@ class Fp8Linear(StoredWeightModule):
             return self.cast(TensorRole.WEIGHT, self.read_weight(), contract_dim, record=contract_dim == 1)
         if self.weight_storage is Precision.FP8:
             stored = self.stored_weight.stored()
-            if self.weight_tile(contract_dim) == self.weight_tile():
+            # Microscaled GEMMs take their own format: re-cast from the stored real values.
+            if self.weight_tile(contract_dim) == self.weight_tile() and not self.quantizers.weight.rule.microscaled:
                 return stored
             return self.cast(TensorRole.WEIGHT, stored.dequantize(), contract_dim, record=False)
         cached = self._weight_cache.get(contract_dim)
