@@ -196,11 +196,13 @@ def quantize_nvfp4(
 ) -> BlockScaledTensor:
     """NVFP4: the 2-D ``x`` as E2M1 elements packed along the tile's long edge (rows
     for a square tile), one E4M3 scale per ``tile`` and one power-of-two tensor scale.
-    The block scale is the tile's ``amax / 6`` in tensor-scale units, rounded to E4M3;
-    elements round to nearest (even), or stochastically under ``noise_key``."""
+    The block scale is the tile's ``amax / 6`` in tensor-scale units, rounded to E4M3
+    (NaN for a tile holding inf or NaN, whose values then dequantize to NaN); elements
+    round to nearest (even), or stochastically under ``noise_key``."""
     tensor_scale = nvfp4_tensor_scale(scaling.amax(x))
     block_amax = scaling.tile_amax(x, tile)
-    block_scales = (block_amax / FP4_MAX / tensor_scale).clamp(max=max_value(E4M3)).to(E4M3)
+    # A block holding inf or NaN gets a NaN scale (E2M1 has none), so the overflow stays visible.
+    block_scales = (block_amax / FP4_MAX / tensor_scale).clamp(max=max_value(E4M3)).add_(block_amax * 0.0).to(E4M3)
     decode = scaling.expand_scale(block_scales.float() * tensor_scale, tuple(x.shape), max(tile))
     scaled = torch.where(decode > 0, x.float() / decode, 0.0)  # an all-zero tile (or an underflowed scale)
     dim = _contract_dim(tile)

@@ -110,6 +110,17 @@ def test_nvfp4_decodes_exactly_and_holds_its_sqnr(shape, tile) -> None:
     assert_sqnr_at_least(x, cast.dequantize(), 18.0)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_values_stay_visible(bad) -> None:
+    x = torch.randn(4, 64)
+    x[1, 3] = bad
+    nvfp4 = microscaling.quantize_nvfp4(x, (1, 16)).dequantize()
+    mx = microscaling.quantize_mx(x, E4M3, (1, 32)).dequantize()
+    assert bool(nvfp4[1, :16].isnan().all()) and bool(nvfp4[~torch.isnan(nvfp4)].isfinite().all())
+    assert bool(mx[1, 3].isnan()) and int(nvfp4.isnan().sum()) == 16
+    assert_sqnr_at_least(x[[0, 2, 3]], nvfp4[[0, 2, 3]], 18.0)
+
+
 def test_nvfp4_stochastic_rounding_is_unbiased_and_keyed() -> None:
     # each row: one element that sets the block scale (6 units) and fifteen at 0.35 units,
     # between the grid values 0 and 0.5: nearest rounding moves them all to 0.5
