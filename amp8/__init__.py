@@ -13,7 +13,7 @@ from .frontend import initialize
 from .levels import LEVELS, OptLevel, Precision
 from .optim.clip import clip_grad_norm_
 from .memory import SavedBytes, count_saved_bytes
-from .recipe import ActivationFormat, AmaxAlgo, Granularity, Recipe, RecipeName, Scaling
+from .recipe import ActivationFormat, AmaxAlgo, Granularity, Microscaling, Recipe, RecipeName, Scaling
 from .report import PrecisionReport, report
 from .selection import SpeedRule
 from .stored_weight import StoredWeight, stored_weight
@@ -41,6 +41,7 @@ __all__ = [
     "Granularity",
     "HealthThresholds",
     "Move",
+    "Microscaling",
     "OptLevel",
     "Precision",
     "PrecisionPhase",

@@ -1,4 +1,4 @@
-"""FP8 formats and the format choices a recipe can make.
+"""FP8 (and Blackwell's FP4 and E8M0) formats and the format choices a recipe can make.
 
 E4M3 (``torch.float8_e4m3fn``, max 448) has more precision, E5M2 (``torch.float8_e5m2``,
 max 57344) more range. HYBRID uses E4M3 for activations and weights and E5M2 for
@@ -15,6 +15,12 @@ import torch
 E4M3: torch.dtype = torch.float8_e4m3fn
 E5M2: torch.dtype = torch.float8_e5m2
 FP8_DTYPES: tuple[torch.dtype, ...] = (E4M3, E5M2)
+E8M0: torch.dtype | None = getattr(torch, "float8_e8m0fnu", None)
+"""The MX block-scale dtype (an 8-bit power of two), None where torch lacks it."""
+FP4: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)
+"""Two E2M1 values packed in a byte, None where torch lacks it."""
+FP4_MAX = 6.0
+"""The largest E2M1 value (torch has no ``finfo`` for a packed dtype)."""
 
 
 class Fp8Format(str, Enum):
@@ -51,3 +57,17 @@ def max_value(dtype: torch.dtype) -> float:
 def short_name(dtype: torch.dtype | None) -> str | None:
     """``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``; None stays None."""
     return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def support_reason() -> str | None:
+    """Why this torch cannot hold microscaled tensors (a missing dtype), or None."""
+    missing = [name for name, dtype in (("float8_e8m0fnu", E8M0), ("float4_e2m1fn_x2", FP4)) if dtype is None]
+    if not missing:
+        return None
+    return (f"torch {torch.__version__} lacks {' and '.join('torch.' + name for name in missing)}; "
+            "microscaled recipes need torch 2.8 or newer")
+
+
+def is_fp4(dtype: torch.dtype | None) -> bool:
+    """Whether ``dtype`` is the packed FP4 dtype."""
+    return FP4 is not None and dtype == FP4

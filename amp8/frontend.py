@@ -206,6 +206,7 @@ def _initialize(
         lambda linear: Fp8Linear.from_linear(linear, recipe, first_storage),
         module_filter,
         layer_selection,
+        recipe.high_precision_layers,
     )
     layers = fp8_layers(model)
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .formats import E4M3, E5M2, Fp8Format, gradient_dtype, max_margin
+from .formats import support_reason as microscaling_support_reason
 
 MAX_HISTORY_LEN = 1024
 """The longest amax history: the largest in common use (Transformer Engine's default);
@@ -95,6 +96,26 @@ class RecipeName(str, Enum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     DEEPSEEK = "deepseek"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+
+class Microscaling(str, Enum):
+    """The Blackwell microscaled format of the GEMM operands (``amp8.microscaling``).
+
+    NONE: FP8 with float32 scales, at the recipe's granularity.
+    MXFP8: FP8 elements with one E8M0 (power-of-two) scale per 32 along each GEMM's
+        contraction dimension.
+    NVFP4: FP4 (E2M1) elements with one E4M3 scale per 16 and one tensor scale.
+    """
+
+    NONE = "none"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+
+MICRO_BLOCK_SIZES = {Microscaling.MXFP8: 32, Microscaling.NVFP4: 16}
+"""The block size each microscaled format fixes."""
 
 
 class AmaxAlgo(str, Enum):
@@ -173,6 +194,21 @@ class Recipe:
             stored: "high" (as they are, the default) or "fp8" (E4M3 with one scale per
             1 x 128 tile along the last dimension, restored in backward; FP8 layers of
             every granularity then keep their FP8 input for the weight gradient).
+        microscaling: "none", "mxfp8" or "nvfp4": the GEMM operands take the Blackwell
+            microscaled format (granularity "block" with its block size, 32 or 16:
+            1 x block tiles along each GEMM's contraction dimension, weights included).
+            Weight gradients and the first moment stay E4M3 with float32 scales at the
+            weight's tiles.
+        weight_block_2d: under microscaling, weights take square ``block_size`` blocks
+            (16 x 16 under NVFP4), so fprop and dgrad see the same quantized weight.
+        wgrad_hadamard: under microscaling, both weight-gradient operands are rotated
+            along tokens by a 16 x 16 random Hadamard transform before their cast
+            (``amp8.hadamard``; the product is unchanged, outliers are spread).
+        stochastic_grad_rounding: under NVFP4, output gradients round to FP4
+            stochastically (unbiased), with noise keyed by the gradient's own bits.
+        high_precision_layers: ``fnmatch`` patterns of layer names (as in
+            ``model.named_modules()``) that ``amp8.initialize`` keeps in high precision,
+            e.g. ``("blocks.11.*", "head")`` for the last block and the head.
     """
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
@@ -187,6 +223,11 @@ class Recipe:
     weight_grad_format: WeightGradFormat = WeightGradFormat.E4M3
     weight_grad_scaling: WeightGradScaling = WeightGradScaling.WEIGHT
     activations: ActivationFormat = ActivationFormat.HIGH
+    microscaling: Microscaling = Microscaling.NONE
+    weight_block_2d: bool = False
+    wgrad_hadamard: bool = False
+    stochastic_grad_rounding: bool = False
+    high_precision_layers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -235,6 +276,61 @@ class Recipe:
                 "scaling='current' with fine-grained scales, or granularity='tensorwise' "
                 "with delayed scaling"
             )
+        set_field(self, "microscaling", _as_enum(Microscaling, "microscaling", self.microscaling))
+        self._check_microscaling()
+
+    def _check_microscaling(self) -> None:
+        """Validate the microscaling fields (see the class docstring)."""
+        for name in ("weight_block_2d", "wgrad_hadamard", "stochastic_grad_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Recipe.{name}={getattr(self, name)!r} is not valid; use True or False")
+        layers = self.high_precision_layers
+        if isinstance(layers, str) or not isinstance(layers, (tuple, list)) or not all(
+            isinstance(pattern, str) for pattern in layers
+        ):
+            raise ValueError(
+                f"Recipe.high_precision_layers={layers!r} is not valid; use a tuple of fnmatch patterns "
+                "of layer names, e.g. ('blocks.11.*',)"
+            )
+        object.__setattr__(self, "high_precision_layers", tuple(layers))
+        micro = self.microscaling
+        if micro is Microscaling.NONE:
+            knobs = [name for name in ("weight_block_2d", "wgrad_hadamard", "stochastic_grad_rounding")
+                     if getattr(self, name)]
+            if knobs:
+                raise ValueError(
+                    f"Recipe({', '.join(f'{name}=True' for name in knobs)}) needs a microscaled format; "
+                    "use Recipe.preset('nvfp4') or set microscaling='mxfp8' or 'nvfp4'"
+                )
+            return
+        reason = microscaling_support_reason()
+        if reason is not None:
+            raise ValueError(f"Recipe(microscaling={micro.value!r}) is not available: {reason}")
+        block = MICRO_BLOCK_SIZES[micro]
+        wrong = []
+        if self.granularity is not Granularity.BLOCK or self.block_size != block:
+            wrong.append(f"granularity='block', block_size={block}")
+        if self.scaling is not Scaling.CURRENT:
+            wrong.append("scaling='current'")
+        if micro is Microscaling.MXFP8 and not self.power_of_2_scales:
+            wrong.append("power_of_2_scales=True (E8M0 scales are powers of two)")
+        if micro is Microscaling.NVFP4 and (self.power_of_2_scales or self.margin):
+            wrong.append("power_of_2_scales=False and margin=0 (NVFP4 scales are E4M3)")
+        if micro is Microscaling.MXFP8 and self.stochastic_grad_rounding:
+            wrong.append("stochastic_grad_rounding=False (it rounds FP4 gradients)")
+        if self.activations is not ActivationFormat.HIGH:
+            wrong.append("activations='high'")
+        if wrong:
+            raise ValueError(
+                f"Recipe(microscaling={micro.value!r}) needs {'; '.join(wrong)}; "
+                f"start from Recipe.preset({micro.value!r})"
+            )
+
+    @property
+    def square_weight_blocks(self) -> bool:
+        """Whether weights under "block" take square blocks: always without
+        microscaling (the DeepSeek-V3 recipe), with it only under ``weight_block_2d``."""
+        return self.microscaling is Microscaling.NONE or self.weight_block_2d
 
     @classmethod
     def preset(cls, name: "str | RecipeName") -> "Recipe":
@@ -245,6 +341,13 @@ class Recipe:
             GEMM's contraction dimension (as torchao's rowwise recipe).
         "deepseek": E4M3 everywhere, power-of-two scales, 1x128 tiles for activations and
             gradients and 128x128 blocks for weights (the DeepSeek-V3 recipe).
+        "mxfp8": MXFP8: E4M3 everywhere, one E8M0 scale per 1 x 32 tile along each GEMM's
+            contraction dimension (Transformer Engine's MXFP8BlockScaling).
+        "nvfp4": NVFP4: E2M1 elements, E4M3 scales per 1 x 16 tile and a tensor scale;
+            16 x 16 weight blocks, the random Hadamard transform on wgrad's operands and
+            stochastic rounding of gradients (Transformer Engine's NVFP4BlockScaling).
+            Layers to keep in high precision (``high_precision_layers``) depend on the
+            model and are left empty.
 
         Raises:
             ValueError: an unknown name; the message lists the valid ones.
@@ -252,6 +355,13 @@ class Recipe:
         recipe_name = _as_enum(RecipeName, "name", name, label=f"Recipe.preset({name!r})")
         if recipe_name is RecipeName.TENSORWISE:
             return cls()
+        if recipe_name is RecipeName.MXFP8:
+            return cls(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=Granularity.BLOCK,
+                       block_size=MICRO_BLOCK_SIZES[Microscaling.MXFP8], microscaling=Microscaling.MXFP8)
+        if recipe_name is RecipeName.NVFP4:
+            return cls(fp8_format=Fp8Format.E4M3, granularity=Granularity.BLOCK,
+                       block_size=MICRO_BLOCK_SIZES[Microscaling.NVFP4], microscaling=Microscaling.NVFP4,
+                       weight_block_2d=True, wgrad_hadamard=True, stochastic_grad_rounding=True)
         granularity = Granularity.ROWWISE if recipe_name is RecipeName.ROWWISE else Granularity.BLOCK
         return cls(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=granularity)
 
@@ -260,8 +370,11 @@ class Recipe:
     ) -> tuple[int, int] | None:
         """The (rows, columns) tile that shares one scale in a 2-D GEMM operand of
         ``shape`` contracted along ``contract_dim`` (0 or 1); None for one scale per tensor.
-        Weights under "block" take square blocks, which serve both dims."""
-        return operand_tile(self.granularity, self.block_size, shape, contract_dim, weight=weight)
+        Weights under "block" take square blocks, which serve both dims (under
+        microscaling only with ``weight_block_2d``)."""
+        return operand_tile(
+            self.granularity, self.block_size, shape, contract_dim, weight=weight and self.square_weight_blocks
+        )
 
     @property
     def weight_grad_dtype(self) -> "torch.dtype":

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import scaling
 from .console import default_console
-from .formats import max_value, short_name
+from .formats import E8M0, FP4_MAX, is_fp4, max_value, short_name
 from .nn.linear import Fp8Linear
 from .nn.quantizer import TensorRole
 from .levels import Precision
@@ -42,6 +42,8 @@ _ROUNDING = 2.0**-20
 def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     """Granularity, scales, amax, underflow and saturation of the FP8 cast of ``weight``,
     the layer's real weight (its master weight where the optimizer keeps one)."""
+    if layer.quantizers.weight.rule.microscaled:
+        return {**_microscaled_cast_stats(layer, weight), **_gemm_fields(layer)}
     if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale, weight_amax = layer.weight_scale, scaling.amax(weight)
         block_size = layer.block_size
@@ -58,14 +60,47 @@ def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     saturated = (scaled.abs() > max_value(dtype) * (1 + _ROUNDING)).float().mean()
     return {
         "granularity": layer.recipe.granularity.value,
-        "gemms": layer.gemm_description,
-        "moves": [dataclasses.asdict(move) for move in layer.gemm_moves],
+        **_gemm_fields(layer),
         "scale": float(scale) if scale.numel() == 1 else None,
         "scale_min": float(scale.amin()),
         "scale_max": float(scale.amax()),
         "amax": float(weight_amax),
         "underflow": float(underflow),
         "saturated": float(saturated),
+        "format": None,
+        "block": None,
+    }
+
+
+def _gemm_fields(layer: Fp8Linear) -> dict[str, Any]:
+    """How the layer's GEMMs run now and the controller's moves of it, as report fields."""
+    return {"gemms": layer.gemm_description, "moves": [dataclasses.asdict(move) for move in layer.gemm_moves]}
+
+
+def _microscaled_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
+    """``_fp8_cast_stats`` of a microscaled layer: its forward GEMM's cast of ``weight``,
+    the format (elements, block-scale dtype), the block and the range of the scales (as
+    amp8 scales: ``element = real * scale``)."""
+    cast = layer.cast(TensorRole.WEIGHT, weight, record=False)
+    decode = cast.decode_scales()
+    scales = decode[decode > 0].reciprocal()
+    element_max = FP4_MAX if is_fp4(cast.dtype) else max_value(cast.dtype)
+    nonzero = weight != 0
+    underflow = (nonzero & (cast.dequantize() == 0)).sum() / nonzero.sum().clamp(min=1)
+    scaled = weight.float().abs() / cast.full_scales()
+    saturated = (scaled > element_max * (1 + _ROUNDING)).float().mean()
+    elements = "e2m1" if is_fp4(cast.dtype) else _SHORT_DTYPES[short_name(cast.dtype)]
+    block_scales = "e8m0" if cast.scales.dtype == E8M0 else _SHORT_DTYPES[short_name(cast.scales.dtype)]
+    return {
+        "granularity": layer.recipe.granularity.value,
+        "scale": None,
+        "scale_min": float(scales.amin()) if scales.numel() else None,
+        "scale_max": float(scales.amax()) if scales.numel() else None,
+        "amax": float(scaling.amax(weight)),
+        "underflow": float(underflow),
+        "saturated": float(saturated),
+        "format": f"{layer.recipe.microscaling.value} {elements}/{block_scales}",
+        "block": "x".join(map(str, cast.tile)),
     }
 
 
@@ -116,8 +151,10 @@ class PrecisionReport:
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
     None), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
     "block, wgrad high", after ``amp8.Controller`` moved it), moves (the controller's
-    moves of the layer as dicts: step, before, after, reason), scale (None when the
-    weight has several),
+    moves of the layer as dicts: step, before, after, reason), format and block
+    (microscaled layers: the format of the forward GEMM's weight operand as
+    elements/block scales, e.g. "nvfp4 e2m1/e4m3", and its block, e.g. "16x16"; else
+    None), scale (None when the weight has several),
     scale_min, scale_max (the range of the weight's FP8 scales), amax, underflow,
     saturated (FP8 layers' weights only, else None; over this rank's rows of a weight
     sharded over data-parallel ranks), bytes (what this process stores: weight + gradient
@@ -326,13 +363,17 @@ def _cell(row: dict[str, Any], key: str) -> str:
 _COLUMNS = (
     ("parameter", "name"), ("shape", "shape"), ("layer", "layer"), ("weight", "weight"),
     ("grad", "grad"), ("master", "master"), ("m", "exp_avg"), ("v", "exp_avg_sq"),
-    ("granularity", "granularity"), ("GEMMs", "gemms"), ("scale", "scale"), ("scale range", "scale_min"),
+    ("granularity", "granularity"), ("GEMMs", "gemms"), ("format", "format"), ("block", "block"),
+    ("scale", "scale"), ("scale range", "scale_min"),
     ("amax", "amax"), ("underflow", "underflow"),
     ("saturated", "saturated"), ("B/param", "bytes"),
 )
 _ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
 _NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
-_STATS = ("granularity", "gemms", "moves", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated")
+_STATS = (
+    "granularity", "gemms", "moves", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated",
+    "format", "block",
+)
 
 
 def report(

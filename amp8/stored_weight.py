@@ -225,7 +225,7 @@ class StoredWeight:
     def grad_block_size(self) -> int:
         """Elements per block edge of the gradient's scales (0 unless they are blocks)."""
         tile = self.grad_tile()
-        return self.block_size if tile is not None and tile[0] == tile[1] else 0
+        return self.block_size if tile is not None and self.block_size in tile else 0
 
     def grad(self) -> ScaledTensor | None:
         """The weight gradient as FP8 + scales, or None. Like ``param.grad`` it is live:

@@ -1,10 +1,14 @@
-"""SQNR of tensorwise, rowwise and block FP8 scaling, on well-behaved and outlier inputs.
+"""SQNR of tensorwise, rowwise and block FP8 scaling and of the MXFP8 and NVFP4 recipes,
+on well-behaved and outlier inputs.
 
     python bench/granularity.py               # M=1024, K=1024, N=768 on the CPU
     python bench/granularity.py --m 4096 --k 4096 --n 4096 --device cuda
 
-Every granularity uses E4M3 for every tensor and power-of-two scales, so only the
-granularity differs. For each input case the study measures, against FP32 on the same
+The three FP8 granularities use E4M3 for every tensor and power-of-two scales, so only
+the granularity differs; "mxfp8" and "nvfp4" are ``Recipe.preset``'s microscaled
+recipes (emulated exactly where the GPU is not sm_100+), and NVFP4 is measured again
+without its Hadamard transform and without stochastic gradient rounding, one knob at a
+time. For each input case the study measures, against FP32 on the same
 real operands: the three GEMMs on their own (fprop x W^T, dgrad g W, wgrad g^T x, each
 operand cast with scales along its contraction dimension) and an Fp8Linear's output,
 input gradient and (FP8-stored) weight gradient. Two numbers per cell: the SQNR of the
@@ -28,6 +32,16 @@ from amp8.scaling import sqnr
 from common import device_name, write_result
 
 GRANULARITIES = ("tensorwise", "rowwise", "block")
+NVFP4 = Recipe.preset("nvfp4")
+RECIPES: dict[str, Recipe] = {
+    **{granularity: Recipe(fp8_format="E4M3", power_of_2_scales=True, granularity=granularity)
+       for granularity in GRANULARITIES},
+    "mxfp8": Recipe.preset("mxfp8"),
+    "nvfp4": NVFP4,
+    "nvfp4 no-hadamard": NVFP4.replace(wgrad_hadamard=False),
+    "nvfp4 no-sr": NVFP4.replace(stochastic_grad_rounding=False),
+}
+"""The recipes the study compares, by the label its table and JSON give them."""
 OUTLIER_ROW_FACTOR = 3e4  # every 64th token of x and of the output gradient
 OUTLIER_CHANNEL_FACTOR = 30.0  # every 128th input channel of x
 COLUMNS = ("fprop", "dgrad", "wgrad", "y", "dx", "dW")
@@ -111,19 +125,22 @@ def main() -> None:
     rows = []
     for case in ("well-behaved", "outliers"):
         tensors = inputs(args.m, args.k, args.n, case == "outliers", device)
-        for granularity in GRANULARITIES:
-            recipe = Recipe(fp8_format="E4M3", power_of_2_scales=True, granularity=granularity)
-            rows.append({"case": case, "granularity": granularity, **measure(recipe, tensors)})
+        for label, recipe in RECIPES.items():
+            rows.append({"case": case, "recipe": label, "granularity": recipe.granularity.value,
+                         "microscaling": recipe.microscaling.value, **measure(recipe, tensors)})
     table = Table(title=f"SQNR (dB): whole tensor / median row, M={args.m} K={args.k} N={args.n}, "
-                        f"E4M3, power-of-two scales, {device_name(device)}")
-    for column in ("case", "granularity", *COLUMNS):
-        table.add_column(column, justify="left" if column in ("case", "granularity") else "right")
+                        f"{device_name(device)}; FP8 granularities E4M3 with power-of-two scales")
+    for column in ("case", "recipe", *COLUMNS):
+        table.add_column(column, justify="left" if column in ("case", "recipe") else "right")
     for row in rows:
-        table.add_row(row["case"], row["granularity"],
+        table.add_row(row["case"], row["recipe"],
                       *(f"{row[c][0]:.1f} / {row[c][1]:.1f}" for c in COLUMNS))
     default_console().print(table)
+    blackwell = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
     payload = {
         "shape": {"m": args.m, "k": args.k, "n": args.n},
+        "microscaled_gemms": "torch._scaled_mm" if blackwell else
+                             "exact emulation: block dequantize, float32 products and sums, bfloat16 output",
         "outliers": {"row_factor": OUTLIER_ROW_FACTOR, "channel_factor": OUTLIER_CHANNEL_FACTOR},
         "rows": [{**{k: v for k, v in row.items() if k not in COLUMNS},
                   **{c: {"sqnr_db": row[c][0], "median_row_sqnr_db": row[c][1]} for c in COLUMNS}}

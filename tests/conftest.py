@@ -113,3 +113,18 @@ def resume_from_checkpoint(
     resumed_model.load_state_dict(checkpoint["model"])
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])
     return resumed_model, resumed_optimizer
+
+
+def assert_checkpoint_round_trips(
+    build: Callable[[], tuple[nn.Module, Any]], model: nn.Module, optimizer: Any
+) -> tuple[nn.Module, Any]:
+    """``resume_from_checkpoint(build, model, optimizer)``, asserting that every tensor of
+    the model's and the optimizer's state came back bit for bit."""
+    resumed_model, resumed_optimizer = resume_from_checkpoint(build, model, optimizer)
+    for key, value in model.state_dict().items():
+        assert_bitwise_equal(resumed_model.state_dict()[key], value)
+    for index, param_state in optimizer.state_dict()["state"].items():
+        for key, value in param_state.items():
+            if torch.is_tensor(value):
+                assert_bitwise_equal(resumed_optimizer.state_dict()["state"][index][key], value)
+    return resumed_model, resumed_optimizer

@@ -51,7 +51,7 @@ def _train(model, optimizer, steps: int, *, start: int = 0, outlier: bool = True
 LADDER = ControllerConfig(interval=2, patience=1, max_high_precision_share=0.5)
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O1-compute"])
 def test_a_token_outlier_walks_the_ladder_to_high_precision_wgrad(level) -> None:
     model, optimizer, controller = _build(LADDER, level)
     _train(model, optimizer, 6)
@@ -277,3 +277,11 @@ def test_accelerate_steps_and_checkpoints_the_controller() -> None:
     assert controller.step == 4
     assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [(2, "rowwise"), (4, "block")]
     assert optimizer.state_dict()[STATE_DICT_KEY]["step"] == 4
+
+
+def test_a_corrupt_gemm_precision_is_refused_by_name() -> None:
+    model, _ = amp8.initialize(_model(), None, "O2")
+    state = model.state_dict()
+    state["0.gemm_precision"] = torch.tensor([7, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"0\.gemm_precision .* is not a GEMM precision"):
+        model.load_state_dict(state)

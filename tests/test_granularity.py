@@ -1,7 +1,5 @@
 """Fine-grained FP8 scaling: rowwise and block recipes, from the quantizer to training."""
 
-import io
-
 import pytest
 import torch
 from torch import nn
@@ -12,7 +10,7 @@ from amp8.formats import E4M3, E5M2
 from amp8.gemm import GemmRole, check_operands, fp8_gemm, fp8_mm, fp8_mm_blockwise
 from amp8.nn import Fp8Linear, TensorRole
 from amp8.tensor import ScaledTensor
-from conftest import assert_bitwise_equal, assert_sqnr_at_least
+from conftest import assert_bitwise_equal, assert_checkpoint_round_trips, assert_sqnr_at_least
 from conftest import linear_pair as _pair
 
 GRANULARITIES = ["tensorwise", "rowwise", "block"]
@@ -373,20 +371,8 @@ def test_checkpoint_of_block_scaled_state_round_trips(level: str) -> None:
 
     model, optimizer = build()
     _train(model, optimizer, 3)
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    assert saved["optimizer"]["state"][0]["exp_avg_scale"].shape == (2, 1)
-    resumed_model, resumed_optimizer = build()
-    resumed_model.load_state_dict(saved["model"])
-    resumed_optimizer.load_state_dict(saved["optimizer"])
-    for key, value in model.state_dict().items():
-        assert_bitwise_equal(resumed_model.state_dict()[key], value)
-    for index, param_state in optimizer.state_dict()["state"].items():
-        for key, value in param_state.items():
-            if torch.is_tensor(value):
-                assert_bitwise_equal(resumed_optimizer.state_dict()["state"][index][key], value)
+    assert optimizer.state_dict()["state"][0]["exp_avg_scale"].shape == (2, 1)
+    resumed_model, resumed_optimizer = assert_checkpoint_round_trips(build, model, optimizer)
     assert _train(resumed_model, resumed_optimizer, 3, seed=1) == _train(model, optimizer, 3, seed=1)
 
 

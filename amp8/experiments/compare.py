@@ -7,7 +7,8 @@ the opt level (or recipe) differs. Runs:
 - ``O0`` ... ``O3``: the levels of ``amp8.LEVELS`` that were asked for. A level that
   ``amp8.initialize`` refuses with ``NotImplementedError`` is recorded as unavailable;
 - ``O1-noscale``: O1 with ``Recipe(scaling="none")``, FP8 casts without scales, an
-  ablation that shows why scaling matters;
+  ablation that shows why scaling matters; under a microscaled recipe instead one O1 run
+  without each of its knobs that is on (``O1-no-hadamard``, ``O1-no-sr``);
 - ``torchao``: torchao's float8 training on the same model, when torchao is importable;
 - ``O0-seed<k>``: O0 again from other seeds (``seeds > 1``), to measure seed-to-seed spread;
 - ``<level>+controller``: a level of ``controller_levels`` again with an
@@ -39,13 +40,13 @@ from ..controller import Controller
 from ..frontend import initialize
 from ..levels import OptLevel
 from ..memory import count_saved_bytes
-from ..recipe import ActivationFormat, Recipe
+from ..recipe import ActivationFormat, Microscaling, Recipe
 from ..report import PrecisionReport, report
 from .corpus import ByteCorpus, load_corpus, sample_batch
 from .gpt import GPT
 from .stress import OutlierInjection, mask_position
 from .compare_config import (  # noqa: F401  (the public names of amp8.experiments.compare)
-    ABLATION, DEFAULT_OUT, JSON_NAME, PNG_NAME, TORCHAO, _VAL_SEED, CompareConfig, RunSpec,
+    ABLATION, DEFAULT_OUT, JSON_NAME, KNOB_ABLATIONS, PNG_NAME, TORCHAO, _VAL_SEED, CompareConfig, RunSpec,
 )
 from .compare_result import CompareResult, RunResult  # noqa: F401
 
@@ -56,8 +57,11 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
     baseline = config.recipe.replace(activations=ActivationFormat.HIGH)
     specs = [RunSpec(level, level, config.seed, baseline if level == "O0" else config.recipe)
              for level in config.levels]
-    if config.ablation:
+    if config.ablation and config.recipe.microscaling is Microscaling.NONE:
         specs.append(RunSpec(ABLATION, "O1", config.seed, config.recipe.replace(scaling="none")))
+    elif config.ablation:  # microscaled formats fix their scaling: ablate the knobs instead
+        specs += [RunSpec(name, "O1", config.seed, config.recipe.replace(**{knob: False}))
+                  for knob, name in KNOB_ABLATIONS.items() if getattr(config.recipe, knob)]
     if config.torchao and torchao_available():
         specs.append(RunSpec(TORCHAO, "O0", config.seed, torchao=True))
     specs += [RunSpec(f"O0-seed{config.seed + k}", "O0", config.seed + k) for k in range(1, config.seeds)]

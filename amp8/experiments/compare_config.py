@@ -17,6 +17,9 @@ from .gpt import PRESETS, GPTConfig
 from .stress import OutlierStress
 
 ABLATION = "O1-noscale"
+KNOB_ABLATIONS = {"wgrad_hadamard": "O1-no-hadamard", "stochastic_grad_rounding": "O1-no-sr"}
+"""Under a microscaled recipe, each of these knobs that is on gets an O1 run without it
+(named by the value) in place of the no-scaling ablation."""
 TORCHAO = "torchao"
 JSON_NAME = "compare.json"
 DEFAULT_OUT = "runs/compare"

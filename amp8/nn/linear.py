@@ -18,6 +18,7 @@ from torch import nn
 
 from ..checks import check_loaded_history, check_loaded_scales
 from ..health import Gemm, GemmOperand, new_health
+from ..hadamard import random_hadamard
 from ..levels import Precision
 from ..recipe import GRANULARITY_LADDER, Granularity, Recipe
 from ..tensor import ScaledTensor
@@ -43,6 +44,8 @@ class Fp8Linear(StoredWeightModule):
         gemm_precision: (4,) int64, how the GEMMs run now: the index of their
             granularity in ``GRANULARITY_LADDER``, then 1 for each of fprop, dgrad and
             wgrad that runs in high precision (``set_gemm_precision``).
+        hadamard: (16, 16) float32, the random Hadamard matrix of wgrad's operands, only
+            under ``Recipe(wgrad_hadamard=True)``.
 
     A non-persistent ``health`` buffer (operands, signals) receives the health signals
     of the casts while ``watch_health`` is True (see ``amp8.health``); ``gemm_moves``
@@ -73,7 +76,9 @@ class Fp8Linear(StoredWeightModule):
         self.register_buffer("gemm_precision", torch.zeros(4, dtype=torch.int64, device=device))
         self.watch_health = False
         self.gemm_moves: list[Any] = []  # the ``amp8.controller.Move``s of this layer
-        self._write_gemm_precision(recipe.granularity, recipe.override_linear_precision)
+        self.gemm_recipe = recipe
+        if recipe.wgrad_hadamard:
+            self.register_buffer("hadamard", random_hadamard().to(device))
         self._bind_quantizers()
         # FP8 copies of an FP16 weight, by the dim their GEMM contracts; see ``fp8_weight``.
         self._weight_cache: dict[int, ScaledTensor] = {}
@@ -92,18 +97,17 @@ class Fp8Linear(StoredWeightModule):
     def _bind_quantizers(self) -> None:
         """(Re)build ``quantizers`` over the current ``scale``, ``amax_history`` and
         ``health`` buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace
-        them), for the GEMMs as ``gemm_precision`` says."""
-        granularity_index, *high = self.gemm_precision.tolist()
-        self.gemm_recipe = self.recipe.for_gemms(GRANULARITY_LADDER[granularity_index], tuple(map(bool, high)))
-        self.quantizers = LinearQuantizers.build(
-            self.gemm_recipe, self.scale, self.amax_history, self.health, storage_recipe=self.recipe
-        )
-
-    def _write_gemm_precision(self, granularity: Granularity, high_precision: tuple[bool, bool, bool]) -> None:
+        them), for the GEMMs as ``gemm_recipe`` says; ``gemm_precision`` is rewritten
+        from it (``to_empty`` leaves buffers uninitialized)."""
+        high = self.gemm_recipe.override_linear_precision
         with torch.no_grad():
             self.gemm_precision.copy_(torch.tensor(
-                [GRANULARITY_LADDER.index(Granularity(granularity)), *map(int, high_precision)]
+                [GRANULARITY_LADDER.index(self.gemm_recipe.granularity), *map(int, high)]
             ))
+        self.quantizers = LinearQuantizers.build(
+            self.gemm_recipe, self.scale, self.amax_history, self.health, storage_recipe=self.recipe,
+            rotation=getattr(self, "hadamard", None),
+        )
 
     def set_gemm_precision(self, granularity: Granularity | str, high_precision: tuple[bool, bool, bool]) -> None:
         """Run the GEMMs from now on at ``granularity``, with each of (fprop, dgrad,
@@ -111,7 +115,7 @@ class Fp8Linear(StoredWeightModule):
         gradient and their scales stay as the recipe stores them; only the casts that
         feed the GEMMs change. ``amp8.Controller`` calls this; it is kept in
         ``state_dict`` (``gemm_precision``)."""
-        self._write_gemm_precision(Granularity(granularity), high_precision)
+        self.gemm_recipe = self.recipe.for_gemms(Granularity(granularity), tuple(high_precision))
         self.drop_weight_cache()
         self._bind_quantizers()
 
@@ -148,8 +152,15 @@ class Fp8Linear(StoredWeightModule):
             check_loaded_scales(prefix + "scale", state_dict[prefix + "scale"])
         if state_dict.get(prefix + "amax_history") is not None:
             check_loaded_history(prefix + "amax_history", state_dict[prefix + "amax_history"])
-        if state_dict.get(prefix + "gemm_precision") is None:  # saved before the GEMMs could move
+        saved_precision = state_dict.get(prefix + "gemm_precision")
+        if saved_precision is None:  # saved before the GEMMs could move
             state_dict[prefix + "gemm_precision"] = self.gemm_precision.clone()
+        else:  # the GEMMs run as saved from here on (``_after_move`` binds them)
+            self.gemm_recipe = _loaded_gemm_recipe(self.recipe, prefix + "gemm_precision", saved_precision)
+        if self.recipe.wgrad_hadamard:  # a checkpoint of another recipe lacks it: keep this one's
+            state_dict.setdefault(prefix + "hadamard", self.hadamard.clone())
+        else:
+            state_dict.pop(prefix + "hadamard", None)
         for key, buffer in ((prefix + "scale", self.scale), (prefix + "amax_history", self.amax_history)):
             saved_buffer = state_dict.get(key)
             if saved_buffer is None:
@@ -206,7 +217,8 @@ class Fp8Linear(StoredWeightModule):
             )
         if self.weight_storage is Precision.FP8:
             stored = self.stored_weight.stored()
-            if self.weight_tile(contract_dim) == self.stored_weight.tile():
+            # Microscaled GEMMs take their own format: re-cast from the stored real values.
+            if self.weight_tile(contract_dim) == self.stored_weight.tile() and not weight.rule.microscaled:
                 return stored  # the optimizer cast it: nothing to watch here
             return weight.cast(stored.dequantize(), contract_dim, watch=watch)
         cached = self._weight_cache.get(contract_dim)
@@ -269,3 +281,20 @@ class Fp8Linear(StoredWeightModule):
             f"granularity={self.gemm_granularity.value}"
             + (f", gemms={self.gemm_description!r}" if self.high_precision_gemms != (False,) * 3 else "")
         )
+
+
+def _loaded_gemm_recipe(recipe: Recipe, key: str, saved: torch.Tensor) -> Recipe:
+    """The GEMM recipe a checkpoint's ``gemm_precision`` tensor describes.
+
+    Raises:
+        ValueError: ``saved`` is not four integers (a granularity index, then three 0/1
+            flags); the message names ``key``.
+    """
+    values = saved.tolist() if saved.shape == (4,) and not saved.is_floating_point() else None
+    if values is None or not 0 <= values[0] < len(GRANULARITY_LADDER) or any(v not in (0, 1) for v in values[1:]):
+        raise ValueError(
+            f"checkpoint entry {key} = {saved.tolist()} is not a GEMM precision: expected four integers, a "
+            f"granularity index below {len(GRANULARITY_LADDER)} and three 0/1 flags; the checkpoint is corrupt "
+            "or not from amp8"
+        )
+    return recipe.for_gemms(GRANULARITY_LADDER[values[0]], tuple(bool(v) for v in values[1:]))

@@ -15,10 +15,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import scaling
-from ..formats import forward_dtype, gradient_dtype
+from .. import hadamard, microscaling, scaling
+from ..formats import FP4, forward_dtype, gradient_dtype
 from ..health import GemmOperand, cast_health, record_health
-from ..recipe import AmaxAlgo, Granularity, Recipe, Scaling, WeightGradScaling, operand_tile
+from ..microscaling import BlockScaledTensor
+from ..recipe import AmaxAlgo, Granularity, Microscaling, Recipe, Scaling, WeightGradScaling, operand_tile
 from ..tensor import ScaledTensor
 
 
@@ -44,6 +45,9 @@ class CastRule:
         granularity: how many scales a cast takes (see ``amp8.Granularity``).
         block_size: the recipe's tile edge under "block".
         square_blocks: the role takes ``block_size`` squares under "block" (weights).
+        microscaled: casts give ``BlockScaledTensor`` in the microscaled format of
+            ``dtype`` (MXFP8 for FP8, NVFP4 for packed FP4).
+        stochastic: microscaled FP4 casts round stochastically (output gradients).
     """
 
     dtype: torch.dtype
@@ -54,21 +58,26 @@ class CastRule:
     granularity: Granularity
     block_size: int
     square_blocks: bool
+    microscaled: bool = False
+    stochastic: bool = False
 
     @classmethod
     def for_role(cls, recipe: Recipe, role: TensorRole) -> "CastRule":
         """The rule ``recipe`` gives the tensor in ``role``: E5M2 for output gradients
         under HYBRID, E4M3 otherwise."""
         fmt = recipe.fp8_format
+        dtype = gradient_dtype(fmt) if role is TensorRole.GRAD_OUTPUT else forward_dtype(fmt)
         return cls(
-            dtype=gradient_dtype(fmt) if role is TensorRole.GRAD_OUTPUT else forward_dtype(fmt),
+            dtype=FP4 if recipe.microscaling is Microscaling.NVFP4 else dtype,  # type: ignore[arg-type]
             scaling=recipe.scaling,
             margin=recipe.margin,
             power_of_2=recipe.power_of_2_scales,
             amax_algo=recipe.amax_compute_algo,
             granularity=recipe.granularity,
             block_size=recipe.block_size,
-            square_blocks=role is TensorRole.WEIGHT,
+            square_blocks=role is TensorRole.WEIGHT and recipe.square_weight_blocks,
+            microscaled=recipe.microscaling is not Microscaling.NONE,
+            stochastic=recipe.stochastic_grad_rounding and role is TensorRole.GRAD_OUTPUT,
         )
 
     @classmethod
@@ -81,7 +90,7 @@ class CastRule:
         rowwise = recipe.weight_grad_scaling is WeightGradScaling.ROWWISE
         return dataclasses.replace(
             weight, dtype=recipe.weight_grad_dtype, scaling=Scaling.CURRENT,
-            granularity=Granularity.ROWWISE if rowwise else weight.granularity,
+            granularity=Granularity.ROWWISE if rowwise else weight.granularity, microscaled=False,
         )
 
     @property
@@ -113,7 +122,12 @@ class Quantizer:
         histories: the layer's ``amax_history`` buffer, or None likewise.
         row: the role's row in ``scales`` and ``histories``.
         health: the layer's ``health`` buffer (see ``amp8.health``), or None: casts
-            asked to watch their operands write their signals there.
+            asked to watch their operands write their signals there (FP8 casts only;
+            microscaled casts are not watched).
+        rotation: the layer's random Hadamard matrix (``Recipe.wgrad_hadamard``): a
+            microscaled cast for wgrad (``contract_dim=0``) casts ``Q^T x`` instead of
+            ``x`` (see ``amp8.hadamard``), for the input and output gradient alike, so
+            wgrad's product is unchanged.
     """
 
     rule: CastRule
@@ -121,6 +135,7 @@ class Quantizer:
     histories: torch.Tensor | None = None
     row: int = 0
     health: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.rule.scaling is Scaling.DELAYED and self.histories is None:
@@ -136,6 +151,9 @@ class Quantizer:
         empty. No scaling always gives 1. A tensorwise scale keeps the last recorded one
         where the amax is zero or not finite.
         """
+        if self.rule.microscaled:
+            decode = self._block_cast(x, contract_dim).decode_scales()
+            return torch.where(decode > 0, decode.reciprocal(), 1.0), scaling.amax(x)
         tile = self.rule.tile(tuple(x.shape), contract_dim)
         amaxes = scaling.tile_amax(x, tile)
         previous = self.scales[self.row] if tile is None and self.scales is not None else None
@@ -149,14 +167,21 @@ class Quantizer:
         record: bool = False,
         update_history: bool = False,
         watch: tuple[GemmOperand, ...] = (),
-    ) -> ScaledTensor:
-        """``x`` (2-D) in FP8 with its scales, for a GEMM contracting its dim ``contract_dim``.
+    ) -> ScaledTensor | BlockScaledTensor:
+        """``x`` (2-D) in FP8 with its scales, for a GEMM contracting its dim ``contract_dim``
+        (a ``BlockScaledTensor`` under microscaling).
 
         With ``record``, the scale (the smallest, under fine-grained granularities) goes
         to the role's row of ``scales`` and, with ``update_history`` too, the amax to its
         history, both in place; an empty ``x`` records nothing. The cast's health signals
         go to the rows of ``health`` named by ``watch`` (see ``amp8.health``).
         """
+        if self.rule.microscaled:
+            cast = self._block_cast(x, contract_dim)
+            if record and x.numel() > 0:
+                decode = cast.decode_scales()
+                self._record(decode.amax().reciprocal(), scaling.amax(x), update_history)
+            return cast
         scale, current_amax = self.next_scale(x, contract_dim)
         if record and x.numel() > 0:  # an empty batch says nothing about the range
             self._record(scale, current_amax, update_history)
@@ -174,6 +199,16 @@ class Quantizer:
         ``operands``, and nothing else: a GEMM that runs in high precision is still
         watched, so its layer knows when FP8 would serve it again."""
         self.cast(x, contract_dim, watch=operands)
+
+    def _block_cast(self, x: torch.Tensor, contract_dim: int) -> BlockScaledTensor:
+        """The microscaled cast of ``x`` (rotated first for wgrad, see ``rotation``)."""
+        if contract_dim == 0 and self.rotation is not None:
+            x = hadamard.rotate_rows(x, self.rotation)
+        tile = self.rule.tile(tuple(x.shape), contract_dim)
+        key = microscaling.data_noise_key(x) if self.rule.stochastic else None
+        return microscaling.quantize_block_scaled(
+            x, self.rule.dtype, tile, margin=self.rule.margin, noise_key=key  # type: ignore[arg-type]
+        )
 
     def _record(self, scale: torch.Tensor, current_amax: torch.Tensor, update_history: bool) -> None:
         if self.scales is None or self.histories is None:
@@ -228,13 +263,17 @@ class LinearQuantizers(NamedTuple):
         histories: torch.Tensor,
         health: torch.Tensor | None = None,
         storage_recipe: Recipe | None = None,
+        rotation: torch.Tensor | None = None,
     ) -> "LinearQuantizers":
         """Quantizers for ``recipe`` over a layer's ``scale`` (roles,), ``amax_history``
         (roles, L) and ``health`` buffers. The weight gradient follows ``storage_recipe``
         (default ``recipe``): its scales are laid out as the stored weight's, whatever
-        granularity the GEMMs use."""
+        granularity the GEMMs use. The input's and output gradient's wgrad casts are
+        rotated by ``rotation`` where one is given (``Recipe.wgrad_hadamard``)."""
         recorded = [
-            Quantizer(CastRule.for_role(recipe, role), scales, histories, role.value, health) for role in TensorRole
+            Quantizer(CastRule.for_role(recipe, role), scales, histories, role.value, health=health,
+                      rotation=None if role is TensorRole.WEIGHT else rotation)
+            for role in TensorRole
         ]
         return cls(*recorded, Quantizer(CastRule.for_weight_grad(storage_recipe or recipe)))
 

@@ -6,6 +6,7 @@ attributes of the parent modules that held eligible ``nn.Linear`` layers.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Any, Callable
 
 from torch import nn
@@ -50,6 +51,7 @@ def swap_linear_layers(
     make_fp8: Callable[[nn.Linear], nn.Module],
     module_filter: ModuleFilter | None = None,
     layer_selection: LayerSelection = "all",
+    high_precision_layers: tuple[str, ...] = (),
 ) -> dict[str, str]:
     """Replace eligible ``nn.Linear`` children of ``model`` by ``make_fp8(linear)``.
 
@@ -57,7 +59,8 @@ def swap_linear_layers(
     ``module_filter(module, fqn)`` with its full dotted name. A layer FP8 cannot run
     (see ``high_precision_reason``) is never swapped, whatever the filter says; nor is
     one that the speed rule of ``layer_selection`` (for the device the layer's weight is
-    on, see ``amp8.selection``) finds too small to gain from FP8.
+    on, see ``amp8.selection``) finds too small to gain from FP8, nor one whose name
+    matches an ``fnmatch`` pattern of ``high_precision_layers`` (``Recipe``'s).
 
     Returns:
         ``{fqn: reason}`` for every ``nn.Linear`` left in high precision.
@@ -76,6 +79,9 @@ def swap_linear_layers(
             found = rule.reason(linear)
         if found is None and module_filter is not None and not module_filter(linear, fqn):
             found = "excluded by module_filter"
+        matched = [pattern for pattern in high_precision_layers if fnmatchcase(fqn, pattern)]
+        if found is None and matched:
+            found = f"matches Recipe.high_precision_layers pattern {matched[0]!r}"
         return found
 
     return _swap_children(model, nn.Linear, reason, make_fp8)
