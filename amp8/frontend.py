@@ -20,7 +20,7 @@ from .comm.reduction import GradientReduction
 from .optim.adam import LowBitAdam
 from .optim.support import check_state_precision, check_supported
 from .activations import attach_activation_storage
-from .recipe import ActivationFormat, Granularity, Recipe
+from .recipe import ActivationFormat, Granularity, Microscaling, Recipe
 from .selection import LayerSelection, resolve_selection
 
 
@@ -195,8 +195,8 @@ def _initialize(
     if distributed and level.shard_optimizer and recipe.granularity is not Granularity.TENSORWISE:
         raise ValueError(
             f"opt level {level.name} shards its optimizer over data-parallel ranks, which "
-            f"amp8 does for tensorwise scales only; got granularity="
-            f"{recipe.granularity.value!r}. Use Recipe(granularity='tensorwise') or O2"
+            f"amp8 does for tensorwise scales only; got {_granularity_name(recipe)}. "
+            "Use Recipe(granularity='tensorwise') or O2"
         )
     # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
     # them before the weights themselves drop to FP8.
@@ -246,3 +246,10 @@ def _initialize(
         optimizer, level, replaced=replaced, reduction=reduction,
         master_weights={layer.weight: real for layer, real in master_weights.items()},
     )
+
+
+def _granularity_name(recipe: Recipe) -> str:
+    """The recipe's scale granularity as an error message names it."""
+    if recipe.microscaling is not Microscaling.NONE:
+        return f"the {recipe.microscaling.value} format's {recipe.block_size}-element blocks"
+    return f"granularity={recipe.granularity.value!r}"

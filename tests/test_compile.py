@@ -32,6 +32,10 @@ CASES = {
     "O2-rowwise": ("O2", amp8.Recipe.preset("rowwise")),
     "O2-block": ("O2", amp8.Recipe.preset("deepseek")),
     "O3-delayed": ("O3", amp8.Recipe(scaling="delayed", amax_history_len=4)),
+    "O2-mxfp8": ("O2", amp8.Recipe.preset("mxfp8")),
+    "O3-mxfp8": ("O3", amp8.Recipe.preset("mxfp8")),
+    "O1-nvfp4": ("O1", amp8.Recipe.preset("nvfp4")),
+    "O3-nvfp4": ("O3", amp8.Recipe.preset("nvfp4")),
 }
 STEPS = 3
 MICRO_BATCHES = 2  # the second micro-batch takes the cached FP8 weight
@@ -100,8 +104,8 @@ def test_inductor_matches_eager(case: str) -> None:
             assert_sqnr_at_least(value.float(), stored[key].float(), 40.0)
 
 
-def _compiled_data_parallel(rank: int, world: int, compile_model: bool, level: str) -> dict[str, torch.Tensor]:
-    model, optimizer = _model(level, amp8.Recipe())
+def _compiled_data_parallel(rank: int, world: int, compile_model: bool, level: str, preset: str) -> dict[str, torch.Tensor]:
+    model, optimizer = _model(level, amp8.Recipe.preset(preset))
     # FSDP2's hooks (O3) are not traced (torch._dynamo.disable): graphs break around
     # each layer there. O1/O2 compile whole.
     fullgraph = level != "O3"
@@ -110,15 +114,16 @@ def _compiled_data_parallel(rank: int, world: int, compile_model: bool, level: s
     return multiprocess.full_state(model)
 
 
-@pytest.mark.parametrize("level", ["O2", "O3"])
-def test_compiled_data_parallel_matches_eager(tmp_path, level: str) -> None:
+@pytest.mark.parametrize(("level", "preset"), [("O2", "tensorwise"), ("O3", "tensorwise"), ("O2", "nvfp4")])
+def test_compiled_data_parallel_matches_eager(tmp_path, level: str, preset: str) -> None:
     """Inside a compiled backward the weight-gradient hooks cannot run, so no bucket
     starts early; every bucket is reduced at ``step()``, with the same result. At O3 the
-    FP8 weights are sharded by FSDP2, which gathers them around each compiled layer."""
+    FP8 weights are sharded by FSDP2, which gathers them around each compiled layer.
+    NVFP4 adds the Hadamard rotation, stochastic rounding and 16 x 16 gradient tiles."""
     (tmp_path / "eager").mkdir()
     (tmp_path / "compiled").mkdir()
-    eager = multiprocess.run(_compiled_data_parallel, tmp_path / "eager", False, level)
-    compiled = multiprocess.run(_compiled_data_parallel, tmp_path / "compiled", True, level)
+    eager = multiprocess.run(_compiled_data_parallel, tmp_path / "eager", False, level, preset)
+    compiled = multiprocess.run(_compiled_data_parallel, tmp_path / "compiled", True, level, preset)
     for key, value in eager[0].items():
         for rank in range(2):
             assert_bitwise_equal(compiled[rank][key], value)
