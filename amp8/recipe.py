@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .formats import E4M3, E5M2, Fp8Format, gradient_dtype, max_margin
+from .formats import E4M3, E5M2, E8M0, Fp8Format, gradient_dtype, max_margin
 from .formats import support_reason as microscaling_support_reason
 
 MAX_HISTORY_LEN = 1024
@@ -383,6 +383,13 @@ class Recipe:
         if chosen is WeightGradFormat.GRADIENT:
             return gradient_dtype(self.fp8_format)
         return E4M3 if chosen is WeightGradFormat.E4M3 else E5M2
+
+    @property
+    def stored_scale_dtype(self) -> "torch.dtype":
+        """The dtype of the scales of FP8 weights and Adam's FP8 first moment, as stored:
+        one-byte E8M0 under MXFP8 (its scales are powers of two), else float32. Weight
+        gradients keep float32 scales, which clipping rescales by any factor, exactly."""
+        return E8M0 if self.microscaling is Microscaling.MXFP8 else torch.float32  # type: ignore[return-value]
 
     def weight_grad_tile(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """The (rows, columns) tile sharing one scale in a stored weight gradient of

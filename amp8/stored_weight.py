@@ -114,8 +114,15 @@ class StoredWeight:
 
     @property
     def scale(self) -> torch.Tensor:
-        """The weight's float32 scales (the layer's ``weight_scale`` buffer)."""
-        return self._module.weight_scale
+        """The weight's scales in float32 (the layer's ``weight_scale`` buffer, which
+        holds them as ``scale_dtype``)."""
+        return self._module.weight_scale.float()
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype the scales are stored in: the recipe's ``stored_scale_dtype`` for FP8
+        storage (E8M0 under MXFP8), else float32."""
+        return self.recipe.stored_scale_dtype if self.storage is Precision.FP8 else torch.float32
 
     @property
     def dtype(self) -> torch.dtype:
@@ -192,10 +199,11 @@ class StoredWeight:
                 local_tensor(param).copy_(data)
             else:
                 param.data = data
-            if module.weight_scale.shape == scale.shape:
-                module.weight_scale.copy_(scale)
+            stored_scale = module.weight_scale
+            if stored_scale.shape == scale.shape and stored_scale.dtype == self.scale_dtype:
+                stored_scale.copy_(scale)  # to E8M0 exactly: its scales are powers of two
             else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
-                module.weight_scale = scale.clone()
+                module.weight_scale = scale.to(self.scale_dtype, copy=True)
 
     def restore(self, storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""

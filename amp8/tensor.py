@@ -15,7 +15,8 @@ from . import scaling
 
 @dataclass(frozen=True)
 class ScaledTensor:
-    """``data`` holds ``x * scale`` in a low-precision dtype; ``scale`` is float32.
+    """``data`` holds ``x * scale`` in a low-precision dtype; ``scale`` is float32 (or
+    E8M0, read as float32).
 
     ``scale`` is a scalar for tensorwise scaling, (R, 1) or (1, C) for one scale per row
     or column, and one scale per ``block_size`` elements along any other dimension
@@ -47,7 +48,7 @@ class ScaledTensor:
 
     def full_scale(self) -> torch.Tensor:
         """The scales broadcast against ``data`` (block scales repeated per element)."""
-        return scaling.expand_scale(self.scale, tuple(self.data.shape), self.block_size)
+        return scaling.expand_scale(self.scale.float(), tuple(self.data.shape), self.block_size)
 
     def t(self) -> "ScaledTensor":
         """The transposed matrix, with its scales transposed alongside."""

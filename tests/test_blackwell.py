@@ -251,6 +251,82 @@ def test_checkpoint_round_trips_bit_for_bit(level, name) -> None:
         model, optimizer, _batches(3, seed=1))
 
 
+@pytest.mark.parametrize("tile", [(1, 32), (16, 16)])
+@pytest.mark.parametrize("shape", [(64, 64), (37, 100)])
+def test_e8m0_state_scales_store_the_power_of_two_scales_exactly(tile, shape) -> None:
+    """A first moment stored with one-byte E8M0 scales loads back bit for bit as the
+    same FP8 data with float32 power-of-two scales."""
+    from amp8 import scaling
+    from amp8.formats import E4M3, E8M0
+    from amp8.levels import Precision
+    from amp8.optim import state as state_storage
+
+    value = torch.randn(shape) * torch.logspace(-6, 3, shape[1])  # nine decades across columns
+    stored: dict = {}
+    state_storage.store(stored, "exp_avg", value, Precision.FP8, 0, tile, E8M0)
+    data, scales = scaling.quantize_tiles(value, E4M3, tile, power_of_2=True)
+    assert stored["exp_avg_scale"].dtype == E8M0 and stored["exp_avg_scale"].shape == scales.shape
+    assert_bitwise_equal(stored["exp_avg"], data)
+    assert_bitwise_equal(stored["exp_avg_scale"].float(), scales)
+    reference = scaling.dequantize(data, scaling.expand_scale(scales, shape, max(tile)))
+    assert_bitwise_equal(state_storage.load(stored, "exp_avg"), reference)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_stored_scales_follow_the_format(level, name) -> None:
+    """MXFP8 stores the scales of O3's FP8 weights and of the FP8 first moment as one
+    byte (E8M0); NVFP4, whose E4M3 block scales carry a float32 tensor scale, keeps
+    float32 ones. Weight gradients keep float32 scales (clipping rescales them)."""
+    model = _model()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level,
+                                       recipe=Recipe.preset(name))
+    train_steps(model, optimizer, _batches(2))
+    expected = torch.float8_e8m0fnu if name == "mxfp8" else torch.float32
+    state = optimizer.state[model[0].weight]
+    assert state["exp_avg_scale"].dtype == expected
+    assert model[0].weight_grad.scale.dtype == torch.float32
+    if level == "O3":
+        assert model[0].weight_scale.dtype == expected
+        # The FP8 weight reads back as the FP16 master weight, within E4M3's rounding.
+        master = amp8.optim.state.load(state, "master")
+        assert_sqnr_at_least(master, model[0].read_weight(), 28.0)
+    else:
+        assert model[0].weight_scale.dtype == torch.float32  # FP16 storage: one float32 scale
+
+
+def test_mxfp8_o3_state_takes_fewer_bytes_with_e8m0_scales() -> None:
+    """Per element of a (208, 64) weight at O3 under MXFP8: FP8 weight, FP8 first moment,
+    each with one scale per 32 elements (1/32 byte as E8M0, 4/32 as float32)."""
+    model = _model()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O3",
+                                       recipe=Recipe.preset("mxfp8"))
+    train_steps(model, optimizer, _batches(1))
+    state, numel = optimizer.state[model[0].weight], model[0].weight.numel()
+    weight_bytes = model[0].weight.nbytes + model[0].weight_scale.nbytes
+    moment_bytes = state["exp_avg"].nbytes + state["exp_avg_scale"].nbytes
+    assert weight_bytes == moment_bytes == numel + numel // 32
+
+
+def test_float32_scales_of_an_older_mxfp8_checkpoint_load_exactly() -> None:
+    """A checkpoint written with float32 power-of-two scales (amp8 0.1's MXFP8 storage)
+    loads into the one-byte buffers without a change of value."""
+    def build():
+        torch.manual_seed(0)
+        model = _model()
+        return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3",
+                               recipe=Recipe.preset("mxfp8"))
+
+    model, optimizer = build()
+    train_steps(model, optimizer, _batches(2))
+    saved = {key: value.float() if key.endswith("weight_scale") else value for key, value in model.state_dict().items()}
+    assert saved["0.weight_scale"].dtype == torch.float32
+    loaded, _ = build()
+    loaded.load_state_dict(saved)
+    assert loaded[0].weight_scale.dtype == torch.float8_e8m0fnu
+    assert_bitwise_equal(loaded[0].read_weight(), model[0].read_weight())
+
+
 def test_compare_ablates_each_nvfp4_knob() -> None:
     recipe = Recipe.preset("nvfp4")
     specs = {spec.name: spec for spec in run_specs(CompareConfig(recipe=recipe, levels=("O0", "O1")))}

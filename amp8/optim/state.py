@@ -7,7 +7,8 @@ A tensor kept in FP32 is stored under its key as is. A low-bit one is stored as
 
 A 2-D FP8 tensor may instead take one scale per ``tile`` (rows, columns), the recipe's
 granularity for a weight: its scales are then 2-D, ``(ceil(R / rows), ceil(C / columns))``,
-and ``key + "_block_size"`` holds the larger tile edge.
+and ``key + "_block_size"`` holds the larger tile edge. Those scales may be stored as
+one-byte E8M0 powers of two (the MXFP8 recipe's first moment).
 """
 
 from __future__ import annotations
@@ -34,18 +35,21 @@ def store(
     precision: Precision,
     block_size: int,
     tile: tuple[int, int] | None = None,
+    tile_scale_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Put float32 ``value`` into ``state[key]`` at ``precision`` (with its scales): one
-    scale per ``tile`` for FP8 where a tile is given, else per flat block of
-    ``block_size`` elements (0: per tensor)."""
+    scale per ``tile`` for FP8 where a tile is given, stored as ``tile_scale_dtype``
+    (E8M0: power-of-two scales in one byte), else per flat block of ``block_size``
+    elements (0: per tensor)."""
     if precision is Precision.FP32:
         state[key] = value
         state.pop(key + SCALE_SUFFIX, None)
         state.pop(key + BLOCK_SUFFIX, None)
         return
     if precision is Precision.FP8 and tile is not None:
-        data, scales = scaling.quantize_tiles(value, _STORAGE_DTYPES[precision], tile)
-        block_size = max(tile)
+        power_of_2 = tile_scale_dtype is not torch.float32
+        data, scales = scaling.quantize_tiles(value, _STORAGE_DTYPES[precision], tile, power_of_2=power_of_2)
+        scales, block_size = scales.to(tile_scale_dtype), max(tile)
     else:
         data, scales = scaling.quantize_blockwise(value, _STORAGE_DTYPES[precision], block_size)
     state[key], state[key + SCALE_SUFFIX], state[key + BLOCK_SUFFIX] = data, scales, block_size
@@ -59,7 +63,7 @@ def load(state: dict[str, Any], key: str) -> torch.Tensor:
         return data.float()
     block_size = state.get(key + BLOCK_SUFFIX, 0)
     if scales.dim() == data.dim() >= 2:  # one scale per tile
-        return scaling.dequantize(data, scaling.expand_scale(scales, tuple(data.shape), block_size))
+        return scaling.dequantize(data, scaling.expand_scale(scales.float(), tuple(data.shape), block_size))
     return scaling.dequantize_blockwise(data, scales, block_size)
 
 

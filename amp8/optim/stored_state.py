@@ -85,13 +85,16 @@ class StoredState:
         """Store a moment at its level's precision. An FP8 first moment takes the tiles
         of its FP8 layer's weight scales (rowwise or block recipes), or one scale per row
         for any other matrix (an embedding: a rare token's row would round to zero under
-        a scale set by the frequent ones); other low-bit moments take ``state_block_size``."""
+        a scale set by the frequent ones); other low-bit moments take ``state_block_size``.
+        An FP8 layer's tile scales are stored as its recipe's ``stored_scale_dtype``."""
         handle = self.weights.get(param)
+        scale_dtype = torch.float32
         if handle is not None:
             tile = handle.state_tile()
+            scale_dtype = torch.float32 if handle.fixed_storage else handle.recipe.stored_scale_dtype
         else:
             tile = (1, param.shape[1]) if param.dim() == 2 and param.numel() else None
-        state_storage.store(param_state, key, value, getattr(self.level, key), self.state_block_size, tile)
+        state_storage.store(param_state, key, value, getattr(self.level, key), self.state_block_size, tile, scale_dtype)
 
     def weight(self, param: nn.Parameter, param_state: dict[str, Any]) -> torch.Tensor:
         """The real float32 values the update starts from: the master weight (this rank's
