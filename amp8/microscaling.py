@@ -36,24 +36,22 @@ _FP4_SIGN = 0x8
 # -- E2M1 codes ------------------------------------------------------------------------
 def encode_fp4(values: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> torch.Tensor:
     """The 4-bit E2M1 codes (uint8, sign in bit 3) of float ``values`` already scaled
-    into ``[-6, 6]`` (larger magnitudes saturate). Rounds to nearest, ties to the even
-    code, or stochastically under ``noise_key``."""
-    grid = torch.tensor(_FP4_VALUES, device=values.device)
-    magnitude = values.float().abs().clamp(max=FP4_MAX)
+    into ``[-6, 6]`` (larger magnitudes saturate, NaN takes the largest code). Rounds to
+    nearest, ties to the even code, or stochastically under ``noise_key``."""
+    magnitude = values.float().abs().clamp(max=FP4_MAX).nan_to_num(nan=FP4_MAX)
+    # E2M1's grid is 0.5 apart below 2, 1 apart in [2, 4] and 2 apart in [4, 6]: in each
+    # of these three ranges a code is the number of steps from the range's start plus
+    # 2 per range below it, so the even step count is the even code.
+    binade = (magnitude >= 2).to(torch.uint8) + (magnitude >= 4).to(torch.uint8)
+    spacing = torch.exp2(binade.float() - 1)
+    steps = magnitude / spacing  # exact: the spacing is a power of two
     if noise_key is None:
-        midpoints = (grid[1:] + grid[:-1]) / 2
-        codes = torch.bucketize(magnitude, midpoints)  # a tie counts as below: the lower code
-        # ...which is right where the lower code is even; else the tie goes up to the even one
-        nearest_midpoint = midpoints[codes.clamp(max=6)]
-        codes += ((magnitude == nearest_midpoint) & (codes % 2 == 1)).long()
+        steps = torch.round(steps)  # half to even
     else:
-        lower = torch.bucketize(magnitude, grid[1:], right=True)  # the largest grid value <= magnitude
-        low_value = grid[lower]
-        step = grid[(lower + 1).clamp(max=7)] - low_value
-        fraction = torch.where(step > 0, (magnitude - low_value) / step.clamp(min=0.5), 0.0)
-        codes = lower + (noise.uniform(magnitude.shape, noise_key, values.device) < fraction).long()
-    negative = values.float() < 0
-    return (codes + _FP4_SIGN * negative.long()).to(torch.uint8)
+        low = torch.floor(steps)
+        steps = low + (noise.uniform(magnitude.shape, noise_key, values.device) < steps - low).float()
+    codes = steps.to(torch.uint8) + 2 * binade
+    return codes + _FP4_SIGN * (values.float() < 0).to(torch.uint8)
 
 
 def decode_fp4(codes: torch.Tensor) -> torch.Tensor:

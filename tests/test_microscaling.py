@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from amp8 import formats, microscaling, scaling
+from amp8 import formats, microscaling, noise, scaling
 from amp8.formats import E4M3, E5M2, E8M0, FP4_MAX
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
@@ -32,6 +32,24 @@ def test_fp4_rounds_to_nearest_with_ties_to_the_even_code() -> None:
     values = torch.cat([values, -values])
     got = microscaling.decode_fp4(microscaling.encode_fp4(values)).double()
     torch.testing.assert_close(got, _nearest_even_reference(values), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("key", [0, 7, 2**31 + 5])
+def test_fp4_stochastic_rounding_goes_up_exactly_where_the_noise_is_below_the_fraction(key) -> None:
+    """Element by element against a reference from the grid itself: the neighbours below
+    and above a magnitude, and the counter-based noise the key gives."""
+    grid = E2M1_VALUES.float()
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.rand(4000) * 6, torch.tensor([6.5, 1e9])])
+    values = torch.cat([values, -values])
+    magnitude = values.abs().clamp(max=6.0)
+    below = grid[torch.searchsorted(grid, magnitude, right=True) - 1]
+    above = grid[torch.searchsorted(grid, magnitude, right=False).clamp(max=7)]
+    fraction = torch.where(above > below, (magnitude - below) / (above - below).clamp(min=0.5), 0.0)
+    up = noise.uniform(values.shape, key, values.device) < fraction
+    expected = torch.where(up, above, below).copysign(values)
+    got = microscaling.decode_fp4(microscaling.encode_fp4(values, key))
+    torch.testing.assert_close(got.abs(), expected.abs(), atol=0, rtol=0)
+    assert bool(((got == 0) | (got.sign() == values.sign())).all())
 
 
 def test_every_fp4_code_decodes_to_the_e2m1_value() -> None:
