@@ -6,7 +6,8 @@
 
 from typing import Any
 
-from .controller import Controller, ControllerConfig, HealthThresholds, Move, PrecisionPhase
+from .controller import Controller
+from .controller_config import ControllerConfig, HealthThresholds, Move, PrecisionPhase
 from .export import export
 from .formats import Fp8Format
 from .frontend import initialize

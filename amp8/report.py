@@ -7,7 +7,6 @@ weight with the scale its layer would use.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,14 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import scaling
 from .console import default_console
-from .formats import E8M0, FP4_MAX, is_fp4, max_value, short_name
+from .formats import short_name
 from .nn.linear import Fp8Linear
-from .nn.quantizer import TensorRole
 from .levels import Precision
 from .nn.swap import embedding_reason, high_precision_reason, shared_weight_names
 from .stored_weight import stored_weight
+from .weight_stats import SHORT_DTYPES, weight_cast_stats
 from .tensor import local_tensor
 from .selection import resolve_selection
 from .validation import check_model_and_optimizer
@@ -33,75 +31,6 @@ FP32_ADAM_BYTES_PER_PARAM = 16
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.nbytes
-
-
-_ROUNDING = 2.0**-20
-"""Relative slack for float32 rounding when checking whether a scaled value exceeds the max."""
-
-
-def _fp8_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
-    """Granularity, scales, amax, underflow and saturation of the FP8 cast of ``weight``,
-    the layer's real weight (its master weight where the optimizer keeps one)."""
-    if layer.quantizers.weight.rule.microscaled:
-        return {**_microscaled_cast_stats(layer, weight), **_gemm_fields(layer)}
-    if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        scale, weight_amax = layer.weight_scale, scaling.amax(weight)
-        block_size = layer.block_size
-    else:  # the cast the forward GEMM gets, at the GEMMs' granularity
-        scale, weight_amax = layer.next_scale(TensorRole.WEIGHT, weight)
-        block_size = layer.quantizers.weight.rule.scale_block_size
-    dtype = layer.fp8_dtype(TensorRole.WEIGHT)
-    full_scale = scaling.expand_scale(scale, tuple(weight.shape), block_size)
-    scaled = weight * full_scale
-    cast = scaling.quantize(weight, full_scale, dtype)
-    nonzero = weight != 0
-    underflow = (nonzero & (cast.float() == 0)).sum() / nonzero.sum().clamp(min=1)
-    # The amax element lands on the max up to float32 rounding (448.00003): not a clip.
-    saturated = (scaled.abs() > max_value(dtype) * (1 + _ROUNDING)).float().mean()
-    return {
-        "granularity": layer.recipe.granularity.value,
-        **_gemm_fields(layer),
-        "scale": float(scale) if scale.numel() == 1 else None,
-        "scale_min": float(scale.amin()),
-        "scale_max": float(scale.amax()),
-        "amax": float(weight_amax),
-        "underflow": float(underflow),
-        "saturated": float(saturated),
-        "format": None,
-        "block": None,
-    }
-
-
-def _gemm_fields(layer: Fp8Linear) -> dict[str, Any]:
-    """How the layer's GEMMs run now and the controller's moves of it, as report fields."""
-    return {"gemms": layer.gemm_description, "moves": [dataclasses.asdict(move) for move in layer.gemm_moves]}
-
-
-def _microscaled_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
-    """``_fp8_cast_stats`` of a microscaled layer: its forward GEMM's cast of ``weight``,
-    the format (elements, block-scale dtype), the block and the range of the scales (as
-    amp8 scales: ``element = real * scale``)."""
-    cast = layer.cast(TensorRole.WEIGHT, weight, record=False)
-    decode = cast.decode_scales()
-    scales = decode[decode > 0].reciprocal()
-    element_max = FP4_MAX if is_fp4(cast.dtype) else max_value(cast.dtype)
-    nonzero = weight != 0
-    underflow = (nonzero & (cast.dequantize() == 0)).sum() / nonzero.sum().clamp(min=1)
-    scaled = weight.float().abs() / cast.full_scales()
-    saturated = (scaled > element_max * (1 + _ROUNDING)).float().mean()
-    elements = "e2m1" if is_fp4(cast.dtype) else _SHORT_DTYPES[short_name(cast.dtype)]
-    block_scales = "e8m0" if cast.scales.dtype == E8M0 else _SHORT_DTYPES[short_name(cast.scales.dtype)]
-    return {
-        "granularity": layer.recipe.granularity.value,
-        "scale": None,
-        "scale_min": float(scales.amin()) if scales.numel() else None,
-        "scale_max": float(scales.amax()) if scales.numel() else None,
-        "amax": float(scaling.amax(weight)),
-        "underflow": float(underflow),
-        "saturated": float(saturated),
-        "format": f"{layer.recipe.microscaling.value} {elements}/{block_scales}",
-        "block": "x".join(map(str, cast.tile)),
-    }
 
 
 def _default_rule_reason(linear: nn.Linear) -> str | None:
@@ -136,10 +65,6 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
 
 _LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row): a lookup, not a GEMM"
 
-_SHORT_DTYPES = {
-    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
-    "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float64": "fp64",
-}
 
 
 @dataclass
@@ -357,7 +282,7 @@ def _cell(row: dict[str, Any], key: str) -> str:
         return f"{value:.3g}"
     if key == "scale_min":
         return f"{value:.3g}..{row['scale_max']:.3g}"
-    return _SHORT_DTYPES.get(value, str(value))
+    return SHORT_DTYPES.get(value, str(value))
 
 
 _COLUMNS = (
@@ -399,7 +324,7 @@ def report(
             note = note or "FP8 compute only: weight and gradient as the model keeps them"
             grad_dtype = None if param.grad is None else param.grad.dtype
             grad_bytes, weight_bytes = _nbytes(param.grad), param.nbytes
-            stats = _fp8_cast_stats(fp8_layer, fp8_layer.read_weight())
+            stats = weight_cast_stats(fp8_layer, fp8_layer.read_weight())
         elif (handle := stored_weight(param)) is not None:  # an FP8 layer's weight, or a low-bit table
             grad = handle.grad()
             grad_dtype = None if grad is None else grad.dtype
@@ -408,7 +333,7 @@ def report(
             stats: dict[str, Any] = dict.fromkeys(_STATS)
             if fp8_layer is not None:
                 read = getattr(optimizer, "master_weight", None)
-                stats = _fp8_cast_stats(fp8_layer, read(param) if read is not None else fp8_layer.read_weight())
+                stats = weight_cast_stats(fp8_layer, read(param) if read is not None else fp8_layer.read_weight())
             else:
                 note = note or _LOW_BIT_TABLE_NOTE
         else:

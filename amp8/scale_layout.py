@@ -1,4 +1,5 @@
-"""The swizzled layout of block scales that Blackwell's block-scaled GEMMs read.
+"""Memory layouts cuBLAS reads: row- and column-major GEMM operands, and the swizzled
+layout of block scales that Blackwell's block-scaled GEMMs read.
 
 cuBLAS (its "1D block scaling factors layout") and CUTLASS take the scales of a
 (rows, K / block) matrix of block scales in 128 x 4 tiles: the matrix is zero-padded to
@@ -15,8 +16,21 @@ from __future__ import annotations
 
 import torch
 
+GEMM_ALIGNMENT = 16
+"""K and N of an FP8 GEMM are multiples of this: 16 bytes of one-byte elements."""
 TILE_ROWS, TILE_COLUMNS = 128, 4
 _GROUPS = TILE_ROWS // 32  # 32-row groups per tile, interleaved along the 16 columns
+
+
+def is_row_major(x: torch.Tensor) -> bool:
+    """Whether the 2-D ``x`` is row-major (rows contiguous, one after another)."""
+    # An empty tensor has no layout to get wrong (``contiguous()`` leaves its strides).
+    return x.numel() == 0 or (x.stride(1) == 1 and x.stride(0) >= max(1, x.shape[1]))
+
+
+def is_column_major(x: torch.Tensor) -> bool:
+    """Whether the 2-D ``x`` is column-major (columns contiguous, one after another)."""
+    return x.numel() == 0 or (x.stride(0) == 1 and x.stride(1) >= max(1, x.shape[0]))
 
 
 def swizzled_shape(rows: int, columns: int) -> tuple[int, int]:

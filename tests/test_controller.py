@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import amp8
-from amp8.controller import STATE_DICT_KEY, ControllerConfig, HealthThresholds, PrecisionPhase
+from amp8.controller import STATE_DICT_KEY
+from amp8.controller_config import ControllerConfig, HealthThresholds, PrecisionPhase
 
 OUTLIER = 2.0**22
 

@@ -5,7 +5,7 @@ import torch
 
 from amp8 import microscaling, scale_layout
 from amp8.formats import E4M3, E5M2, E8M0, FP4
-from amp8.gemm import block_scaled_mm, check_block_scaled_operands
+from amp8.block_scaled_gemm import block_scaled_mm, check_block_scaled_operands
 from amp8.scaling import sqnr
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..controller import ControllerConfig
+from ..controller_config import ControllerConfig
 from ..levels import LEVELS, OptLevel
 from ..recipe import Recipe
 from .corpus import CorpusConfig
