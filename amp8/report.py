@@ -18,10 +18,9 @@ from .console import default_console
 from .formats import short_name
 from .nn.linear import Fp8Linear
 from .levels import Precision
-from .nn.swap import embedding_reason, high_precision_reason, shared_weight_names
+from .nn.swap import embedding_reason, high_precision_reason, recipe_pattern_reason, shared_weight_names
 from .stored_weight import stored_weight
 from .weight_stats import SHORT_DTYPES, weight_cast_stats
-from .tensor import local_tensor
 from .selection import resolve_selection
 from .validation import check_model_and_optimizer
 
@@ -43,14 +42,19 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     """``id(param) -> (owning module, note)``; the note says why a parameter that could
     look like an FP8 candidate stays in high precision."""
     shared = shared_weight_names(model)
+    kept_by_recipe = tuple(dict.fromkeys(  # the recipes' patterns, in order, once each
+        pattern for module in model.modules() if isinstance(module, Fp8Linear)
+        for pattern in module.recipe.high_precision_layers
+    ))
     owners: dict[int, tuple[nn.Module, str | None]] = {}
-    for module in model.modules():
+    for fqn, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             note = None
             if type(module) is nn.Linear and param_name == "weight":
                 note = (
                     high_precision_reason(module, shared)
                     or _default_rule_reason(module)
+                    or recipe_pattern_reason(fqn, kept_by_recipe)
                     or "not selected for FP8 (module_filter or layer_selection)"
                 )
             elif type(module) is nn.Embedding and param_name == "weight":
@@ -329,7 +333,7 @@ def report(
             grad = handle.grad()
             grad_dtype = None if grad is None else grad.dtype
             grad_bytes = 0 if grad is None else grad.nbytes  # FP8 data + scales, while there is one
-            weight_bytes = local_tensor(param).nbytes + handle.scale.nbytes
+            weight_bytes = handle.nbytes
             stats: dict[str, Any] = dict.fromkeys(_STATS)
             if fp8_layer is not None:
                 read = getattr(optimizer, "master_weight", None)

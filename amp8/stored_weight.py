@@ -119,6 +119,11 @@ class StoredWeight:
         return self._module.weight_scale.float()
 
     @property
+    def nbytes(self) -> int:
+        """Bytes the stored weight holds on this rank: its data and its scales, as stored."""
+        return local_tensor(self.param).nbytes + self._module.weight_scale.nbytes
+
+    @property
     def scale_dtype(self) -> torch.dtype:
         """The dtype the scales are stored in: the recipe's ``stored_scale_dtype`` for FP8
         storage (E8M0 under MXFP8), else float32."""

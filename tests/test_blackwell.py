@@ -185,7 +185,9 @@ def test_high_precision_layers_stay_nn_linear() -> None:
     assert isinstance(model[0], Fp8Linear)
     assert type(model[2]) is nn.Linear and type(model[4]) is nn.Linear
     notes = {row["name"]: row["note"] for row in amp8.report(model).rows}
-    assert notes["0.weight"] is None and "not selected for FP8" in notes["4.weight"]
+    assert notes["0.weight"] is None
+    assert notes["2.weight"] == "matches Recipe.high_precision_layers pattern '2*'"
+    assert notes["4.weight"] == "matches Recipe.high_precision_layers pattern '4'"
 
 
 # -- training, state, report, checkpoints -------------------------------------------------
@@ -306,6 +308,10 @@ def test_mxfp8_o3_state_takes_fewer_bytes_with_e8m0_scales() -> None:
     weight_bytes = model[0].weight.nbytes + model[0].weight_scale.nbytes
     moment_bytes = state["exp_avg"].nbytes + state["exp_avg_scale"].nbytes
     assert weight_bytes == moment_bytes == numel + numel // 32
+    # The report counts the bytes as stored: one per E8M0 scale, four per float32 one.
+    held = weight_bytes + model[0].weight_grad.nbytes + sum(
+        value.nbytes for value in state.values() if torch.is_tensor(value))
+    assert amp8.report(model, optimizer).rows[0]["bytes"] == held
 
 
 def test_float32_scales_of_an_older_mxfp8_checkpoint_load_exactly() -> None:

@@ -46,6 +46,13 @@ def high_precision_reason(linear: nn.Linear, shared: dict[int, list[str]]) -> st
     return "; ".join(reasons) or None
 
 
+def recipe_pattern_reason(fqn: str, high_precision_layers: tuple[str, ...]) -> str | None:
+    """Why ``Recipe.high_precision_layers`` keeps the layer named ``fqn`` out of FP8 (its
+    first matching ``fnmatch`` pattern), or None."""
+    matched = [pattern for pattern in high_precision_layers if fnmatchcase(fqn, pattern)]
+    return f"matches Recipe.high_precision_layers pattern {matched[0]!r}" if matched else None
+
+
 def swap_linear_layers(
     model: nn.Module,
     make_fp8: Callable[[nn.Linear], nn.Module],
@@ -79,10 +86,7 @@ def swap_linear_layers(
             found = rule.reason(linear)
         if found is None and module_filter is not None and not module_filter(linear, fqn):
             found = "excluded by module_filter"
-        matched = [pattern for pattern in high_precision_layers if fnmatchcase(fqn, pattern)]
-        if found is None and matched:
-            found = f"matches Recipe.high_precision_layers pattern {matched[0]!r}"
-        return found
+        return found or recipe_pattern_reason(fqn, high_precision_layers)
 
     return _swap_children(model, nn.Linear, reason, make_fp8)
 
