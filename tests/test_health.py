@@ -3,16 +3,18 @@ GEMM operands an Fp8Linear watches at every granularity and override."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import amp8
 from amp8.formats import E4M3, E5M2, max_value
-from amp8.health import GemmOperand, Signal, cast_health, clip_limit, new_health, record_health
+from amp8.health import GemmOperand, Signal, block_cast_health, cast_health, clip_limit, new_health, record_health
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import CastRule, Quantizer, TensorRole
-from amp8 import scaling
+from amp8 import microscaling, scaling
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -65,13 +67,22 @@ def _layer(recipe: amp8.Recipe) -> Fp8Linear:
 OVERRIDES = [(False, False, False), (True, False, False), (False, True, False), (False, False, True), (True, True, True)]
 
 
-@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "block"])
+RECIPES = {
+    "tensorwise": amp8.Recipe(),
+    "rowwise": amp8.Recipe(granularity="rowwise"),
+    "block": amp8.Recipe(granularity="block", block_size=16),
+    "mxfp8": amp8.Recipe.preset("mxfp8"),
+    "nvfp4": amp8.Recipe.preset("nvfp4"),
+}
+
+
+@pytest.mark.parametrize("granularity", RECIPES)
 @pytest.mark.parametrize("override", OVERRIDES)
 def test_a_watched_step_measures_every_operand_and_changes_no_result(granularity, override) -> None:
     """Each of the six GEMM operands gets its signals (also for a GEMM in high
     precision, from the cast it would get), and watching changes neither the output nor
-    the gradients."""
-    recipe = amp8.Recipe(granularity=granularity, block_size=16, override_linear_precision=override)
+    the gradients, microscaled casts included."""
+    recipe = RECIPES[granularity].replace(override_linear_precision=override)
     results = []
     for watch in (False, True):
         layer = _layer(recipe)
@@ -97,3 +108,41 @@ def test_a_token_outlier_flushes_the_other_rows_under_one_scale_but_not_per_row(
         underflow[granularity] = float(layer.health[GemmOperand.FPROP_INPUT, Signal.UNDERFLOW])
     assert underflow["tensorwise"] > 0.9
     assert underflow["rowwise"] < 0.01
+
+
+@pytest.mark.parametrize("n_flushed", [0, 5, 31])
+def test_mxfp8_health_counts_the_values_a_block_flushes(n_flushed) -> None:
+    """One E8M0 scale per 32: a value 2**-20 of its block's max falls below E4M3's
+    smallest subnormal (2**-9 of the max's binade, 448) and decodes to zero."""
+    x = torch.ones(4, 64)
+    x[:, ::32] = 448.0  # each block's max
+    x.view(-1)[1:1 + n_flushed] = 448.0 * 2.0**-20
+    x[3, 40:50] = 0.0  # zeros are not counted
+    cast = microscaling.quantize_mx(x, E4M3, (1, 32))
+    signals = block_cast_health(x, cast)
+    assert signals[Signal.AMAX] == 448.0 and signals[Signal.SATURATED] == 0
+    assert signals[Signal.UNDERFLOW] == pytest.approx(n_flushed / (4 * 64 - 10))
+
+
+def test_nvfp4_health_counts_blocks_whose_scale_flushed_not_small_elements() -> None:
+    """NVFP4 rounds a block's values below 1/24 of its max to zero by design (E2M1's
+    grid): not counted. A block whose E4M3 scale flushes under the tensor scale that an
+    outlier set is: all its nonzero values are lost."""
+    x = torch.ones(4, 64)
+    x[:, 1:8] = 1e-3  # flushed by E2M1's grid inside healthy blocks: not counted
+    healthy = block_cast_health(x, microscaling.quantize_nvfp4(x, (1, 16)))
+    assert healthy[Signal.UNDERFLOW] == 0 and healthy[Signal.SATURATED] == 0
+    x[0, 0] = 2.0**30  # the tensor scale follows it: every other block's scale flushes
+    signals = block_cast_health(x, microscaling.quantize_nvfp4(x, (1, 16)))
+    assert signals[Signal.UNDERFLOW] == pytest.approx((4 * 64 - 16) / (4 * 64))
+    assert signals[Signal.SATURATED] == 0
+
+
+def test_fp4_clip_limit_is_the_max_plus_half_the_top_spacing() -> None:
+    """E2M1's top values are 4 and 6: 6.9 rounds to 6 anyway, 7.1 clips. Built by hand:
+    one block, its decode scale 1 (block scale 1, tensor scale 1)."""
+    x = torch.tensor([[6.0, 6.9, 7.1, 1.0] * 4])
+    cast = microscaling.quantize_nvfp4(torch.tensor([[6.0] * 16]), (1, 16))  # decode scale 1
+    cast = dataclasses.replace(cast, data=microscaling.pack_fp4(microscaling.encode_fp4(x), 1))
+    assert float(cast.decode_scales().max()) == 1.0
+    assert block_cast_health(x, cast)[Signal.SATURATED] == pytest.approx(4 / 16)

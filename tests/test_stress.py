@@ -207,3 +207,31 @@ def test_the_controller_moves_the_stressed_layer_and_nothing_else(tmp_path: Path
     assert rows["blocks.1.mlp.proj.weight"]["gemms"] == "block, wgrad high"
     saved = json.loads((tmp_path / JSON_NAME).read_text())
     assert saved["config"]["controller_levels"] == ["O1"]
+
+
+@pytest.mark.parametrize("stressed", [True, False])
+@pytest.mark.parametrize(("preset", "cap", "moved"), [("mxfp8", 0.1, "wgrad"), ("nvfp4", 0.2, "fprop+wgrad")])
+def test_the_controller_moves_a_microscaled_layer_to_high_precision(
+    tmp_path: Path, stressed: bool, preset: str, cap: float, moved: str
+) -> None:
+    """Microscaled layers start on the ladder's last FP8 rung, so a failing layer's GEMMs
+    go straight to high precision. MXFP8 loses the stressed wgrad input to E4M3's range
+    within its 32-blocks; NVFP4 loses whole blocks of the fprop and wgrad inputs, whose
+    E4M3 block scales flush under the tensor scale the outlier sets. NVFP4 rounds a
+    share of every block to zero by design, which is not counted: unstressed, nothing
+    moves."""
+    stress = OutlierStress(max_log2_gain=24.0, ramp_fraction=0.2) if stressed else None
+    config = CompareConfig(model=TINY, steps=50, batch_size=4, eval_interval=50, eval_batches=2, train_loss_window=2,
+                           levels=("O0",), ablation=False, torchao=False, corpus=CORPUS, stress=stress,
+                           recipe=amp8.Recipe.preset(preset), controller_levels=("O1",),
+                           controller=amp8.ControllerConfig(interval=5, max_high_precision_share=cap))
+    result = amp8.compare(config, out_dir=tmp_path, console=Console(file=io.StringIO()), progress=False, plot=False)
+    run = next(run for run in result.runs if run.name == "O1+controller")
+    if not stressed:
+        assert run.controller_moves == [] and run.gemm_fp8_share == 1.0
+        assert max(peak["underflow"] for peak in run.controller_peaks.values()) < 0.01
+        return
+    assert [(move["layer"], move["after"]) for move in run.controller_moves] == [
+        ("blocks.1.mlp.proj", f"block, {moved} high")]
+    assert "flushed" in run.controller_moves[0]["reason"]
+    assert 0.85 < run.gemm_fp8_share < 1.0

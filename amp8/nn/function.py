@@ -236,8 +236,9 @@ def _weight_grad(
     ``config.fp8_saved_input``), else the high-precision input."""
     if config.high_wgrad:
         if config.watch_health and not config.tensorwise:  # tensorwise: watched with the first casts
-            quantizers.grad_output.watch(g2, 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
-            quantizers.input.watch(_real(wgrad_input), 0, (GemmOperand.WGRAD_INPUT,))
+            # The casts the FP8 path below would make, padded alike.
+            quantizers.grad_output.watch(_pad_rows(g2, _GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
+            quantizers.input.watch(_pad_rows(_real(wgrad_input), _GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
         return g2.float().t() @ _real(wgrad_input)
     if config.tensorwise:
         x8: ScaledTensor = wgrad_input  # type: ignore[assignment]

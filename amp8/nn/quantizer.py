@@ -17,7 +17,7 @@ import torch
 
 from .. import hadamard, microscaling, scaling
 from ..formats import FP4, forward_dtype, gradient_dtype
-from ..health import GemmOperand, cast_health, record_health
+from ..health import GemmOperand, block_cast_health, cast_health, record_health
 from ..microscaling import BlockScaledTensor
 from ..recipe import AmaxAlgo, Granularity, Microscaling, Recipe, Scaling, WeightGradScaling, operand_tile
 from ..tensor import ScaledTensor
@@ -122,8 +122,8 @@ class Quantizer:
         histories: the layer's ``amax_history`` buffer, or None likewise.
         row: the role's row in ``scales`` and ``histories``.
         health: the layer's ``health`` buffer (see ``amp8.health``), or None: casts
-            asked to watch their operands write their signals there (FP8 casts only;
-            microscaled casts are not watched).
+            asked to watch their operands write their signals there (a microscaled
+            cast through ``block_cast_health``).
         rotation: the layer's random Hadamard matrix (``Recipe.wgrad_hadamard``): a
             microscaled cast for wgrad (``contract_dim=0``) casts ``Q^T x`` instead of
             ``x`` (see ``amp8.hadamard``), for the input and output gradient alike, so
@@ -152,7 +152,7 @@ class Quantizer:
         where the amax is zero or not finite.
         """
         if self.rule.microscaled:
-            decode = self._block_cast(x, contract_dim).decode_scales()
+            decode = self._block_cast(self._block_source(x, contract_dim), contract_dim).decode_scales()
             return torch.where(decode > 0, decode.reciprocal(), 1.0), scaling.amax(x)
         tile = self.rule.tile(tuple(x.shape), contract_dim)
         amaxes = scaling.tile_amax(x, tile)
@@ -177,10 +177,13 @@ class Quantizer:
         go to the rows of ``health`` named by ``watch`` (see ``amp8.health``).
         """
         if self.rule.microscaled:
-            cast = self._block_cast(x, contract_dim)
+            source = self._block_source(x, contract_dim)
+            cast = self._block_cast(source, contract_dim)
             if record and x.numel() > 0:
                 decode = cast.decode_scales()
                 self._record(decode.amax().reciprocal(), scaling.amax(x), update_history)
+            if watch:
+                self._record_health(watch, block_cast_health(source, cast))
             return cast
         scale, current_amax = self.next_scale(x, contract_dim)
         if record and x.numel() > 0:  # an empty batch says nothing about the range
@@ -189,9 +192,7 @@ class Quantizer:
         full_scale = scaling.expand_scale(scale, tuple(x.shape), block_size)
         data = scaling.quantize(x, full_scale, self.rule.dtype)
         if watch:
-            if self.health is None:
-                raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
-            record_health(self.health, watch, cast_health(x, full_scale, data))
+            self._record_health(watch, cast_health(x, full_scale, data))
         return ScaledTensor(data, scale, block_size)
 
     def watch(self, x: torch.Tensor, contract_dim: int, operands: tuple[GemmOperand, ...]) -> None:
@@ -200,10 +201,20 @@ class Quantizer:
         watched, so its layer knows when FP8 would serve it again."""
         self.cast(x, contract_dim, watch=operands)
 
-    def _block_cast(self, x: torch.Tensor, contract_dim: int) -> BlockScaledTensor:
-        """The microscaled cast of ``x`` (rotated first for wgrad, see ``rotation``)."""
+    def _record_health(self, operands: tuple[GemmOperand, ...], signals: torch.Tensor) -> None:
+        if self.health is None:
+            raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
+        record_health(self.health, operands, signals)
+
+    def _block_source(self, x: torch.Tensor, contract_dim: int) -> torch.Tensor:
+        """What a microscaled cast of ``x`` quantizes: ``x`` rotated for wgrad (see
+        ``rotation``), else ``x``."""
         if contract_dim == 0 and self.rotation is not None:
-            x = hadamard.rotate_rows(x, self.rotation)
+            return hadamard.rotate_rows(x, self.rotation)
+        return x
+
+    def _block_cast(self, x: torch.Tensor, contract_dim: int) -> BlockScaledTensor:
+        """The microscaled cast of ``x`` as it is (``_block_source`` rotated it already)."""
         tile = self.rule.tile(tuple(x.shape), contract_dim)
         key = microscaling.data_noise_key(x) if self.rule.stochastic else None
         return microscaling.quantize_block_scaled(
