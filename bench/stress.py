@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=1 python bench/stress.py                  # 4 variants x seeds 0 1 2, ~9 min on one core
     OMP_NUM_THREADS=1 python bench/stress.py --seeds 0 --variants O0 O1-tensorwise
     python bench/stress.py --table                          # the markdown again from the recorded JSON
+    OMP_NUM_THREADS=1 python bench/stress.py --name stress-microscaled \
+        --variants O0 O1-mxfp8 O1-mxfp8-controller O1-nvfp4 O1-nvfp4-controller   # ~20 min
 
 Every variant trains the byte GPT of ``amp8 compare`` (``CompareConfig()``: "small"
 preset, 300 steps of 16 x 64 bytes, lr 1e-3, stdlib corpus) under the default
@@ -45,14 +47,25 @@ ONSET_SHARE = 0.1
 """The tensorwise underflow share that marks the onset of the stress."""
 
 Variant = tuple[str, Recipe, "ControllerConfig | None"]
-VARIANTS: dict[str, Variant] = {
+DEFAULT_VARIANTS: dict[str, Variant] = {
     BASELINE: ("O0", Recipe(), None),
     "O1-tensorwise": ("O1", Recipe(), None),
     "O1-rowwise": ("O1", Recipe(granularity="rowwise"), None),
     "O1-rowwise-wgrad-high": ("O1", Recipe(granularity="rowwise", override_linear_precision=(False, False, True)), None),
     "O1-controller": ("O1", Recipe(), ControllerConfig()),
 }
-"""name -> (opt level, recipe, the settings of an ``amp8.Controller`` or None)."""
+"""The study the bench runs by default: name -> (opt level, recipe, the settings of an
+``amp8.Controller`` or None)."""
+MICROSCALED_VARIANTS: dict[str, Variant] = {
+    "O1-mxfp8": ("O1", Recipe.preset("mxfp8"), None),
+    "O1-mxfp8-controller": ("O1", Recipe.preset("mxfp8"), ControllerConfig()),
+    "O1-nvfp4": ("O1", Recipe.preset("nvfp4"), None),
+    # NVFP4's stressed layer loses fprop and wgrad: two of its three GEMMs, 11 % of the
+    # small preset's GEMM FLOPs, above the default cap of 10 %.
+    "O1-nvfp4-controller": ("O1", Recipe.preset("nvfp4"), ControllerConfig(max_high_precision_share=0.2)),
+}
+"""The Blackwell formats under the same stress (``--variants`` names them)."""
+VARIANTS = {**DEFAULT_VARIANTS, **MICROSCALED_VARIANTS}
 
 
 def stress_config(preset: str, steps: int, stress: OutlierStress) -> CompareConfig:
@@ -159,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     """Run the variants asked for over the seeds; write JSON and markdown; return the JSON path."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--name", default=NAME, help="results file name: <name>-<device>.json")
     parser.add_argument("--preset", choices=list(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=CompareConfig().steps)
     parser.add_argument("--probe-every", type=int, default=10, help="steps between underflow measurements")
@@ -167,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--table", action="store_true", help="only rewrite the markdown from the JSON in --out")
     args = parser.parse_args(argv)
     if args.table:
-        path = args.out / f"{NAME}-cpu.json"
+        path = args.out / f"{args.name}-cpu.json"
         path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
         print(f"wrote {path.with_suffix('.md')}")
         return path
@@ -196,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "seeds": args.seeds, "variants": args.variants,
         "runs": runs, "summary": summarize(runs),
     }
-    path = write_result(NAME, torch.device(config.device), record, args.out)
+    path = write_result(args.name, torch.device(config.device), record, args.out)
     written = json.loads(path.read_text())
     path.with_suffix(".md").write_text(markdown(written))
     print(f"wrote {path} and {path.with_suffix('.md').name}")
