@@ -134,7 +134,7 @@ class ByteCorpus:
 
     train: torch.Tensor
     val: torch.Tensor
-    root: str
+    root: str | None  # the directory read, None for the standard library (no local paths in results)
     train_files: int
     val_files: int
     sha256: str
@@ -194,7 +194,7 @@ def load_corpus(config: CorpusConfig = CorpusConfig()) -> ByteCorpus:
     return ByteCorpus(
         train=torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
         val=torch.frombuffer(bytearray(val_bytes), dtype=torch.uint8),
-        root=root if config.source == "stdlib" else "pydoc_data.topics",
+        root=config.root if config.source == "stdlib" else "pydoc_data.topics",
         train_files=train_used,
         val_files=val_used,
         sha256=digest,
