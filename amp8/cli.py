@@ -71,6 +71,9 @@ def _add_compare(commands: Any) -> None:
                          help="FP8 recipe preset of the O1-O3 runs (default: tensorwise)")
     compare.add_argument("--activations", choices=[name.value for name in ActivationFormat], default="high",
                          help="how the O1-O3 runs store tensors saved for backward (default: high)")
+    compare.add_argument("--high-precision-layers", nargs="+", metavar="PATTERN", default=(),
+                         help="fnmatch patterns of layers the O1-O3 runs keep in high precision, "
+                              "e.g. 'blocks.11.*' (Recipe.high_precision_layers)")
     compare.add_argument("--stress", action="store_true",
                          help="inject the default outlier stress (amp8.experiments.stress.OutlierStress) into "
                               "every run and leave its position out of the loss")
@@ -96,7 +99,8 @@ def _run_compare(args: argparse.Namespace, console: Console) -> None:
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         ablation=not args.no_ablation, torchao=not args.no_torchao, seeds=args.seeds, seed=args.seed,
         device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes, source=args.corpus),
-        recipe=Recipe.preset(args.recipe).replace(activations=args.activations),
+        recipe=Recipe.preset(args.recipe).replace(
+            activations=args.activations, high_precision_layers=tuple(args.high_precision_layers)),
         stress=OutlierStress() if args.stress else None,
         controller_levels=() if args.controller is None else tuple(args.controller or ["O1"]),
     )

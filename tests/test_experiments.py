@@ -279,6 +279,18 @@ def test_compare_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert data["config"]["model"]["n_embd"] == PRESETS["tiny"].n_embd
 
 
+def test_compare_command_keeps_the_named_layers_in_high_precision(tmp_path: Path) -> None:
+    argv = ["compare", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--levels", "O0", "O1",
+            "--no-ablation", "--max-bytes", "65536", "--out", str(tmp_path), "--no-progress",
+            "--recipe", "nvfp4", "--high-precision-layers", "blocks.1.*", "head"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert data["config"]["recipe"]["high_precision_layers"] == ["blocks.1.*", "head"]
+    rows = {row["name"]: row for row in data["runs"][1]["report"]["rows"]}
+    assert rows["blocks.0.mlp.fc.weight"]["fp8"] and not rows["blocks.1.mlp.fc.weight"]["fp8"]
+    assert rows["blocks.1.mlp.fc.weight"]["note"] == "matches Recipe.high_precision_layers pattern 'blocks.1.*'"
+
+
 def test_compare_command_takes_the_corpus_and_schedule(tmp_path: Path) -> None:
     argv = ["compare", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--levels", "O0",
             "--no-ablation", "--corpus", "docs", "--warmup-steps", "0", "--weight-decay", "0",

@@ -24,9 +24,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
 
 
-def _initialized(level: str, lr: float = 1e-3) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _initialized(level: str, lr: float = 1e-3, preset: str = "tensorwise") -> tuple[nn.Module, torch.optim.Optimizer]:
     model = _model()
-    return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), level)
+    return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), level, recipe=amp8.Recipe.preset(preset))
 
 
 def _backward(model: nn.Module, seed: int) -> None:
@@ -166,8 +166,8 @@ def test_replaced_weight_is_refused_with_the_supported_order() -> None:
 STEPS = 20
 
 
-def _train_data_parallel(rank: int, world: int, level: str, wrap: str) -> dict:
-    model, optimizer = _initialized(level, lr=1e-2)
+def _train_data_parallel(rank: int, world: int, level: str, wrap: str, preset: str = "tensorwise") -> dict:
+    model, optimizer = _initialized(level, lr=1e-2, preset=preset)
     ddp = None
     if wrap == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -215,6 +215,22 @@ def test_ddp_after_initialize_trains_with_identical_ranks(ddp_results: dict, lev
     managed = ddp_results[level, "amp8"][0]["losses"][-1]
     final = first["losses"][-1]
     assert abs(final - managed) <= 0.005 * abs(managed), f"{final} vs amp8's own data parallel {managed}"
+
+
+def test_ddp_after_initialize_under_nvfp4(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The comm hook reduces NVFP4's weight gradients (E4M3 at 16 x 16 tiles, from
+    rotated and stochastically rounded FP4 operands) like any others."""
+    results = {wrap: run(_train_data_parallel, tmp_path_factory.mktemp(f"nvfp4-{wrap}"), "O2", wrap, "nvfp4")
+               for wrap in ("ddp", "amp8")}
+    first, second = results["ddp"]
+    assert first["hooked"]
+    for key, value in first["state"].items():
+        if not key.endswith(("scale", "amax_history")) or key.endswith("weight_scale"):
+            assert torch.equal(second["state"][key], value), key
+    # Measured 0.38 % apart after 20 steps: the two reductions round differently, and
+    # stochastic rounding turns that into different noise.
+    managed, final = results["amp8"][0]["losses"][-1], first["losses"][-1]
+    assert abs(final - managed) <= 0.01 * abs(managed), f"{final} vs amp8's own data parallel {managed}"
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
