@@ -70,7 +70,6 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
 _LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row): a lookup, not a GEMM"
 
 
-
 @dataclass
 class PrecisionReport:
     """One row per parameter, with what is really stored for it.

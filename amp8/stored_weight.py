@@ -150,6 +150,11 @@ class StoredWeight:
         the weight's FP8 scales, or one per row for a weight of fixed storage."""
         return (1, self.param.shape[1]) if self.fixed_storage else self.tile()
 
+    def state_scale_dtype(self) -> torch.dtype:
+        """The dtype of those first-moment scales: the recipe's ``stored_scale_dtype`` at
+        the weight's tiles (E8M0 under MXFP8), float32 per row for fixed storage."""
+        return torch.float32 if self.fixed_storage else self.recipe.stored_scale_dtype
+
     def stored(self) -> ScaledTensor:
         """The stored data (this rank's rows of a sharded weight) with its scales."""
         return ScaledTensor(local_tensor(self.param).detach(), self.scale, self.block_size)

@@ -86,14 +86,13 @@ class StoredState:
         of its FP8 layer's weight scales (rowwise or block recipes), or one scale per row
         for any other matrix (an embedding: a rare token's row would round to zero under
         a scale set by the frequent ones); other low-bit moments take ``state_block_size``.
-        An FP8 layer's tile scales are stored as its recipe's ``stored_scale_dtype``."""
+        Its scales are stored as ``StoredWeight.state_scale_dtype`` gives them."""
         handle = self.weights.get(param)
-        scale_dtype = torch.float32
         if handle is not None:
-            tile = handle.state_tile()
-            scale_dtype = torch.float32 if handle.fixed_storage else handle.recipe.stored_scale_dtype
+            tile, scale_dtype = handle.state_tile(), handle.state_scale_dtype()
         else:
             tile = (1, param.shape[1]) if param.dim() == 2 and param.numel() else None
+            scale_dtype = torch.float32
         state_storage.store(param_state, key, value, getattr(self.level, key), self.state_block_size, tile, scale_dtype)
 
     def weight(self, param: nn.Parameter, param_state: dict[str, Any]) -> torch.Tensor:
