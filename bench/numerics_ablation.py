@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import fcntl
 import subprocess
 import json
@@ -39,7 +40,8 @@ from amp8.experiments.gpt import GPT
 from amp8.console import default_console
 from amp8.experiments.compare import CompareConfig
 from amp8.experiments.corpus import CorpusConfig
-from amp8.experiments.gpt import PRESETS
+from amp8.experiments.gpt import PRESETS, GPTConfig
+from amp8.experiments.llama import LlamaSpec
 from amp8.experiments.paired import BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs
 from amp8.levels import FP8_COMPUTE_ONLY, override
 from common import RESULTS, write_result
@@ -58,15 +60,43 @@ def _config(corpus: str, lr: float, warmup: bool, decay: bool) -> CompareConfig:
     )
 
 
-CONFIGS: Mapping[str, CompareConfig] = {
-    f"{corpus}-lr{lr:g}{'-warmup' if warmup else ''}{'-wd' if decay else ''}": _config(corpus, lr, warmup, decay)
-    for corpus in ("docs", "stdlib") for lr in (3e-3, 1e-3)
-    for warmup, decay in ((False, False), (True, True), (True, False), (False, True))
+REALISTIC_MODELS: Mapping[str, GPTConfig | LlamaSpec] = {
+    "gpt-untied": dataclasses.replace(PRESETS["small"], tie_head=False),
+    "gpt-tied": PRESETS["small"],
+    "llama": LlamaSpec(),
 }
-"""Corpus x peak learning rate x (warm-up, weight decay). "docs-lr0.003" (no warm-up,
-no decay, the language reference's prose) is the held-out check; "stdlib-lr0.001-warmup-wd"
-is ``amp8 compare``'s own setting."""
+"""The models of the realistic studies: the small GPT with an output head of its own (as
+most Llama-style models have) and with its head tied to the embedding, and a byte-level
+Llama from transformers (RMSNorm, rotary positions, grouped-query attention, gated MLP,
+untied head)."""
 
+
+def _realistic(model: str, corpus: str) -> CompareConfig:
+    """Training as it is done: peak lr 3e-3 after 30 steps of warm-up, cosine decay to a
+    tenth, AdamW decay 0.1 on matrices."""
+    return _BASE.replace(
+        model=REALISTIC_MODELS[model], corpus=CorpusConfig(source=corpus), lr=3e-3, warmup_steps=30,
+        min_lr_ratio=0.1, weight_decay=0.1,
+    )
+
+
+CONFIGS: Mapping[str, CompareConfig] = {
+    **{
+        f"{corpus}-lr{lr:g}{'-warmup' if warmup else ''}{'-wd' if decay else ''}": _config(corpus, lr, warmup, decay)
+        for corpus in ("docs", "stdlib") for lr in (3e-3, 1e-3)
+        for warmup, decay in ((False, False), (True, True), (True, False), (False, True))
+    },
+    **{f"{model}-{corpus}": _realistic(model, corpus) for model in REALISTIC_MODELS for corpus in ("docs", "stdlib")},
+}
+"""Corpus x peak learning rate x (warm-up, weight decay) on the tied-head GPT, and the
+realistic configurations ``<model>-<corpus>`` (see ``_realistic`` and ``REALISTIC_MODELS``).
+"docs-lr0.003" (no warm-up, no decay, the language reference's prose) is the held-out
+check; "stdlib-lr0.001-warmup-wd" is ``amp8 compare``'s old setting."""
+REALISTIC_CONFIGS = tuple(name for name in CONFIGS if name.split("-")[0] in ("gpt", "llama"))
+
+HEADS = ("head", "*lm_head")
+"""The output heads of the GPT and of the transformers Llama, by name (before amp8 found
+them by structure)."""
 E5M2_GRADS = Recipe(weight_grad_format="gradient", weight_grad_scaling="weight")
 """Weight gradients as amp8 0.1 stored them: E5M2, one scale per tensor."""
 E4M3_GRADS = Recipe(weight_grad_format="E4M3", weight_grad_scaling="rowwise")
@@ -91,6 +121,13 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
     Variant("rowwise", "O1", E5M2_GRADS.replace(granularity="rowwise")),
     Variant("O2-fp32-moments", override("O2", exp_avg="fp32", exp_avg_sq="fp32"), E5M2_GRADS),
     *(Variant(f"{level}-act8", level, Recipe(activations="fp8")) for level in ("O1", "O2", "O3")),
+    # the defaults: which layers stay high precision, and the scale granularity
+    Variant("O1-head-high", "O1", Recipe(high_precision_layers=HEADS)),
+    Variant("O1-rowwise", "O1", Recipe(granularity="rowwise")),
+    *(Variant(f"{level}-rowwise-head-high", level, Recipe(granularity="rowwise", high_precision_layers=HEADS))
+      for level in ("O1", "O2", "O3")),
+    Variant("torchao-tensorwise", "O0", torchao="tensorwise"),
+    Variant("torchao-rowwise", "O0", torchao="rowwise"),
 )}
 GROUPS: Mapping[str, tuple[str, ...]] = {
     "before": ("O1-e5m2", "O2-e5m2", "O3-e5m2"),
@@ -98,6 +135,8 @@ GROUPS: Mapping[str, tuple[str, ...]] = {
     "targets": (NULL, "O1", "O2", "O3"),
     "activations": ("O1-act8", "O2-act8", "O3-act8"),
     "sources": ("grads-e4m3", "wgrad-high", "fprop-high", "storage-high", "wgrad-e4m3-rowwise", "dgrad-high"),
+    "defaults": (NULL, "O1", "O1-head-high", "O1-rowwise", "O1-rowwise-head-high",
+                 "torchao-tensorwise", "torchao-rowwise"),
     "gradients": ("O1-e5m2", "O1", "fprop-high", "dgrad-high", "wgrad-high", "wgrad-e4m3-tensor",
                   "wgrad-e4m3-rowwise", "grads-e4m3", "rowwise"),
 }
@@ -201,7 +240,7 @@ def gradient_error(config_name: str, variant_names: list[str], train_steps: int,
     config = CONFIGS[config_name]
     corpus = load_corpus(config.corpus)
     generator = torch.Generator().manual_seed(seed)
-    model = GPT(config.model, torch.Generator().manual_seed(seed))
+    model = config.model.build(torch.Generator().manual_seed(seed))
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
     for step in range(train_steps):
         for group in optimizer.param_groups:
@@ -311,7 +350,7 @@ def main() -> None:
         path = _path(torch.device(_BASE.device))
         print(markdown(json.loads(path.read_text())) if path.is_file() else f"{path} does not exist yet")
         return
-    configs = {"all": list(CONFIGS), "targets": list(TARGET_CONFIGS)}.get(" ".join(args.configs), args.configs)
+    configs = {"all": list(CONFIGS), "targets": list(TARGET_CONFIGS), "realistic": list(REALISTIC_CONFIGS)}.get(" ".join(args.configs), args.configs)
     variants = [name for item in args.variants for name in GROUPS.get(item, (item,))]
     unknown = [name for name in configs if name not in CONFIGS] + [name for name in variants if name not in VARIANTS]
     if unknown:

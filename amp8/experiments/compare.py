@@ -9,7 +9,8 @@ the opt level (or recipe) differs. Runs:
 - ``O1-noscale``: O1 with ``Recipe(scaling="none")``, FP8 casts without scales, an
   ablation that shows why scaling matters; under a microscaled recipe instead one O1 run
   without each of its knobs that is on (``O1-no-hadamard``, ``O1-no-sr``);
-- ``torchao``: torchao's float8 training on the same model, when torchao is importable;
+- ``torchao``, ``torchao-rowwise``: torchao's float8 training on the same model under its
+  tensorwise and rowwise recipes, when torchao is importable;
 - ``O0-seed<k>``: O0 again from other seeds (``seeds > 1``), to measure seed-to-seed spread;
 - ``<level>+controller``: a level of ``controller_levels`` again with an
   ``amp8.Controller``, which records its moves and the share of GEMM FLOPs left in FP8.
@@ -63,7 +64,8 @@ def run_specs(config: CompareConfig) -> list[RunSpec]:
         specs += [RunSpec(name, "O1", config.seed, config.recipe.replace(**{knob: False}))
                   for knob, name in KNOB_ABLATIONS.items() if getattr(config.recipe, knob)]
     if config.torchao and torchao_available():
-        specs.append(RunSpec(TORCHAO, "O0", config.seed, torchao=True))
+        specs += [RunSpec(name, "O0", config.seed, torchao=True, torchao_recipe=recipe)
+                  for recipe, name in TORCHAO_RUNS.items()]
     specs += [RunSpec(f"O0-seed{config.seed + k}", "O0", config.seed + k) for k in range(1, config.seeds)]
     specs += [RunSpec(f"{level}+controller", level, config.seed, config.recipe, controller=config.controller)
               for level in config.controller_levels]
@@ -93,15 +95,20 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
-def _to_torchao(model: nn.Module) -> nn.Module:
-    """torchao's float8 training on the FP8-eligible Linear layers (not the tied head)."""
-    from torchao.float8 import convert_to_float8_training
+def _to_torchao(model: nn.Module, recipe: str) -> nn.Module:
+    """torchao's float8 training under its recipe ``recipe`` ("tensorwise" or "rowwise")
+    on the Linear layers whose dims are multiples of 16, as torchao converts them, except a
+    head tied to an embedding (its weight is the embedding's)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
     def eligible(module: nn.Module, fqn: str) -> bool:
         return (isinstance(module, nn.Linear) and module.in_features % 16 == 0
-                and module.out_features % 16 == 0 and fqn != "head")
+                and module.out_features % 16 == 0 and id(module.weight) not in embedding_weights)
 
-    return convert_to_float8_training(model, module_filter_fn=eligible)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(model, config=config, module_filter_fn=eligible)
 
 
 @torch.no_grad()
@@ -145,7 +152,7 @@ def train_run(
     level_name = spec.level.name if isinstance(spec.level, OptLevel) else spec.level
     result = RunResult(spec.name, level_name, spec.seed,
                        recipe=None if spec.torchao or level_name == "O0" else _recipe_dict(spec.recipe))
-    model: nn.Module = GPT(config.model, torch.Generator().manual_seed(spec.seed)).to(device)
+    model: nn.Module = config.model.build(torch.Generator().manual_seed(spec.seed)).to(device)
     controller = None
     if spec.init_perturbation:
         _perturb(model, spec.init_perturbation)
@@ -154,7 +161,7 @@ def train_run(
     )
     try:
         if spec.torchao:
-            model = _to_torchao(model)
+            model = _to_torchao(model, spec.torchao_recipe)
         else:
             # Every eligible layer, on every device: the comparison is of FP8 against
             # high precision, not of the speed rule's choice.

@@ -14,6 +14,7 @@ from ..levels import LEVELS, OptLevel
 from ..recipe import Recipe
 from .corpus import CorpusConfig
 from .gpt import PRESETS, GPTConfig
+from .llama import LlamaSpec
 from .stress import OutlierStress
 
 ABLATION = "O1-noscale"
@@ -21,6 +22,8 @@ KNOB_ABLATIONS = {"wgrad_hadamard": "O1-no-hadamard", "stochastic_grad_rounding"
 """Under a microscaled recipe, each of these knobs that is on gets an O1 run without it
 (named by the value) in place of the no-scaling ablation."""
 TORCHAO = "torchao"
+TORCHAO_RUNS = {"tensorwise": TORCHAO, "rowwise": "torchao-rowwise"}
+"""torchao's float8 recipes that compare trains, and the name of each run."""
 JSON_NAME = "compare.json"
 DEFAULT_OUT = "runs/compare"
 PNG_NAME = "loss_curves.png"
@@ -32,7 +35,10 @@ class CompareConfig:
     """What ``compare`` trains and how.
 
     Attributes:
-        model: the GPT's shape (see ``amp8.experiments.gpt.PRESETS``).
+        model: the model: a GPT's shape (``GPTConfig``; see ``amp8.experiments.gpt.PRESETS``)
+            or a byte-level Llama's (``LlamaSpec``, needs transformers). The default is
+            the "small" GPT with an untied output head, as most Llama-style models have:
+            a tied head shares the embedding's weight and never runs in FP8.
         steps: optimizer steps per run.
         batch_size: sequences per step.
         lr: peak learning rate (linear warm-up, cosine decay to ``lr * min_lr_ratio``).
@@ -59,7 +65,7 @@ class CompareConfig:
         controller: the settings of those runs' controllers.
     """
 
-    model: GPTConfig = PRESETS["small"]
+    model: GPTConfig | LlamaSpec = dataclasses.replace(PRESETS["small"], tie_head=False)
     steps: int = 300
     batch_size: int = 16
     lr: float = 1e-3
@@ -99,14 +105,18 @@ class CompareConfig:
             raise ValueError(f"CompareConfig.weight_decay={self.weight_decay!r} is not valid; use a finite float >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"CompareConfig.seed={self.seed!r} is not valid; use an int in [0, 2**63)")
-        for name, kind in (
-            ("model", GPTConfig), ("corpus", CorpusConfig), ("recipe", Recipe), ("controller", ControllerConfig),
+        for name, kinds in (
+            ("model", (GPTConfig, LlamaSpec)), ("corpus", (CorpusConfig,)), ("recipe", (Recipe,)),
+            ("controller", (ControllerConfig,)),
         ):
-            if not isinstance(getattr(self, name), kind):
-                raise TypeError(f"CompareConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+            if not isinstance(getattr(self, name), kinds):
+                expected = " or ".join(kind.__name__ for kind in kinds)
+                raise TypeError(f"CompareConfig.{name} must be a {expected}, got {type(getattr(self, name)).__name__}")
         if self.stress is not None:
             if not isinstance(self.stress, OutlierStress):
                 raise TypeError(f"CompareConfig.stress must be an OutlierStress or None, got {type(self.stress).__name__}")
+            if not isinstance(self.model, GPTConfig):
+                raise ValueError("CompareConfig.stress needs the GPT (it hooks the last block's MLP); use a GPTConfig model")
             self.stress.check_model(self.model)
         _check_device(self.device)
         unknown = [level for level in self.levels if level not in LEVELS]
@@ -168,6 +178,9 @@ class RunSpec:
 
     ``controller``: when given, the run trains with an ``amp8.Controller`` of these
     settings (a fresh one per run).
+
+    ``torchao_recipe``: torchao's float8 recipe of a ``torchao`` run ("tensorwise" or
+    "rowwise").
     """
 
     name: str
@@ -177,3 +190,4 @@ class RunSpec:
     torchao: bool = False
     init_perturbation: float = 0.0
     controller: ControllerConfig | None = None
+    torchao_recipe: str = "tensorwise"

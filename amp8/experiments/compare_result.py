@@ -166,8 +166,7 @@ class CompareResult:
             recipe += ", FP8 activations"
         if c.stress is not None:
             recipe += f", outlier stress x2^{c.stress.max_log2_gain:g}"
-        return (f"GPT {m.n_layer}x{m.n_embd} (ctx {m.block_size}), {c.steps} steps x "
-                f"{c.batch_size} seqs, {c.device}{recipe}")
+        return f"{m.name}, {c.steps} steps x {c.batch_size} seqs, {c.device}{recipe}"
 
     def print(self, console: Any = None) -> None:
         """Print the table, unavailable runs with their reason, the seed spread, and each

@@ -3,8 +3,8 @@ run its projections in FP8.
 
 Token embedding and learned positions, pre-norm blocks (causal self-attention whose qkv
 and output projections are ``nn.Linear``, then an MLP of two ``nn.Linear``), a final
-LayerNorm, and a head tied to the token embedding. amp8 keeps the tied head in high
-precision: its weight is shared with the embedding.
+LayerNorm, and a head that is tied to the token embedding (the presets) or a Linear of
+its own (``tie_head=False``, as in most Llama-style models).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class GPTConfig:
         n_embd: width; a multiple of 16 so every projection can run in FP8.
         block_size: context length in bytes.
         vocab_size: 256 for bytes.
+        tie_head: the output head shares the token embedding's weight (nanoGPT, GPT-2);
+            False gives it a weight of its own, as most Llama-style models have.
     """
 
     n_layer: int = 2
@@ -40,6 +42,7 @@ class GPTConfig:
     n_embd: int = 128
     block_size: int = 64
     vocab_size: int = VOCAB_SIZE
+    tie_head: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -56,6 +59,18 @@ class GPTConfig:
                 f"GPTConfig.n_embd={self.n_embd} is not a multiple of {_FP8_ALIGNMENT}; FP8 GEMMs "
                 f"need multiples of {_FP8_ALIGNMENT}, e.g. n_embd={_FP8_ALIGNMENT * max(1, round(self.n_embd / _FP8_ALIGNMENT))}"
             )
+        if not isinstance(self.tie_head, bool):
+            raise ValueError(f"GPTConfig.tie_head={self.tie_head!r} is not valid; use True or False")
+
+    @property
+    def name(self) -> str:
+        """The shape in a few words, e.g. "GPT 2x128 (ctx 64, untied head)"."""
+        head = "" if self.tie_head else ", untied head"
+        return f"GPT {self.n_layer}x{self.n_embd} (ctx {self.block_size}{head})"
+
+    def build(self, generator: torch.Generator | None = None) -> "GPT":
+        """A ``GPT`` of this shape with initial weights drawn from ``generator``."""
+        return GPT(self, generator)
 
     @classmethod
     def from_preset(cls, name: str) -> "GPTConfig":
@@ -149,7 +164,8 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
             self.ln_f = nn.LayerNorm(config.n_embd)
             self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # tied: amp8 keeps this layer in high precision
+        if config.tie_head:
+            self.head.weight = self.tok_emb.weight
         self.reset_parameters(generator)
 
     @torch.no_grad()

@@ -27,12 +27,14 @@ BASELINE = "O0"
 class Variant:
     """One way to train: a name, an opt level (a name or an ``OptLevel``), a recipe, and
     a relative perturbation of the initial weights (``RunSpec.init_perturbation``; the
-    null variant ``null_variant()`` is O0 with one of 1e-6)."""
+    null variant ``null_variant()`` is O0 with one of 1e-6), or torchao's float8 training
+    under its recipe ``torchao`` ("tensorwise", "rowwise") instead of amp8."""
 
     name: str
     level: str | OptLevel
     recipe: Recipe = Recipe()
     init_perturbation: float = 0.0
+    torchao: str | None = None
 
     def describe(self) -> dict[str, Any]:
         """The variant as plain data, for JSON."""
@@ -41,7 +43,7 @@ class Variant:
             if key not in ("brief", "description")
         }
         return {"name": self.name, "level": level, "recipe": _recipe_dict(self.recipe),
-                "init_perturbation": self.init_perturbation}
+                "init_perturbation": self.init_perturbation, "torchao": self.torchao}
 
 
 NULL = "O0-null"
@@ -138,7 +140,8 @@ def paired_runs(
     to_train = (*([] if baseline is not None else [Variant(BASELINE, BASELINE)]), *variants)
     for seed in seeds:
         for variant in to_train:
-            spec = RunSpec(variant.name, variant.level, seed, variant.recipe, init_perturbation=variant.init_perturbation)
+            spec = RunSpec(variant.name, variant.level, seed, variant.recipe, init_perturbation=variant.init_perturbation,
+                           torchao=variant.torchao is not None, torchao_recipe=variant.torchao or "tensorwise")
             run = train_run(spec, config, corpus, val_batches)
             if not run.ok or run.final_val_loss is None:
                 raise RuntimeError(f"variant {variant.name!r} did not train: {run.reason}")
