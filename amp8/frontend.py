@@ -20,7 +20,7 @@ from .comm.reduction import GradientReduction
 from .optim.adam import LowBitAdam
 from .optim.support import check_state_precision, check_supported
 from .activations import attach_activation_storage
-from .recipe import ActivationFormat, Granularity, Microscaling, Recipe
+from .recipe import ActivationFormat, Granularity, Microscaling, OutputHead, Recipe
 from .selection import LayerSelection, resolve_selection
 
 
@@ -46,6 +46,7 @@ def _check_call(
     opt_level: str | OptLevel,
     recipe: Recipe | None,
     layer_selection: LayerSelection,
+    distributed: bool = False,
 ) -> tuple[OptLevel, Recipe]:
     """The opt level and recipe of an ``initialize`` call, after every check that needs no
     other rank; raises what ``initialize`` documents."""
@@ -53,7 +54,7 @@ def _check_call(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if recipe is None:
-        recipe = Recipe()
+        recipe = default_recipe(level, distributed)
     elif not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an amp8.Recipe, got {type(recipe).__name__}")
     if not level.swaps_layers:
@@ -179,7 +180,7 @@ def _initialize(
     distributed = process_group_size(process_group) > 1
     level = checked_recipe = failure = None
     try:
-        level, checked_recipe = _check_call(model, optimizer, opt_level, recipe, layer_selection)
+        level, checked_recipe = _check_call(model, optimizer, opt_level, recipe, layer_selection, distributed)
     except (ValueError, TypeError, RuntimeError) as error:
         if not distributed:
             raise
@@ -207,6 +208,7 @@ def _initialize(
         module_filter,
         layer_selection,
         recipe.high_precision_layers,
+        keep_output_heads=recipe.output_head is OutputHead.HIGH,
     )
     layers = fp8_layers(model)
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
@@ -246,6 +248,17 @@ def _initialize(
         optimizer, level, replaced=replaced, reduction=reduction,
         master_weights={layer.weight: real for layer, real in master_weights.items()},
     )
+
+
+def default_recipe(level: OptLevel, distributed: bool = False) -> Recipe:
+    """The recipe ``initialize`` uses when it is given none: ``Recipe.preset("rowwise")``
+    (E4M3, power-of-two scales, one per row; the output head in high precision), except
+    for a level that shards its optimizer over the ranks of a process group (O3 there),
+    which amp8 does for one scale per tensor only: ``Recipe()`` (tensorwise, HYBRID, the
+    output head in high precision)."""
+    if distributed and level.shard_optimizer:
+        return Recipe()
+    return Recipe.preset("rowwise")
 
 
 def _granularity_name(recipe: Recipe) -> str:

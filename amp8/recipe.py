@@ -90,6 +90,19 @@ class ActivationFormat(str, Enum):
     FP8 = "fp8"
 
 
+class OutputHead(str, Enum):
+    """How ``amp8.initialize`` treats the model's output head: the ``nn.Linear`` that maps
+    hidden states to the vocabulary's logits, found by structure (``amp8.nn.swap.output_heads``).
+
+    HIGH: it stays in high precision (the default: its logits feed the loss directly,
+        and measured runs lose most of their FP8 gap there).
+    FP8: it runs in FP8 like any other eligible layer.
+    """
+
+    HIGH = "high"
+    FP8 = "fp8"
+
+
 class RecipeName(str, Enum):
     """Names of the recipes ``Recipe.preset`` builds."""
 
@@ -209,6 +222,12 @@ class Recipe:
         high_precision_layers: ``fnmatch`` patterns of layer names (as in
             ``model.named_modules()``) that ``amp8.initialize`` keeps in high precision,
             e.g. ``("blocks.11.*", "head")`` for the last block and the head.
+        output_head: "high" (the default) keeps the model's output head (the Linear
+            that maps hidden states to the vocabulary, found by structure) in high
+            precision; "fp8" runs it in FP8.
+
+    The field defaults are the tensorwise recipe. ``amp8.initialize`` without a recipe
+    uses ``Recipe.preset("rowwise")``.
     """
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
@@ -228,6 +247,7 @@ class Recipe:
     wgrad_hadamard: bool = False
     stochastic_grad_rounding: bool = False
     high_precision_layers: tuple[str, ...] = ()
+    output_head: OutputHead = OutputHead.HIGH
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -265,6 +285,7 @@ class Recipe:
         set_field(self, "weight_grad_scaling",
                   _as_enum(WeightGradScaling, "weight_grad_scaling", self.weight_grad_scaling))
         set_field(self, "activations", _as_enum(ActivationFormat, "activations", self.activations))
+        set_field(self, "output_head", _as_enum(OutputHead, "output_head", self.output_head))
         _check_int(
             "block_size", self.block_size, 16, MAX_BLOCK_SIZE,
             "(FP8 GEMMs need K-blocks that are multiples of 16), such as 128", multiple_of=16,
@@ -336,9 +357,11 @@ class Recipe:
     def preset(cls, name: "str | RecipeName") -> "Recipe":
         """A named recipe.
 
-        "tensorwise": ``Recipe()``, one scale per tensor, HYBRID formats.
+        "tensorwise": ``Recipe()``, one scale per tensor, HYBRID formats: the fastest
+            casts (one amax per tensor), at a larger loss gap.
         "rowwise": E4M3 everywhere, power-of-two scales, one scale per row along each
-            GEMM's contraction dimension (as torchao's rowwise recipe).
+            GEMM's contraction dimension (as torchao's rowwise recipe): what
+            ``amp8.initialize`` uses when it is given no recipe.
         "deepseek": E4M3 everywhere, power-of-two scales, 1x128 tiles for activations and
             gradients and 128x128 blocks for weights (the DeepSeek-V3 recipe).
         "mxfp8": MXFP8: E4M3 everywhere, one E8M0 scale per 1 x 32 tile along each GEMM's

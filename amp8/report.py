@@ -18,7 +18,11 @@ from .console import default_console
 from .formats import short_name
 from .nn.linear import Fp8Linear
 from .levels import Precision
-from .nn.swap import embedding_reason, high_precision_reason, recipe_pattern_reason, shared_weight_names
+from .nn.swap import (
+    embedding_reason, high_precision_reason, output_head_reason, output_heads, recipe_pattern_reason,
+    shared_weight_names,
+)
+from .recipe import OutputHead
 from .stored_weight import stored_weight
 from .weight_stats import SHORT_DTYPES, weight_cast_stats
 from .selection import resolve_selection
@@ -46,6 +50,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
         pattern for module in model.modules() if isinstance(module, Fp8Linear)
         for pattern in module.recipe.high_precision_layers
     ))
+    keeps_heads = any(isinstance(m, Fp8Linear) and m.recipe.output_head is OutputHead.HIGH for m in model.modules())
+    heads = output_heads(model) if keeps_heads else {}
     owners: dict[int, tuple[nn.Module, str | None]] = {}
     for fqn, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -54,6 +60,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                 note = (
                     high_precision_reason(module, shared)
                     or _default_rule_reason(module)
+                    or output_head_reason(module, heads)
                     or recipe_pattern_reason(fqn, kept_by_recipe)
                     or "not selected for FP8 (module_filter or layer_selection)"
                 )

@@ -3,6 +3,7 @@ threshold rule reads the right K and N off a grid."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,19 @@ def test_memory_bench_llama_untied_tables_reach_the_level_bytes() -> None:
     row = memory.measure(memory.LLAMA, case, 2, torch.device("cpu"))
     # Every FP8 layer and the untied token table at 6 bytes; norms (1/300 of it) at 12.
     assert row["bytes_per_param"] <= 6.1, row
+
+
+# -- bench/defaults_price.py -------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_defaults_price_counts_llama3_8b_head_flops_exactly() -> None:
+    defaults_price = load_bench("defaults_price")
+    with torch.device("meta"):
+        model = defaults_price._llama3_8b()
+    row = defaults_price.price(model)
+    head = 6 * 4096 * 128256
+    layer = 6 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # q, o; k, v; gate, up, down
+    assert row["gemm_flops_per_token"] == 32 * layer + head
+    assert row["head_share"] == head / (32 * layer + head) and row["unfit_share"] == 0
+    expected = row["expected_h100_speedup_over_bf16"]
+    assert 1.0 < expected["rowwise"] < defaults_price.PUBLISHED["rowwise"]
+    assert expected["rowwise"] < expected["tensorwise"] < defaults_price.PUBLISHED["tensorwise"]

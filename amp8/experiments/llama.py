@@ -106,7 +106,7 @@ class ByteLlama(nn.Module):
             num_key_value_heads=spec.n_kv_head, max_position_embeddings=spec.block_size,
             tie_word_embeddings=spec.tie_head, attn_implementation="sdpa",
         )
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device="cpu"))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.lm = LlamaForCausalLM(config)

@@ -46,6 +46,41 @@ def high_precision_reason(linear: nn.Linear, shared: dict[int, list[str]]) -> st
     return "; ".join(reasons) or None
 
 
+def output_heads(model: nn.Module) -> dict[int, str]:
+    """The model's output heads, found by structure: ``id(linear) -> why it is one``.
+
+    An output head is the ``nn.Linear`` that maps hidden states to the vocabulary's
+    logits. It is what ``model.get_output_embeddings()`` returns (the method
+    ``transformers`` models have), or a Linear whose weight has the shape of an
+    embedding's table (``num_embeddings``, ``embedding_dim``): the untied twin of the
+    input embedding. Names play no part, so a renamed head is still found.
+    """
+    heads: dict[int, str] = {}
+    getter = getattr(model, "get_output_embeddings", None)
+    found = getter() if callable(getter) else None
+    if isinstance(found, nn.Linear):
+        heads[id(found)] = "the model's get_output_embeddings()"
+    tables = {  # nn.Embedding, and the low-bit tables amp8 puts in their place
+        (m.num_embeddings, m.embedding_dim): fqn for fqn, m in model.named_modules()
+        if isinstance(getattr(m, "num_embeddings", None), int) and isinstance(getattr(m, "embedding_dim", None), int)
+    }
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and id(module) not in heads:
+            table = tables.get(tuple(module.weight.shape))
+            if table is not None:
+                heads[id(module)] = f"maps the width to the vocabulary of embedding {table!r}"
+    return heads
+
+
+def output_head_reason(linear: nn.Linear, heads: dict[int, str]) -> str | None:
+    """Why ``Recipe.output_head="high"`` keeps ``linear`` in high precision, or None
+    when it is not one of ``heads`` (see ``output_heads``)."""
+    why = heads.get(id(linear))
+    if why is None:
+        return None
+    return f"output head ({why}), kept by Recipe.output_head='high'; output_head='fp8' runs it in FP8"
+
+
 def recipe_pattern_reason(fqn: str, high_precision_layers: tuple[str, ...]) -> str | None:
     """Why ``Recipe.high_precision_layers`` keeps the layer named ``fqn`` out of FP8 (its
     first matching ``fnmatch`` pattern), or None."""
@@ -59,6 +94,7 @@ def swap_linear_layers(
     module_filter: ModuleFilter | None = None,
     layer_selection: LayerSelection = "all",
     high_precision_layers: tuple[str, ...] = (),
+    keep_output_heads: bool = False,
 ) -> dict[str, str]:
     """Replace eligible ``nn.Linear`` children of ``model`` by ``make_fp8(linear)``.
 
@@ -67,7 +103,8 @@ def swap_linear_layers(
     (see ``high_precision_reason``) is never swapped, whatever the filter says; nor is
     one that the speed rule of ``layer_selection`` (for the device the layer's weight is
     on, see ``amp8.selection``) finds too small to gain from FP8, nor one whose name
-    matches an ``fnmatch`` pattern of ``high_precision_layers`` (``Recipe``'s).
+    matches an ``fnmatch`` pattern of ``high_precision_layers`` (``Recipe``'s), nor,
+    with ``keep_output_heads``, the model's output head (see ``output_heads``).
 
     Returns:
         ``{fqn: reason}`` for every ``nn.Linear`` left in high precision.
@@ -78,6 +115,7 @@ def swap_linear_layers(
             "nn.Sequential(linear), and pass that"
         )
     shared = shared_weight_names(model)
+    heads = output_heads(model) if keep_output_heads else {}
 
     def reason(linear: nn.Linear, fqn: str) -> str | None:
         found = high_precision_reason(linear, shared)
@@ -86,7 +124,7 @@ def swap_linear_layers(
             found = rule.reason(linear)
         if found is None and module_filter is not None and not module_filter(linear, fqn):
             found = "excluded by module_filter"
-        return found or recipe_pattern_reason(fqn, high_precision_layers)
+        return found or output_head_reason(linear, heads) or recipe_pattern_reason(fqn, high_precision_layers)
 
     return _swap_children(model, nn.Linear, reason, make_fp8)
 
