@@ -137,6 +137,8 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
     Variant("O1-rowwise-head-fp8", "O1", DEFAULT.replace(output_head="fp8")),
     Variant("O1-rowwise-hybrid", "O1", HYBRID_ROWWISE),
     *(Variant(f"default-{level}", level, DEFAULT) for level in ("O1", "O2", "O3")),
+    Variant("default-O2-fp32-m", override("O2", exp_avg="fp32"), DEFAULT),
+    Variant("default-O2-fp32-v", override("O2", exp_avg_sq="fp32"), DEFAULT),
     # one source at a time, against the default
     Variant("default-compute-only", FP8_COMPUTE_ONLY, DEFAULT),
     Variant("default-fprop-high", "O1", DEFAULT.replace(override_linear_precision=(True, False, False))),
@@ -309,11 +311,13 @@ def gradient_error(config_name: str, variant_names: list[str], train_steps: int,
             "variants": rows}
 
 
-def markdown(data: dict[str, Any]) -> str:
+def markdown(data: dict[str, Any], configs: list[str] | None = None) -> str:
     """The studies as markdown tables: paired gap (mean ± standard error over seeds, in
-    percent) per variant and configuration, and the one-step gradient errors."""
+    percent) per variant and configuration (those of ``configs`` only, when given), and
+    the one-step gradient errors."""
     lines = []
-    studies = data.get("studies", {})
+    studies = {key: study for key, study in data.get("studies", {}).items()
+               if configs is None or study["configuration"] in configs}
     if studies:
         keys = list(studies)
         names = list(dict.fromkeys(name for key in keys for name in studies[key]["mean_gap_percent"]))
@@ -367,13 +371,15 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="keep these runs apart from the untagged study of each configuration")
     parser.add_argument("--gradients", action="store_true",
                         help="measure one step's gradient error per variant instead of training runs")
-    parser.add_argument("--table", action="store_true", help="print the recorded results as markdown and exit")
+    parser.add_argument("--table", action="store_true",
+                        help="print the recorded results as markdown and exit (of --configs only, when given)")
     args = parser.parse_args()
+    configs = {"all": list(CONFIGS), "targets": list(TARGET_CONFIGS), "realistic": list(REALISTIC_CONFIGS)}.get(" ".join(args.configs), args.configs)
     if args.table:
         path = _path(torch.device(_BASE.device))
-        print(markdown(json.loads(path.read_text())) if path.is_file() else f"{path} does not exist yet")
+        chosen = None if args.configs == parser.get_default("configs") else configs
+        print(markdown(json.loads(path.read_text()), chosen) if path.is_file() else f"{path} does not exist yet")
         return
-    configs = {"all": list(CONFIGS), "targets": list(TARGET_CONFIGS), "realistic": list(REALISTIC_CONFIGS)}.get(" ".join(args.configs), args.configs)
     variants = [name for item in args.variants for name in GROUPS.get(item, (item,))]
     unknown = [name for name in configs if name not in CONFIGS] + [name for name in variants if name not in VARIANTS]
     if unknown:

@@ -7,7 +7,7 @@ import amp8
 
 def _model_with_grads(level: str = "O1"):
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level, recipe=amp8.Recipe())
     model(torch.randn(16, 32)).pow(2).sum().backward()
     return model, optimizer
 

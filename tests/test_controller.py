@@ -24,7 +24,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
 
 
-def _build(config: ControllerConfig, level: str = "O2", recipe: amp8.Recipe | None = None):
+def _build(config: ControllerConfig, level: str = "O2", recipe: amp8.Recipe = amp8.Recipe()):
     model = _model()
     controller = amp8.Controller(config)
     model, optimizer = amp8.initialize(
@@ -138,15 +138,15 @@ def test_bad_settings_name_the_field_and_the_fix(make, match) -> None:
 def test_initialize_checks_the_controller_before_changing_anything() -> None:
     model = _model()
     with pytest.raises(ValueError, match="needs the optimizer"):
-        amp8.initialize(model, None, "O1", controller=amp8.Controller())
+        amp8.initialize(model, None, "O1", controller=amp8.Controller(), recipe=amp8.Recipe())
     with pytest.raises(TypeError, match="amp8.Controller"):
-        amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", controller=LADDER)
+        amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", controller=LADDER, recipe=amp8.Recipe())
     assert isinstance(model[0], nn.Linear), "nothing was swapped"
     controller = amp8.Controller()
-    amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", controller=controller)
+    amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", controller=controller, recipe=amp8.Recipe())
     other = _model()
     with pytest.raises(RuntimeError, match="one Controller per model"):
-        amp8.initialize(other, torch.optim.AdamW(other.parameters()), "O1", controller=controller)
+        amp8.initialize(other, torch.optim.AdamW(other.parameters()), "O1", controller=controller, recipe=amp8.Recipe())
 
 
 @pytest.mark.parametrize("level", ["O1", "O3"])
@@ -190,13 +190,13 @@ def test_a_model_checkpoint_keeps_the_gemm_precision_and_loads_old_ones() -> Non
     model, optimizer, _ = _build(LADDER)
     _train(model, optimizer, 4)
     state = model.state_dict()
-    fresh, _ = amp8.initialize(_model(), None, "O2")
+    fresh, _ = amp8.initialize(_model(), None, "O2", recipe=amp8.Recipe())
     fresh.load_state_dict(state)
     assert fresh[0].gemm_granularity is amp8.Granularity.BLOCK
     x = torch.randn(8, 32)
     assert torch.equal(fresh(x), model(x))
     old = {k: v for k, v in state.items() if not k.endswith("gemm_precision")}
-    older, _ = amp8.initialize(_model(), None, "O2")
+    older, _ = amp8.initialize(_model(), None, "O2", recipe=amp8.Recipe())
     older.load_state_dict(old)
     assert older[0].gemm_granularity is amp8.Granularity.TENSORWISE
 
@@ -281,7 +281,7 @@ def test_accelerate_steps_and_checkpoints_the_controller() -> None:
 
 
 def test_a_corrupt_gemm_precision_is_refused_by_name() -> None:
-    model, _ = amp8.initialize(_model(), None, "O2")
+    model, _ = amp8.initialize(_model(), None, "O2", recipe=amp8.Recipe())
     state = model.state_dict()
     state["0.gemm_precision"] = torch.tensor([7, 0, 0, 0])
     with pytest.raises(ValueError, match=r"0\.gemm_precision .* is not a GEMM precision"):

@@ -49,7 +49,7 @@ def _levels(rank: int, world: int) -> dict:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+        model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=amp8.Recipe())
         optimizer.data_parallel.stats.bytes_by_kind.clear()
         _train(model, optimizer, 5, rank, world)
         results[level] = {
@@ -76,7 +76,7 @@ def _levels(rank: int, world: int) -> dict:
     sharded_first = _model()
     fully_shard(sharded_first)
     try:
-        amp8.initialize(sharded_first, torch.optim.AdamW(sharded_first.parameters()), "O3")
+        amp8.initialize(sharded_first, torch.optim.AdamW(sharded_first.parameters()), "O3", recipe=amp8.Recipe())
     except TypeError as error:
         results["wrong_order_error"] = str(error)
     try:
@@ -85,7 +85,7 @@ def _levels(rank: int, world: int) -> dict:
         results["sharded_rowwise_error"] = str(error)
     # A NaN on rank 1 only: both ranks skip that step, nothing changes.
     model = _model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2", recipe=amp8.Recipe())
     _train(model, optimizer, 1, rank, world)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = _batch(7, rank)
@@ -114,7 +114,7 @@ def _single_process_reference() -> dict:
     results = {}
     for level in ("O0", "O2", "O3"):
         model = _model()
-        model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+        model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=amp8.Recipe())
         losses = _train(model, optimizer, 5, 0, 1)
         results[level] = {"losses": losses, "weights": _held_weights(model)}
     return results
@@ -149,7 +149,7 @@ def test_two_ranks_track_one_process_on_the_concatenated_batch(
     batches: the weights after 5 steps stay as close to the one-process run as FP8 noise
     allows (SQNR of the weights, floor 25 dB; at O3 the FP8 weights the model holds)."""
     model = _model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=amp8.Recipe())
     model.load_state_dict(two_rank_results[0][level]["state"])
     two_rank = _held_weights(model)
     one_process = sqnr(single_process_reference[level]["weights"], two_rank)
@@ -274,7 +274,7 @@ def _overlap(rank: int, world: int) -> dict:
     for overlap in (True, False):
         for level in ("O2", "O3"):
             model = _model()
-            model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+            model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=amp8.Recipe())
             if not overlap:  # as LowBitAdam(..., overlap_communication=False) would be
                 for handle in optimizer.reduction.hook_handles:
                     handle.remove()

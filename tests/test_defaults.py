@@ -49,8 +49,8 @@ def _untied_gpt() -> nn.Module:
     return dataclasses.replace(PRESETS["tiny"], tie_head=False).build(torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
-def test_no_recipe_means_rowwise_with_the_head_in_high_precision(level: str) -> None:
+@pytest.mark.parametrize("level", ["O1", amp8.levels.FP8_COMPUTE_ONLY])
+def test_no_recipe_at_o1_means_rowwise_with_the_head_in_high_precision(level: str) -> None:
     model = _untied_gpt()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
     assert type(model.head) is nn.Linear, "the untied head must stay in high precision"
@@ -59,6 +59,15 @@ def test_no_recipe_means_rowwise_with_the_head_in_high_precision(level: str) -> 
     assert all(m.gemm_granularity is amp8.Granularity.ROWWISE for m in layers)
     notes = {row["name"]: row["note"] for row in amp8.report(model, optimizer).rows}
     assert notes["head.weight"].startswith("output head (maps the width to the vocabulary of embedding 'tok_emb')")
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_no_recipe_at_fp8_first_moment_levels_means_tensorwise_with_the_head_in_fp8(level: str) -> None:
+    model = _untied_gpt()
+    model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert isinstance(model.head, Fp8Linear)
+    assert all(m.recipe == amp8.Recipe(output_head="fp8") for m in layers)
 
 
 @pytest.mark.parametrize("recipe", [amp8.Recipe(output_head="fp8"), amp8.Recipe.preset("rowwise").replace(output_head="fp8")])
@@ -108,16 +117,18 @@ def test_a_model_without_a_vocabulary_has_no_head() -> None:
 def test_transformers_llama_head_stays_high() -> None:
     model = LlamaSpec(n_layer=1, n_embd=64, intermediate=128, n_head=4, n_kv_head=2).build(torch.Generator().manual_seed(0))
     assert set(output_heads(model.lm)) == {id(model.lm.lm_head)}
-    model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
     assert type(model.lm.lm_head) is nn.Linear
     assert isinstance(model.lm.model.layers[0].mlp.down_proj, Fp8Linear)
 
 
 @pytest.mark.parametrize(("level", "distributed", "expected"), [
     ("O1", False, amp8.Recipe.preset("rowwise")),
-    ("O2", True, amp8.Recipe.preset("rowwise")),
-    ("O3", False, amp8.Recipe.preset("rowwise")),
-    ("O3", True, amp8.Recipe()),  # O3 shards its optimizer over the ranks: tensorwise only
+    ("O1", True, amp8.Recipe.preset("rowwise")),
+    ("O1-compute", False, amp8.Recipe.preset("rowwise")),
+    ("O2", False, amp8.Recipe(output_head="fp8")),  # FP8 first moment: one scale per tensor
+    ("O3", False, amp8.Recipe(output_head="fp8")),
+    ("O3", True, amp8.Recipe(output_head="fp8")),
 ])
 def test_default_recipe_per_level(level: str, distributed: bool, expected: amp8.Recipe) -> None:
     assert default_recipe(resolve_level(level), distributed) == expected

@@ -93,7 +93,7 @@ def test_initialize_stores_untied_tables_and_keeps_the_others(level: str) -> Non
         "proj": nn.Linear(16, 16),
     })
     model["head"].weight = model["tied"].weight
-    model, _ = amp8.initialize(model, torch.optim.Adam(model.parameters()), level, layer_selection="all")
+    model, _ = amp8.initialize(model, torch.optim.Adam(model.parameters()), level, layer_selection="all", recipe=amp8.Recipe())
     assert isinstance(model["plain"], LowBitEmbedding)
     assert model["plain"].weight.dtype == torch.float16
     for name in ("renormalized", "sparse", "tied"):
@@ -110,7 +110,7 @@ def test_initialize_stores_untied_tables_and_keeps_the_others(level: str) -> Non
 
 def test_compute_only_and_o0_leave_embeddings_alone() -> None:
     for level in ("O0", amp8.levels.FP8_COMPUTE_ONLY):
-        model, _ = amp8.initialize(_Lookup(), None, level, layer_selection="all")
+        model, _ = amp8.initialize(_Lookup(), None, level, layer_selection="all", recipe=amp8.Recipe())
         assert type(model.embedding) is nn.Embedding
 
 
@@ -119,7 +119,7 @@ def test_training_steps_resume_exactly(level: str) -> None:
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = _Lookup()
-        return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, layer_selection="all")
+        return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, layer_selection="all", recipe=amp8.Recipe())
 
     batches = [_zipf_ids(96, (8, 16), seed) for seed in range(4)]
     model, optimizer = build()
@@ -136,7 +136,7 @@ def test_training_steps_resume_exactly(level: str) -> None:
 
 def test_o2_table_bytes_follow_the_level() -> None:
     model = _Lookup(vocab=512, dim=64)
-    model, optimizer = amp8.initialize(model, torch.optim.Adam(model.parameters()), "O2", layer_selection="all")
+    model, optimizer = amp8.initialize(model, torch.optim.Adam(model.parameters()), "O2", layer_selection="all", recipe=amp8.Recipe())
     train_steps(model, optimizer, [_zipf_ids(512, (8, 16))])
     model(_zipf_ids(512, (8, 16))).pow(2).mean().backward()  # a gradient in place, as at the peak
     row = next(row for row in amp8.report(model, optimizer).rows if row["name"] == "embedding.weight")
@@ -148,7 +148,7 @@ def test_o2_table_bytes_follow_the_level() -> None:
 
 def test_plain_checkpoint_loads_with_a_warning_and_export_gives_a_plain_table() -> None:
     plain = _Lookup()
-    model, _ = amp8.initialize(copy.deepcopy(plain), None, "O2", layer_selection="all")
+    model, _ = amp8.initialize(copy.deepcopy(plain), None, "O2", layer_selection="all", recipe=amp8.Recipe())
     with pytest.warns(UserWarning, match="converted embedding.weight"):
         model.load_state_dict(plain.state_dict())
     assert_bitwise_equal(model.embedding.read_weight(), plain.embedding.weight.half().float())
@@ -160,7 +160,7 @@ def test_plain_checkpoint_loads_with_a_warning_and_export_gives_a_plain_table() 
 
 
 def test_copies_and_compiled_forward_agree() -> None:
-    model, _ = amp8.initialize(_Lookup(), None, "O2", layer_selection="all")
+    model, _ = amp8.initialize(_Lookup(), None, "O2", layer_selection="all", recipe=amp8.Recipe())
     ids = _zipf_ids(96, (4, 16))
     copied = copy.deepcopy(model)
     compiled = copy.deepcopy(model)
@@ -177,7 +177,7 @@ def test_copies_and_compiled_forward_agree() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rows_follow_the_model_dtype_and_the_table_keeps_its_storage(dtype: torch.dtype) -> None:
-    model, _ = amp8.initialize(_Lookup(), None, "O2", layer_selection="all")
+    model, _ = amp8.initialize(_Lookup(), None, "O2", layer_selection="all", recipe=amp8.Recipe())
     table = model.embedding.read_weight()
     model.to(dtype)
     ids = _zipf_ids(96, (2, 8))

@@ -11,7 +11,7 @@ from conftest import assert_sqnr_at_least
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_gives_plain_linear_layers(level: str, dtype: torch.dtype) -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level, recipe=amp8.Recipe())
     exported = amp8.export(model, optimizer, dtype=dtype)
     assert all(type(m) is not Fp8Linear for m in exported.modules())
     assert type(exported[0]) is nn.Linear and exported[0].weight.dtype == dtype
@@ -24,7 +24,7 @@ def test_export_gives_plain_linear_layers(level: str, dtype: torch.dtype) -> Non
 
 @pytest.mark.parametrize("dtype", ["bf16", "float16", torch.float8_e4m3fn, torch.int8, None])
 def test_export_refuses_what_is_not_a_float_dtype(dtype: object) -> None:
-    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), None, "O1")
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), None, "O1", recipe=amp8.Recipe())
     with pytest.raises(TypeError, match=r"use one of torch\.float32, torch\.bfloat16, torch\.float16"):
         amp8.export(model, dtype=dtype)  # type: ignore[arg-type]
 

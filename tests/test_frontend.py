@@ -22,7 +22,7 @@ def test_o1_swaps_layers_and_optimizer(optimizer_class) -> None:
         [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "weight_decay": 0.1}],
         lr=1e-3, betas=(0.8, 0.9), eps=1e-6,
     )
-    model, new_optimizer = amp8.initialize(model, optimizer, opt_level="O1")
+    model, new_optimizer = amp8.initialize(model, optimizer, opt_level="O1", recipe=amp8.Recipe())
     assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear)
     assert isinstance(new_optimizer, LowBitAdam)
     assert [g["params"] for g in new_optimizer.param_groups] == [g["params"] for g in optimizer.param_groups]
@@ -36,19 +36,19 @@ def test_o0_changes_nothing() -> None:
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    out_model, out_optimizer = amp8.initialize(model, optimizer, opt_level="O0")
+    out_model, out_optimizer = amp8.initialize(model, optimizer, opt_level="O0", recipe=amp8.Recipe())
     assert out_model is model and out_optimizer is optimizer
     assert all(type(m) is not Fp8Linear for m in model.modules())
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
 def test_model_without_optimizer() -> None:
-    model, optimizer = amp8.initialize(_model())
+    model, optimizer = amp8.initialize(_model(), recipe=amp8.Recipe())
     assert optimizer is None and isinstance(model[0], Fp8Linear)
 
 
 def test_module_filter_is_passed_through() -> None:
-    model, _ = amp8.initialize(_model(), module_filter=lambda module, fqn: fqn != "2")
+    model, _ = amp8.initialize(_model(), module_filter=lambda module, fqn: fqn != "2", recipe=amp8.Recipe())
     assert isinstance(model[0], Fp8Linear) and type(model[2]) is nn.Linear
 
 
@@ -60,25 +60,25 @@ def test_recipe_reaches_the_layers() -> None:
 
 def test_unknown_opt_level() -> None:
     with pytest.raises(ValueError, match="'O0', 'O1', 'O2', 'O3'"):
-        amp8.initialize(_model(), opt_level="O5")
+        amp8.initialize(_model(), opt_level="O5", recipe=amp8.Recipe())
 
 
 def test_other_optimizer_is_named_with_the_supported_ones() -> None:
     model = _model()
     with pytest.raises(TypeError, match=r"torch\.optim\.SGD.*torch\.optim\.Adam, torch\.optim\.AdamW"):
-        amp8.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        amp8.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe=amp8.Recipe())
 
 
 def test_amsgrad_is_rejected() -> None:
     model = _model()
     with pytest.raises(ValueError, match="amsgrad=True"):
-        amp8.initialize(model, torch.optim.Adam(model.parameters(), amsgrad=True))
+        amp8.initialize(model, torch.optim.Adam(model.parameters(), amsgrad=True), recipe=amp8.Recipe())
 
 
 def test_model_initialized_twice() -> None:
-    model, _ = amp8.initialize(_model())
+    model, _ = amp8.initialize(_model(), recipe=amp8.Recipe())
     with pytest.raises(ValueError, match="already initialized by amp8"):
-        amp8.initialize(model)
+        amp8.initialize(model, recipe=amp8.Recipe())
 
 
 def test_optimizer_that_already_stepped() -> None:
@@ -87,7 +87,7 @@ def test_optimizer_that_already_stepped() -> None:
     model(torch.randn(2, 32)).sum().backward()
     optimizer.step()
     with pytest.raises(ValueError, match="before the first optimizer.step"):
-        amp8.initialize(model, optimizer)
+        amp8.initialize(model, optimizer, recipe=amp8.Recipe())
 
 
 def test_scheduler_built_before_initialize() -> None:
@@ -95,26 +95,26 @@ def test_scheduler_built_before_initialize() -> None:
     optimizer = torch.optim.Adam(model.parameters())
     torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
     with pytest.raises(ValueError, match="create the scheduler after amp8.initialize"):
-        amp8.initialize(model, optimizer)
+        amp8.initialize(model, optimizer, recipe=amp8.Recipe())
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_wrapped_model_is_rejected(level: str) -> None:
     with pytest.raises(TypeError, match="model is wrapped in DataParallel; call amp8.initialize on the bare model"):
-        amp8.initialize(nn.DataParallel(_model()), opt_level=level)
+        amp8.initialize(nn.DataParallel(_model()), opt_level=level, recipe=amp8.Recipe())
     inner = nn.Sequential(nn.DataParallel(_model()))
     with pytest.raises(TypeError, match=r"model\.0 is wrapped in DataParallel.*before any DDP or fully_shard"):
-        amp8.initialize(inner, opt_level=level)
+        amp8.initialize(inner, opt_level=level, recipe=amp8.Recipe())
 
 
 def test_o0_leaves_a_wrapped_model_alone() -> None:
     wrapped = nn.DataParallel(_model())
-    assert amp8.initialize(wrapped, opt_level="O0")[0] is wrapped
+    assert amp8.initialize(wrapped, opt_level="O0", recipe=amp8.Recipe())[0] is wrapped
 
 
 def test_not_a_module() -> None:
     with pytest.raises(TypeError, match="torch.nn.Module"):
-        amp8.initialize("model")  # type: ignore[arg-type]
+        amp8.initialize("model", recipe=amp8.Recipe())  # type: ignore[arg-type]
 
 
 def test_bad_recipe_type() -> None:
@@ -125,7 +125,7 @@ def test_bad_recipe_type() -> None:
 def test_device_without_fp8() -> None:
     model = _model().to("meta")
     with pytest.raises(RuntimeError, match="cannot run FP8 GEMMs"):
-        amp8.initialize(model)
+        amp8.initialize(model, recipe=amp8.Recipe())
 
 
 @pytest.mark.parametrize(
@@ -135,7 +135,7 @@ def test_device_without_fp8() -> None:
 def test_weight_storage_follows_the_level(level: str, weight_dtype: torch.dtype, has_master: bool) -> None:
     model = _model()
     original = model[0].weight.detach().clone()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level, recipe=amp8.Recipe())
     assert model[0].weight.dtype == weight_dtype
     state = optimizer.state.get(model[0].weight, {})
     assert ("master" in state) is has_master
@@ -147,12 +147,12 @@ def test_override_that_amp8_cannot_store() -> None:
     bad = dataclasses.replace(amp8.LEVELS["O2"], exp_avg=Precision.FP16)
     model = _model()
     with pytest.raises(ValueError, match="stores exp_avg as fp16"):
-        amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=bad)
+        amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=bad, recipe=amp8.Recipe())
 
 
 def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
     model = _model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1.0))
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1.0), recipe=amp8.Recipe())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     model(torch.randn(2, 32)).sum().backward()
     optimizer.step()

@@ -59,7 +59,7 @@ def _build(level: str) -> tuple[Regression, torch.optim.Optimizer, torch.optim.l
     torch.manual_seed(0)
     model = Regression()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = amp8.initialize(model, optimizer, level)
+    model, optimizer = amp8.initialize(model, optimizer, level, recipe=amp8.Recipe())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     return model, optimizer, scheduler
 

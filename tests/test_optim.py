@@ -31,7 +31,7 @@ def test_matches_torch_bit_for_bit_on_fp32_parameters(case: str) -> None:
     model = _high_precision_model()
     model.load_state_dict(reference.state_dict())
     reference_optimizer = optimizer_class(reference.parameters(), foreach=False, **kwargs)
-    model, optimizer = amp8.initialize(model, optimizer_class(model.parameters(), **kwargs), "O1")
+    model, optimizer = amp8.initialize(model, optimizer_class(model.parameters(), **kwargs), "O1", recipe=amp8.Recipe())
     for _ in range(20):
         x = torch.randn(8, 10)
         for m, opt in ((reference, reference_optimizer), (model, optimizer)):
@@ -46,7 +46,7 @@ def test_fp8_layer_step_matches_torch_within_fp16_rounding() -> None:
     """Given the same gradients, moments are bit-identical and the weight differs from an
     FP32 AdamW step only by the stochastic rounding of its FP16 storage (< one FP16 ulp)."""
     model = nn.Sequential(nn.Linear(64, 32, bias=False))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), recipe=amp8.Recipe())
     layer: Fp8Linear = model[0]
     reference = nn.Parameter(layer.read_weight())
     reference_optimizer = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.1, foreach=False)
@@ -72,7 +72,7 @@ def _fp8_model() -> nn.Module:
 
 def test_overflowing_step_changes_nothing_and_is_counted() -> None:
     model = _fp8_model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=amp8.Recipe())
     model(torch.randn(4, 32)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -98,7 +98,7 @@ def test_overflowing_step_changes_nothing_and_is_counted() -> None:
 
 def test_zero_grad_clears_fp8_and_ordinary_gradients() -> None:
     model = _fp8_model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=amp8.Recipe())
     model(torch.randn(4, 32)).sum().backward()
     assert model[0].weight_grad is not None and model[0].bias.grad is not None
     optimizer.zero_grad()
@@ -140,7 +140,7 @@ def test_checkpoint_restores_exactly_and_training_continues_identically(level: s
 
 def test_skipped_steps_survive_a_checkpoint() -> None:
     model = _fp8_model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=amp8.Recipe())
     optimizer.skipped_steps = 3
     other = LowBitAdam(model.parameters())
     other.load_state_dict(optimizer.state_dict())
@@ -157,7 +157,7 @@ def test_skipped_steps_survive_a_checkpoint() -> None:
 )
 def test_state_dtypes_and_bytes_from_the_real_tensors(level, exp_avg, exp_avg_sq, weight, master) -> None:
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level, recipe=amp8.Recipe())
     model(torch.randn(8, 256)).sum().backward()
     optimizer.step()
     param = model[0].weight
@@ -174,7 +174,7 @@ def test_tiny_updates_survive_fp16_weights_through_stochastic_rounding() -> None
     stochastic rounding lands within 1 % of the FP32 result on average (the spread of a
     sum of 1000 random roundings over 4096 weights is about 0.15 % of it)."""
     model = nn.Sequential(nn.Linear(64, 64, bias=False))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2", recipe=amp8.Recipe())
     param = model[0].weight
     model[0].write_weight(torch.ones(64, 64))
     ulp = 2.0**-10  # FP16 spacing at 1.0
@@ -194,7 +194,7 @@ def _regression(level: str, seed: int = 0) -> tuple[float, torch.Tensor]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    model, optimizer = amp8.initialize(model, optimizer, level)
+    model, optimizer = amp8.initialize(model, optimizer, level, recipe=amp8.Recipe())
     start = _real_weights(model, optimizer)
     generator = torch.Generator().manual_seed(1)
     target = torch.randn(64, 16, generator=generator)
@@ -234,7 +234,7 @@ def _digits_accuracy(level: str) -> float:
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     y = torch.tensor(digits.target)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), level, recipe=amp8.Recipe())
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         batch = torch.randint(0, 1400, (64,), generator=generator)
@@ -256,12 +256,12 @@ def test_classifier_accuracy_stays_close_to_fp32(level: str) -> None:
 
 def test_checkpoint_of_another_level_is_converted_with_a_warning() -> None:
     model = _fp8_model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=amp8.Recipe())
     model(torch.randn(4, 32)).sum().backward()
     optimizer.step()
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     o3_model = _fp8_model()
-    o3_model, o3_optimizer = amp8.initialize(o3_model, torch.optim.AdamW(o3_model.parameters()), "O3")
+    o3_model, o3_optimizer = amp8.initialize(o3_model, torch.optim.AdamW(o3_model.parameters()), "O3", recipe=amp8.Recipe())
     with pytest.warns(UserWarning, match="converted 0.weight from torch.float16 to torch.float8_e4m3fn"):
         o3_model.load_state_dict(checkpoint["model"])
     with pytest.warns(UserWarning, match="converted exp_avg, exp_avg_sq, master weights to opt level O3"):
@@ -276,7 +276,7 @@ def test_checkpoint_of_another_level_is_converted_with_a_warning() -> None:
 
 def test_plain_checkpoint_loads_into_an_amp8_model() -> None:
     plain = _fp8_model()
-    model, _ = amp8.initialize(_fp8_model())
+    model, _ = amp8.initialize(_fp8_model(), recipe=amp8.Recipe())
     with pytest.warns(UserWarning, match="converted 0.weight from torch.float32"):
         model.load_state_dict(plain.state_dict())
     torch.testing.assert_close(model[0].read_weight(), plain[0].weight.detach(), atol=0, rtol=2**-10)
@@ -289,7 +289,7 @@ def test_bad_state_block_size() -> None:
 
 def test_blockwise_state() -> None:
     model = nn.Sequential(nn.Linear(256, 64))
-    model, _ = amp8.initialize(model)
+    model, _ = amp8.initialize(model, recipe=amp8.Recipe())
     optimizer = LowBitAdam(
         model.parameters(), level=amp8.LEVELS["O2"], state_block_size=128
     )
@@ -308,13 +308,13 @@ def test_out_of_range_hyperparameters_are_refused(options: dict) -> None:
 
 
 def test_level_is_accepted_by_name() -> None:
-    model, _ = amp8.initialize(nn.Sequential(nn.Linear(16, 16)), None, "O2")
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(16, 16)), None, "O2", recipe=amp8.Recipe())
     optimizer = amp8.optim.LowBitAdam(model.parameters(), level="O2")
     assert optimizer.level is amp8.LEVELS["O2"] and model[0].weight in optimizer.weights
 
 
 def test_initializing_twice_says_already_initialized() -> None:
     model = nn.Sequential(nn.Linear(16, 16))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=amp8.Recipe())
     with pytest.raises(ValueError, match="already initialized"):
-        amp8.initialize(model, optimizer, "O1")
+        amp8.initialize(model, optimizer, "O1", recipe=amp8.Recipe())

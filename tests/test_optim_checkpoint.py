@@ -14,7 +14,7 @@ from amp8.optim.checkpoint import MARKER_KEY
 def _trained(level: str) -> tuple[nn.Module, LowBitAdam]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=amp8.Recipe())
     for _ in range(2):
         optimizer.zero_grad()
         model(torch.randn(8, 32)).pow(2).mean().backward()

@@ -25,7 +25,7 @@ def _fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
 
 
 def _twin_optimizers(
-    level: str, recipe: amp8.Recipe | None = None, bias: bool = False, **options
+    level: str, recipe: amp8.Recipe = amp8.Recipe(), bias: bool = False, **options
 ) -> tuple[list[nn.Module], list[LowBitAdam]]:
     """Two copies of one model (layers of two shapes) with a reference and a fused
     optimizer; ``options`` go to ``torch.optim.AdamW`` or ``Adam``."""
@@ -138,7 +138,7 @@ def test_fused_step_with_fine_grained_scales(level: str, granularity: str, optio
 
 
 def test_fused_defaults_to_cuda_only() -> None:
-    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)))
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), recipe=amp8.Recipe())
     optimizer = LowBitAdam(model.parameters())
     assert optimizer.fused is None
     assert not optimizer._runs_fused(model[0].weight), "CPU parameters take the reference step by default"
@@ -217,7 +217,7 @@ def test_fused_checkpoint_resumes_bit_for_bit() -> None:
     def build() -> tuple[nn.Module, LowBitAdam]:
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.GELU(), nn.Linear(48, 16, bias=False))
-        model, _ = amp8.initialize(model, None, "O2")
+        model, _ = amp8.initialize(model, None, "O2", recipe=amp8.Recipe())
         optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=amp8.LEVELS["O2"], fused=True)
         return model, optimizer
 
@@ -237,7 +237,7 @@ def test_fused_checkpoint_resumes_bit_for_bit() -> None:
 
 def test_checkpoint_with_rounding_generators_loads_with_a_warning() -> None:
     """Checkpoints from before counter-based rounding hold torch.Generator states."""
-    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)))
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), recipe=amp8.Recipe())
     optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=5)
     state = optimizer.state_dict()
     del state["amp8"]["rounding"]
@@ -249,7 +249,7 @@ def test_checkpoint_with_rounding_generators_loads_with_a_warning() -> None:
 
 
 def test_checkpoint_restores_seed_and_counter() -> None:
-    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)))
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), recipe=amp8.Recipe())
     optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=3)
     optimizer.rounding_counter = 41
     other = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=0)

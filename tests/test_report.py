@@ -16,7 +16,7 @@ def _model() -> nn.Module:
 
 def _trained(level: str = "O1") -> tuple[nn.Module, torch.optim.Optimizer]:
     model = _model()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level, recipe=amp8.Recipe())
     for _ in range(2):
         optimizer.zero_grad()
         model(torch.randn(4, 6, 32)).pow(2).mean().backward()
@@ -132,7 +132,7 @@ def test_highlights_at_o0_and_without_false_saturation() -> None:
 def test_tied_weight_row_says_why_it_stays_high_precision() -> None:
     model = nn.Sequential(nn.Embedding(32, 32), nn.Linear(32, 32, bias=False))
     model[1].weight = model[0].weight
-    model, _ = amp8.initialize(model)
+    model, _ = amp8.initialize(model, recipe=amp8.Recipe())
     (row,) = amp8.report(model).rows
     assert row["layer"] == "Embedding" and row["note"] == "weight is shared (0.weight, 1.weight)"
 
@@ -173,7 +173,7 @@ class _Attention(nn.Module):
 @pytest.mark.parametrize("width", [80, 160])
 def test_long_parameter_names_fold_instead_of_being_cut(width: int) -> None:
     model = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"self_attn": _Attention()})])})})
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O3")  # every column
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O3", recipe=amp8.Recipe())  # every column
     console = Console(record=True, width=width)
     amp8.report(model, optimizer).print(console)
     text = console.export_text()

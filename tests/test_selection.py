@@ -83,7 +83,7 @@ def _model() -> nn.Module:
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_initialize_applies_a_speed_rule_and_the_report_says_why(level: str) -> None:
-    model, _ = amp8.initialize(_model(), None, level, layer_selection=RULE)
+    model, _ = amp8.initialize(_model(), None, level, layer_selection=RULE, recipe=amp8.Recipe())
     assert [type(model[i]) for i in (0, 2, 4)] == [nn.Linear, Fp8Linear, Fp8Linear]
     rows = {row["name"]: row for row in amp8.report(model).rows}
     assert not rows["0.weight"]["fp8"]
@@ -91,14 +91,14 @@ def test_initialize_applies_a_speed_rule_and_the_report_says_why(level: str) -> 
 
 
 def test_auto_on_the_cpu_swaps_every_eligible_layer() -> None:
-    model, _ = amp8.initialize(_model(), None, "O1")
+    model, _ = amp8.initialize(_model(), None, "O1", recipe=amp8.Recipe())
     assert all(isinstance(model[i], Fp8Linear) for i in (0, 2, 4))
 
 
 def test_unknown_selection_is_refused_before_the_model_changes() -> None:
     model = _model()
     with pytest.raises(ValueError, match="layer_selection='fast' is not valid; use 'auto'"):
-        amp8.initialize(model, None, "O1", layer_selection="fast")
+        amp8.initialize(model, None, "O1", layer_selection="fast", recipe=amp8.Recipe())
     assert all(type(model[i]) is nn.Linear for i in (0, 2, 4))
 
 

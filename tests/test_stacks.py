@@ -79,20 +79,20 @@ def test_torch_clip_grad_norm_counts_and_clips_fp8_gradients(level: str, norm_ty
 def test_any_optimizer_at_o0_is_returned_unchanged() -> None:
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert amp8.initialize(model, sgd, "O0") == (model, sgd)
+    assert amp8.initialize(model, sgd, "O0", recipe=amp8.Recipe()) == (model, sgd)
 
 
 def test_sgd_at_o1_is_refused_with_what_is_supported() -> None:
     model = _model()
     with pytest.raises(TypeError, match=r"supports torch\.optim\.Adam, torch\.optim\.AdamW"):
-        amp8.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")
+        amp8.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", recipe=amp8.Recipe())
 
 
 def test_fp8_compute_only_trains_with_sgd_and_plain_gradients() -> None:
     reference = _model()
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = amp8.initialize(model, sgd, amp8.levels.FP8_COMPUTE_ONLY)
+    model, optimizer = amp8.initialize(model, sgd, amp8.levels.FP8_COMPUTE_ONLY, recipe=amp8.Recipe())
     assert optimizer is sgd and isinstance(model[0], amp8.nn.Fp8Linear)
     x = torch.randn(8, 32)
     assert_sqnr_at_least(reference(x), model(x), 18.0)
@@ -111,7 +111,7 @@ def test_fp8_compute_only_trains_with_sgd_and_plain_gradients() -> None:
 @pytest.mark.parametrize("level", ["O1", "O2"])  # O3's masters need initialize's FP16 weights
 def test_hand_built_low_bit_adam_finds_the_fp8_weights(level: str) -> None:
     managed, optimizer = _initialized(level, lr=1e-2)
-    built, _ = amp8.initialize(_model(), None, level)
+    built, _ = amp8.initialize(_model(), None, level, recipe=amp8.Recipe())
     hand_built = amp8.optim.LowBitAdam(built.parameters(), lr=1e-2, level=level, decoupled_weight_decay=True,
                                        weight_decay=optimizer.defaults["weight_decay"])
     for model, opt in ((managed, optimizer), (built, hand_built)):
@@ -126,7 +126,7 @@ def test_hand_built_low_bit_adam_finds_the_fp8_weights(level: str) -> None:
 
 @pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
 def test_torch_optimizer_over_fp8_weights_fails_loudly(optimizer_class: type) -> None:
-    model, _ = amp8.initialize(_model(), None, "O1")
+    model, _ = amp8.initialize(_model(), None, "O1", recipe=amp8.Recipe())
     optimizer = optimizer_class(model.parameters(), lr=0.1)
     _backward(model, seed=0)
     with pytest.raises(TypeError, match="amp8.initialize returns"):
@@ -136,7 +136,7 @@ def test_torch_optimizer_over_fp8_weights_fails_loudly(optimizer_class: type) ->
 @pytest.mark.parametrize("level", ["O1", "O2", "O3", "O1-compute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_output_dtype_is_autocasts(level: str, dtype: torch.dtype) -> None:
-    model, _ = amp8.initialize(_model(), None, level)
+    model, _ = amp8.initialize(_model(), None, level, recipe=amp8.Recipe())
     with torch.autocast("cpu", dtype=dtype):
         assert model[0](torch.randn(4, 32)).dtype == dtype
 
@@ -144,7 +144,7 @@ def test_autocast_output_dtype_is_autocasts(level: str, dtype: torch.dtype) -> N
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "to_float16"])
 def test_dtype_cast_keeps_fp8_layers_exact(level: str, cast: str) -> None:
-    model, _ = amp8.initialize(_model(), None, level)
+    model, _ = amp8.initialize(_model(), None, level, recipe=amp8.Recipe())
     weight, scale = model[0].read_weight(), model[0].weight_scale.clone()
     stored_dtype = model[0].weight.dtype
     model = model.to(torch.float16) if cast == "to_float16" else getattr(model, cast)()
@@ -156,7 +156,7 @@ def test_dtype_cast_keeps_fp8_layers_exact(level: str, cast: str) -> None:
 
 
 def test_replaced_weight_is_refused_with_the_supported_order() -> None:
-    model, _ = amp8.initialize(_model(), None, "O1")
+    model, _ = amp8.initialize(_model(), None, "O1", recipe=amp8.Recipe())
     model[0].weight = nn.Parameter(model[0].weight.detach().clone())
     with pytest.raises(RuntimeError, match="replaced after amp8.initialize"):
         model(torch.randn(2, 32))
@@ -282,7 +282,7 @@ def _ddp_options_and_no_sync(rank: int, world: int) -> dict:
     """Accumulate two micro-batches, the first inside DDP's ``no_sync()``, with
     ``find_unused_parameters=True`` and a layer that gets no gradient."""
     model = _WithUnusedHead()
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", recipe=amp8.Recipe())
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     stats = model.body[0].stored_weight.data_parallel.stats
     generator = torch.Generator().manual_seed(7 + rank)
@@ -312,12 +312,12 @@ def test_ddp_no_sync_and_find_unused_parameters_keep_their_meaning(tmp_path) -> 
 @pytest.mark.parametrize("key", ["0.weight_scale", "0.scale", "0.amax_history"])
 @pytest.mark.parametrize("bad", [0.0, float("nan"), -1.0, float("inf")])
 def test_corrupt_layer_checkpoint_is_refused_naming_the_key(level: str, key: str, bad: float) -> None:
-    model, _ = amp8.initialize(_model(), None, level)
+    model, _ = amp8.initialize(_model(), None, level, recipe=amp8.Recipe())
     state = model.state_dict()
     if key.endswith("amax_history") and bad == 0.0:
         bad = -1.0  # an amax of 0 is a valid history entry
     state[key] = state[key].clone().fill_(bad)
-    fresh, _ = amp8.initialize(_model(), None, level)
+    fresh, _ = amp8.initialize(_model(), None, level, recipe=amp8.Recipe())
     before = fresh[0].read_weight()
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         fresh.load_state_dict(state)

@@ -107,7 +107,7 @@ def test_injection_is_invisible_in_exact_arithmetic() -> None:
 def test_injection_survives_initialize_when_attached_after() -> None:
     model = GPT(TINY, torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = amp8.initialize(model, optimizer, "O1", layer_selection="all")
+    model, optimizer = amp8.initialize(model, optimizer, "O1", layer_selection="all", recipe=amp8.Recipe())
     layer = stressed_layer(model, FULL_GAIN)
     assert isinstance(layer, Fp8Linear)
     OutlierInjection(FULL_GAIN, steps=1).attach(model)

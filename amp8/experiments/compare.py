@@ -47,7 +47,8 @@ from .corpus import ByteCorpus, load_corpus, sample_batch
 from .gpt import GPT
 from .stress import OutlierInjection, mask_position
 from .compare_config import (  # noqa: F401  (the public names of amp8.experiments.compare)
-    ABLATION, DEFAULT_OUT, JSON_NAME, KNOB_ABLATIONS, PNG_NAME, TORCHAO, _VAL_SEED, CompareConfig, RunSpec,
+    ABLATION, DEFAULT_OUT, JSON_NAME, KNOB_ABLATIONS, PNG_NAME, TORCHAO, TORCHAO_RUNS, _VAL_SEED, CompareConfig,
+    RunSpec,
 )
 from .compare_result import CompareResult, RunResult  # noqa: F401
 
