@@ -12,8 +12,8 @@ import torch
 from ..controller_config import ControllerConfig
 from ..levels import LEVELS, OptLevel
 from ..recipe import Recipe
-from .corpus import CorpusConfig
 from . import llama
+from .corpus import CorpusConfig
 from .gpt import PRESETS, GPTConfig
 from .llama import LlamaSpec
 from .stress import OutlierStress

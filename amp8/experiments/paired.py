@@ -72,7 +72,8 @@ def paired_specs(variants: Sequence[Variant], seeds: Sequence[int]) -> list[RunS
 
 def gaps_percent(losses: Mapping[str, Sequence[float]], name: str) -> list[float]:
     """The gap of variant ``name`` to O0, seed by seed, in percent: ``losses`` maps each
-    variant (O0 as ``"O0"``) to its final validation losses in the same order of seeds.
+    variant (O0 as ``"O0"``) to its validation losses (final, or at one evaluation of
+    the curve), one per seed, in the same order of seeds.
 
     Raises:
         KeyError: for a variant ``losses`` lacks, naming those it has.
