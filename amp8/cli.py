@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -12,6 +11,9 @@ from rich.table import Table
 from .console import default_console
 from .levels import LEVELS
 from .recipe import ActivationFormat, Recipe, RecipeName
+
+if TYPE_CHECKING:
+    from .experiments.compare import CompareConfig
 
 
 def print_levels(console: Console) -> None:
@@ -30,23 +32,33 @@ def print_levels(console: Console) -> None:
 
 def _add_compare(commands: Any) -> None:
     """The ``compare`` subcommand's options (defaults from ``CompareConfig``)."""
-    from .experiments.compare import CompareConfig
+    from .experiments.compare import MODELS, CompareConfig
     from .experiments.corpus import SOURCES
     from .experiments.gpt import PRESETS
 
     defaults = CompareConfig()
     compare = commands.add_parser(
         "compare",
-        help="train the same GPT from the same seed at every opt level and compare the losses",
+        help="train the same model from the same seeds at every opt level and compare the losses",
         description=(
-            "Train a byte-level GPT on the Python standard library's sources at O0-O3, plus FP8 "
-            "without scaling (and torchao's float8 when installed); print a table, write JSON "
-            "and a PNG of the loss curves. The defaults take a few minutes on a laptop CPU. "
-            "--stress injects a growing outlier on the first token of the last MLP's input, "
-            "invisible in exact arithmetic, that tensorwise FP8 scales cannot hold."
+            "Train a byte-level model on the Python standard library's sources (or, with --corpus docs, "
+            "the language reference) at O0-O3, plus FP8 without scaling (and torchao's float8 when "
+            "installed); print a table of losses and gaps to O0, write JSON and a PNG of the loss curves "
+            "and of each run's gap to O0. The model is a GPT with an output head of its own, as most "
+            "Llama-style models have (--model gpt-tied ties it to the embedding, where it never runs in "
+            "FP8; --model llama trains transformers' Llama). --seeds N trains every level from N seeds, "
+            "each paired with O0 from the same seed, and prints each gap as mean ± standard error with "
+            "the null variant's gap (O0 from weights perturbed by 1e-6) as the noise floor. The defaults "
+            "take a few minutes on a laptop CPU. --stress injects a growing outlier on the first token "
+            "of the last MLP's input, invisible in exact arithmetic, that tensorwise FP8 scales cannot hold."
         ),
     )
-    compare.add_argument("--preset", choices=list(PRESETS), default="small", help="model size (default: small)")
+    compare.add_argument("--model", choices=list(MODELS), default="gpt",
+                         help="gpt: the GPT with an untied output head (default); gpt-tied: its head shares the "
+                              "embedding's weight and stays in high precision; llama: transformers' "
+                              "LlamaForCausalLM of the same shape (needs transformers)")
+    compare.add_argument("--preset", choices=list(PRESETS), default="small",
+                         help="model size, for the GPT and the Llama alike (default: small)")
     compare.add_argument("--n-layer", type=int, help="override the preset's number of blocks")
     compare.add_argument("--n-embd", type=int, help="override the preset's width (a multiple of 16)")
     compare.add_argument("--n-head", type=int, help="override the preset's attention heads")
@@ -60,17 +72,21 @@ def _add_compare(commands: Any) -> None:
     compare.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
                          help=f"AdamW decay of matrices (default: {defaults.weight_decay})")
     compare.add_argument("--levels", nargs="+", default=list(defaults.levels), help="opt levels (default: all)")
-    compare.add_argument("--seeds", type=int, default=1, help="O0 runs from this many seeds, for the seed spread")
-    compare.add_argument("--seed", type=int, default=0, help="seed of the weights and batch order (default: 0)")
+    compare.add_argument("--seeds", type=int, default=1,
+                         help="train every level, the torchao runs and the null variant from this many seeds "
+                              "(--seed, --seed + 1, ...), each paired with O0 from the same seed; the table "
+                              "shows each gap as mean ± standard error (default: 1)")
+    compare.add_argument("--seed", type=int, default=0,
+                         help="(first) seed of the weights and batch order (default: 0)")
     compare.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
     compare.add_argument("--max-bytes", type=int, default=defaults.corpus.max_bytes, help="corpus size in bytes")
     compare.add_argument("--corpus", choices=list(SOURCES), default=defaults.corpus.source,
                          help="the standard library's code or the language reference's prose "
                               f"(default: {defaults.corpus.source})")
-    compare.add_argument("--recipe", choices=[name.value for name in RecipeName], default="tensorwise",
-                         help="FP8 recipe preset of the O1-O3 runs (default: tensorwise)")
-    compare.add_argument("--activations", choices=[name.value for name in ActivationFormat], default="high",
-                         help="how the O1-O3 runs store tensors saved for backward (default: high)")
+    compare.add_argument("--recipe", choices=[name.value for name in RecipeName],
+                         help="FP8 recipe preset of the O1-O3 runs (default: amp8.initialize's default recipe)")
+    compare.add_argument("--activations", choices=[name.value for name in ActivationFormat],
+                         help="how the O1-O3 runs store tensors saved for backward (default: the recipe's, high)")
     compare.add_argument("--high-precision-layers", nargs="+", metavar="PATTERN", default=(),
                          help="fnmatch patterns of layers the O1-O3 runs keep in high precision, "
                               "e.g. 'blocks.11.*' (Recipe.high_precision_layers)")
@@ -85,26 +101,40 @@ def _add_compare(commands: Any) -> None:
     compare.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _run_compare(args: argparse.Namespace, console: Console) -> None:
-    from .experiments.compare import CompareConfig, compare
+def _compare_config(args: argparse.Namespace) -> "CompareConfig":
+    """The ``CompareConfig`` the flags ask for.
+
+    Raises:
+        ValueError: a value the configuration refuses, naming it.
+        ModuleNotFoundError: --model llama without transformers, saying how to get it.
+    """
+    from .experiments.compare import CompareConfig, model_config
     from .experiments.corpus import CorpusConfig
-    from .experiments.gpt import GPTConfig
     from .experiments.stress import OutlierStress
 
     shape = {key: getattr(args, key) for key in ("n_layer", "n_embd", "n_head", "block_size")
              if getattr(args, key) is not None}
-    model = dataclasses.replace(GPTConfig.from_preset(args.preset), **shape)
-    config = CompareConfig(
-        model=model, steps=args.steps, batch_size=args.batch_size, lr=args.lr, levels=tuple(args.levels),
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+    return CompareConfig(
+        model=model_config(args.model, args.preset, **shape), steps=args.steps, batch_size=args.batch_size,
+        lr=args.lr, levels=tuple(args.levels), warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         ablation=not args.no_ablation, torchao=not args.no_torchao, seeds=args.seeds, seed=args.seed,
         device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes, source=args.corpus),
-        recipe=Recipe.preset(args.recipe).replace(
-            activations=args.activations, high_precision_layers=tuple(args.high_precision_layers)),
-        stress=OutlierStress() if args.stress else None,
+        recipe=_recipe(args), stress=OutlierStress() if args.stress else None,
         controller_levels=() if args.controller is None else tuple(args.controller or ["O1"]),
     )
-    compare(config, out_dir=args.out, console=console, progress=not args.no_progress)
+
+
+def _recipe(args: argparse.Namespace) -> Recipe | None:
+    """The recipe the flags ask for: None (``initialize``'s default) unless --recipe,
+    --activations or --high-precision-layers is given; then the preset (``Recipe()``
+    without --recipe) with those changes."""
+    if args.recipe is None and args.activations is None and not args.high_precision_layers:
+        return None
+    recipe = Recipe() if args.recipe is None else Recipe.preset(args.recipe)
+    changes: dict[str, Any] = {"high_precision_layers": tuple(args.high_precision_layers)} if args.high_precision_layers else {}
+    if args.activations is not None:
+        changes["activations"] = args.activations
+    return recipe.replace(**changes)
 
 
 def _add_report(commands: Any) -> None:
@@ -129,9 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = default_console()
     if args.command == "compare":
+        from .experiments.compare import compare
+
         try:
-            _run_compare(args, console)
-        except ValueError as error:
+            config = _compare_config(args)
+        except (ValueError, ModuleNotFoundError) as error:
+            parser.error(str(error))
+        try:
+            compare(config, out_dir=args.out, console=console, progress=not args.no_progress)
+        except ValueError as error:  # an output folder that cannot be written, before any training
             parser.error(str(error))
     elif args.command == "report":
         from .experiments.compare import load_report

@@ -42,7 +42,8 @@ from amp8.experiments.compare import CompareConfig
 from amp8.experiments.corpus import CorpusConfig
 from amp8.experiments.gpt import PRESETS, GPTConfig
 from amp8.experiments.llama import LlamaSpec
-from amp8.experiments.paired import BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs
+from amp8.experiments.paired import (BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs,
+                                    standard_error)
 from amp8.levels import FP8_COMPUTE_ONLY, override
 from common import RESULTS, write_result
 
@@ -192,7 +193,7 @@ def summarize(study: dict[str, Any]) -> None:
         study["gaps_percent"][name] = gaps
         study["mean_gap_percent"][name] = statistics.fmean(gaps.values())
         if len(gaps) > 1:
-            study["stderr_percent"][name] = statistics.stdev(gaps.values()) / len(gaps) ** 0.5
+            study["stderr_percent"][name] = standard_error(list(gaps.values()))
 
 
 def _code_version() -> str:

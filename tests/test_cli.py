@@ -40,6 +40,7 @@ def test_console_script_module_runs() -> None:
         (["compare", "--n-head", "3"], "not divisible by n_head=3"),
         (["compare", "--block-size", "0"], "GPTConfig.block_size=0 is not valid"),
         (["compare", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+        (["compare", "--model", "bert"], "argument --model: invalid choice: 'bert'"),
         (["compare", "--recipe", "fast"], "argument --recipe: invalid choice: 'fast'"),
         (["compare", "--out", "/proc/amp8-cannot-write-here"], "cannot be created"),
         (["levels", "--wide"], "unrecognized arguments: --wide"),

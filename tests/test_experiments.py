@@ -11,11 +11,12 @@ from rich.console import Console
 
 import amp8
 from amp8.cli import main
-from amp8.experiments.compare import (ABLATION, JSON_NAME, CompareConfig, CompareResult, RunResult, compare,
-                                     load_report, missing_peer_note, run_specs)
+from amp8.experiments.compare import (ABLATION, JSON_NAME, TORCHAO_RUNS, CompareConfig, CompareResult, RunResult,
+                                     compare, load_report, missing_peer_note, run_specs)
 from amp8.experiments.corpus import (CorpusConfig, docs_documents, load_corpus, sample_batch,
                                     source_files, stdlib_root)
 from amp8.experiments.gpt import GPT, PRESETS, GPTConfig
+from amp8.experiments.paired import NULL, NULL_PERTURBATION
 from amp8.nn import Fp8Linear
 
 TINY = CompareConfig(
@@ -166,9 +167,25 @@ def test_compare_refuses_what_is_not_a_config() -> None:
         compare({"steps": 2})  # type: ignore[arg-type]
 
 
-def test_run_specs_cover_levels_ablation_and_seeds() -> None:
-    names = [spec.name for spec in run_specs(TINY.replace(seeds=3))]
-    assert names == ["O0", "O1", "O2", "O3", ABLATION, "O0-seed1", "O0-seed2"]
+@pytest.mark.parametrize(
+    ("seeds", "expected"),
+    [
+        (1, [("O0", 5), ("O1", 5), ("O2", 5), ("O3", 5), (ABLATION, 5)]),
+        (2, [("O0", 5), ("O1", 5), ("O2", 5), ("O3", 5), (ABLATION, 5), (NULL, 5),
+             ("O0", 6), ("O1", 6), ("O2", 6), ("O3", 6), (NULL, 6)]),
+    ],
+)
+def test_run_specs_pair_every_level_by_seed_and_ablate_once(seeds: int, expected: list[tuple[str, int]]) -> None:
+    specs = run_specs(TINY.replace(seeds=seeds, seed=5))
+    assert [(spec.name, spec.seed) for spec in specs] == expected
+    null = [spec for spec in specs if spec.name == NULL]
+    assert all(spec.level == "O0" and spec.init_perturbation == NULL_PERTURBATION for spec in null)
+
+
+def test_runs_use_initialize_default_recipe_unless_one_is_given() -> None:
+    specs = {spec.name: spec for spec in run_specs(TINY)}
+    assert TINY.recipe is None and specs["O0"].recipe is None and specs["O2"].recipe is None
+    assert specs[ABLATION].recipe == amp8.Recipe(scaling="none")
 
 
 def test_recipe_reaches_the_fp8_runs_and_the_ablation() -> None:
@@ -203,11 +220,14 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def test_compare_writes_json_with_every_curve(tiny_run: tuple[Path, str]) -> None:
     out, _ = tiny_run
     data = json.loads((out / JSON_NAME).read_text())
-    assert set(data) == {"config", "corpus", "environment", "runs", "o0_seed_spread"}
-    runs = {run["name"]: run for run in data["runs"]}
-    assert list(runs) == ["O0", "O1", "O2", "O3", ABLATION, "O0-seed1"]
-    for name in ("O0", "O1", ABLATION, "O0-seed1"):
-        run = runs[name]
+    assert set(data) == {"config", "corpus", "environment", "runs", "o0_seed_spread", "paired"}
+    assert [(run["name"], run["seed"]) for run in data["runs"]] == [
+        ("O0", 0), ("O1", 0), ("O2", 0), ("O3", 0), (ABLATION, 0), (NULL, 0),
+        ("O0", 1), ("O1", 1), ("O2", 1), ("O3", 1), (NULL, 1)]
+    seeds = {(run["name"], run["seed"]): run for run in data["runs"]}
+    runs = {name: seeds[name, 0] for name, _ in seeds}  # the first seed's
+    for name, seed in (("O0", 0), ("O1", 0), (ABLATION, 0), ("O0", 1), (NULL, 1)):
+        run = seeds[name, seed]
         assert run["status"] == "ok", run["reason"]
         assert len(run["train_curve"]) == TINY.steps
         assert [step for step, _ in run["val_curve"]] == [3, 6]
@@ -215,6 +235,8 @@ def test_compare_writes_json_with_every_curve(tiny_run: tuple[Path, str]) -> Non
                     "activation_bytes_per_token"):
             assert run[key] > 0 or (key == "fp8_share" and name.startswith("O0")), (name, key)
         assert run["report"]["rows"] and run["highlights"]
+        base = seeds["O0", seed]["final_val_loss"]
+        assert run["gap_percent"] == pytest.approx(100 * (run["final_val_loss"] - base) / base, abs=1e-12), (name, seed)
     assert runs["O0"]["gap_percent"] == 0 and runs["O0"]["skipped_steps"] is None
     assert runs["O1"]["skipped_steps"] == 0 and runs["O1"]["recipe"]["scaling"] == "current"
     assert runs[ABLATION]["recipe"]["scaling"] == "none"
@@ -223,6 +245,13 @@ def test_compare_writes_json_with_every_curve(tiny_run: tuple[Path, str]) -> Non
     assert runs["O1"]["activation_bytes_per_token"] < runs["O0"]["activation_bytes_per_token"]
     spread = data["o0_seed_spread"]
     assert spread["seeds"] == 2 and spread["spread"] >= 0
+    paired = data["paired"]
+    assert paired["seeds"] == [0, 1] and set(paired["gaps"]) == {"O1", "O2", "O3", NULL}
+    for name, row in paired["gaps"].items():  # each seed's gap, to O0 from that seed
+        assert row["gaps_percent"] == [seeds[name, seed]["gap_percent"] for seed in (0, 1)], name
+        assert row["mean_gap_percent"] == pytest.approx(sum(row["gaps_percent"]) / 2, abs=1e-12), name
+        assert row["stderr_percent"] == pytest.approx(abs(row["gaps_percent"][0] - row["gaps_percent"][1]) / 2,
+                                                      abs=1e-12), name
     assert data["corpus"]["sha256"] == load_corpus(TINY.corpus).sha256
 
 
@@ -243,6 +272,13 @@ def test_compare_prints_the_table(tiny_run: tuple[Path, str]) -> None:
         assert header in text, header
     assert "O0 seed spread over 2 seeds" in text
     assert "O1: FP8:" in text
+    paired = json.loads((tiny_run[0] / JSON_NAME).read_text())["paired"]["gaps"]
+    o1 = paired["O1"]
+    assert f"{round(o1['mean_gap_percent'], 2) + 0.0:+.2f} ± {o1['stderr_percent']:.2f}%" in text
+    null = paired[NULL]
+    assert f"noise floor: {NULL} (O0 from initial weights perturbed by 1e-06 relative) ends " \
+           f"{round(null['mean_gap_percent'], 2) + 0.0:+.2f} ± {null['stderr_percent']:.2f}% from O0 over 2 seeds" \
+           in " ".join(text.split())
 
 
 def test_compare_plots_or_says_how(tiny_run: tuple[Path, str]) -> None:
@@ -263,6 +299,9 @@ def test_report_command_prints_a_run(tiny_run: tuple[Path, str], capsys: pytest.
     assert load_report(out, "O1").fp8_share > 0.5
     assert main(["report", "--run", str(out), "--level", "O7"]) == 2
     assert "choose one of O0, O1" in capsys.readouterr().out
+    runs = json.loads((out / JSON_NAME).read_text())["runs"]
+    first_o1 = next(run for run in runs if run["name"] == "O1")
+    assert first_o1["seed"] == 0 and load_report(out, "O1").to_dict() == first_o1["report"]
 
 
 def test_report_command_without_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -272,7 +311,7 @@ def test_report_command_without_a_run(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_compare_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     argv = ["compare", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--levels", "O0", "O1",
-            "--no-ablation", "--max-bytes", "65536", "--out", str(tmp_path), "--no-progress"]
+            "--no-ablation", "--no-torchao", "--max-bytes", "65536", "--out", str(tmp_path), "--no-progress"]
     assert main(argv) == 0
     data = json.loads((tmp_path / JSON_NAME).read_text())
     assert [run["name"] for run in data["runs"]] == ["O0", "O1"]
@@ -281,7 +320,7 @@ def test_compare_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
 
 def test_compare_command_keeps_the_named_layers_in_high_precision(tmp_path: Path) -> None:
     argv = ["compare", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--levels", "O0", "O1",
-            "--no-ablation", "--max-bytes", "65536", "--out", str(tmp_path), "--no-progress",
+            "--no-ablation", "--no-torchao", "--max-bytes", "65536", "--out", str(tmp_path), "--no-progress",
             "--recipe", "nvfp4", "--high-precision-layers", "blocks.1.*", "head"]
     assert main(argv) == 0
     data = json.loads((tmp_path / JSON_NAME).read_text())
@@ -291,9 +330,21 @@ def test_compare_command_keeps_the_named_layers_in_high_precision(tmp_path: Path
     assert rows["blocks.1.mlp.fc.weight"]["note"] == "matches Recipe.high_precision_layers pattern 'blocks.1.*'"
 
 
+def test_compare_command_trains_the_llama_with_its_head_in_fp8(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    argv = ["compare", "--model", "llama", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--levels",
+            "O0", "O1", "--no-ablation", "--no-torchao", "--max-bytes", "65536", "--out", str(tmp_path),
+            "--no-progress", "--recipe", "tensorwise"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert data["config"]["model"]["intermediate"] == 176 and not data["config"]["model"]["tie_head"]
+    rows = {row["name"]: row for row in data["runs"][1]["report"]["rows"]}
+    assert rows["lm.lm_head.weight"]["fp8"], "an untied head is an FP8 layer like any other"
+
+
 def test_compare_command_takes_the_corpus_and_schedule(tmp_path: Path) -> None:
     argv = ["compare", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--levels", "O0",
-            "--no-ablation", "--corpus", "docs", "--warmup-steps", "0", "--weight-decay", "0",
+            "--no-ablation", "--no-torchao", "--corpus", "docs", "--warmup-steps", "0", "--weight-decay", "0",
             "--out", str(tmp_path), "--no-progress"]
     assert main(argv) == 0
     data = json.loads((tmp_path / JSON_NAME).read_text())
@@ -317,7 +368,7 @@ def test_torchao_peer_runs_only_when_importable(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(runner, "torchao_available", lambda: False)
     assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=True))]
     monkeypatch.setattr(runner, "torchao_available", lambda: True)
-    assert [spec.name for spec in run_specs(TINY.replace(torchao=True))][-1] == "torchao"
+    assert [spec.name for spec in run_specs(TINY.replace(torchao=True))][-2:] == list(TORCHAO_RUNS.values())
     assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=False))]
 
 

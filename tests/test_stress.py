@@ -194,7 +194,7 @@ def test_the_controller_moves_the_stressed_layer_and_nothing_else(tmp_path: Path
     stress = OutlierStress(max_log2_gain=24.0, ramp_fraction=0.2) if stressed else None
     config = CompareConfig(model=TINY, steps=50, batch_size=4, eval_interval=50, eval_batches=2, train_loss_window=2,
                            levels=("O0",), ablation=False, torchao=False, corpus=CORPUS, stress=stress,
-                           controller_levels=("O1",), controller=amp8.ControllerConfig(interval=5))
+                           recipe=amp8.Recipe(), controller_levels=("O1",), controller=amp8.ControllerConfig(interval=5))
     result = amp8.compare(config, out_dir=tmp_path, console=Console(file=io.StringIO()), progress=False, plot=False)
     run = next(run for run in result.runs if run.name == "O1+controller")
     if not stressed:

@@ -12,6 +12,7 @@ import torch
 from ..controller_config import ControllerConfig
 from ..levels import LEVELS, OptLevel
 from ..recipe import Recipe
+from . import llama
 from .corpus import CorpusConfig
 from .gpt import PRESETS, GPTConfig
 from .llama import LlamaSpec
@@ -28,6 +29,32 @@ JSON_NAME = "compare.json"
 DEFAULT_OUT = "runs/compare"
 PNG_NAME = "loss_curves.png"
 _VAL_SEED = 1234  # the validation windows are the same for every run and seed
+MODELS = ("gpt", "gpt-tied", "llama")
+"""The models ``model_config`` shapes by name: the GPT with an output head of its own (as
+most Llama-style models have; the default), the GPT with its head tied to the token
+embedding (which never runs in FP8), and a byte-level Llama from transformers."""
+
+
+def model_config(name: str, preset: str = "small", **shape: int) -> GPTConfig | LlamaSpec:
+    """The shape of model ``name`` (one of ``MODELS``) at the GPT preset ``preset``, with
+    ``shape`` (``n_layer``, ``n_embd``, ``n_head``, ``block_size``) overriding the
+    preset's; the Llama takes those four and sizes the rest (``LlamaSpec.of_shape``).
+
+    Raises:
+        ValueError: an unknown name or preset, or a shape that is not valid.
+        ModuleNotFoundError: "llama" without transformers installed, saying how to get it.
+    """
+    if name not in MODELS:
+        raise ValueError(f"model {name!r} is not known; use one of {', '.join(map(repr, MODELS))}")
+    gpt = dataclasses.replace(GPTConfig.from_preset(preset), tie_head=name == "gpt-tied", **shape)
+    if name != "llama":
+        return gpt
+    if not llama.transformers_available():
+        raise ModuleNotFoundError(
+            "the 'llama' model is transformers' LlamaForCausalLM and transformers is not installed; "
+            "install it with pip install 'amp8[hf]', or pick the 'gpt' model"
+        )
+    return LlamaSpec.of_shape(gpt.n_layer, gpt.n_head, gpt.n_embd, gpt.block_size)
 
 
 @dataclass(frozen=True)
@@ -48,15 +75,20 @@ class CompareConfig:
         levels: opt levels to train, names from ``amp8.LEVELS``; must include "O0".
         ablation: also train O1 with ``Recipe(scaling="none")``.
         torchao: also train torchao's float8 when torchao is importable.
-        seeds: runs of O0 from seeds ``seed, seed + 1, ...`` (the others use ``seed``).
-        seed: the seed of the model's initial weights and of the batch order.
+        seeds: how many seeds to train from (``seed, seed + 1, ...``, see ``run_seeds``).
+            With more than one, every level, the torchao runs and the null variant (O0
+            from initial weights perturbed by 1e-6, ``paired.null_variant``) train from
+            each, paired with O0 by seed; the ablations and controller runs train from
+            ``seed`` only.
+        seed: the first seed of the model's initial weights and of the batch order.
         eval_interval: steps between validation-loss evaluations on the curve.
         eval_batches: batches of the fixed validation set.
         train_loss_window: the final train loss is the mean of this many last steps.
         device: "cpu" or "cuda" (any torch device string).
         corpus: which bytes to train on.
         recipe: the FP8 recipe of the O1-O3 runs (the ablation takes it with no scaling;
-            O0 ignores it, FP8 activations included).
+            O0 ignores it, FP8 activations included); None for ``amp8.initialize``'s
+            default, whatever it is in this version of amp8.
         stress: an outlier injected into every run, O0 included, with its position left
             out of the training and validation loss (see ``amp8.experiments.stress``);
             None for none.
@@ -82,7 +114,7 @@ class CompareConfig:
     train_loss_window: int = 20
     device: str = "cpu"
     corpus: CorpusConfig = CorpusConfig()
-    recipe: Recipe = Recipe()
+    recipe: Recipe | None = None
     stress: OutlierStress | None = None
     controller_levels: tuple[str, ...] = ()
     controller: ControllerConfig = ControllerConfig()
@@ -106,11 +138,11 @@ class CompareConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"CompareConfig.seed={self.seed!r} is not valid; use an int in [0, 2**63)")
         for name, kinds in (
-            ("model", (GPTConfig, LlamaSpec)), ("corpus", (CorpusConfig,)), ("recipe", (Recipe,)),
+            ("model", (GPTConfig, LlamaSpec)), ("corpus", (CorpusConfig,)), ("recipe", (Recipe, type(None))),
             ("controller", (ControllerConfig,)),
         ):
             if not isinstance(getattr(self, name), kinds):
-                expected = " or ".join(kind.__name__ for kind in kinds)
+                expected = " or ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
                 raise TypeError(f"CompareConfig.{name} must be a {expected}, got {type(getattr(self, name)).__name__}")
         if self.stress is not None:
             if not isinstance(self.stress, OutlierStress):
@@ -141,6 +173,11 @@ class CompareConfig:
         """A copy with ``changes`` applied and validated again."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def run_seeds(self) -> tuple[int, ...]:
+        """The seeds the levels train from: ``seed, seed + 1, ...``, ``seeds`` of them."""
+        return tuple(range(self.seed, self.seed + self.seeds))
+
     def lr_at(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based)."""
         warmup = min(self.warmup_steps, self.steps // 5)  # short runs keep most steps for decay
@@ -169,7 +206,8 @@ def _check_device(device: object) -> None:
 @dataclass(frozen=True)
 class RunSpec:
     """One run: its name, opt level (a name, or an ``OptLevel`` such as
-    ``amp8.levels.override("O2", exp_avg="fp32")``), recipe and seed, or torchao's float8.
+    ``amp8.levels.override("O2", exp_avg="fp32")``), recipe (None for ``amp8.initialize``'s
+    default) and seed, or torchao's float8.
 
     ``init_perturbation``: when > 0, every initial weight is multiplied by
     ``1 + init_perturbation * N(0, 1)`` (noise drawn from a fixed generator) before
@@ -186,7 +224,7 @@ class RunSpec:
     name: str
     level: str | OptLevel
     seed: int
-    recipe: Recipe = Recipe()
+    recipe: Recipe | None = None
     torchao: bool = False
     init_perturbation: float = 0.0
     controller: ControllerConfig | None = None

@@ -67,6 +67,21 @@ class LlamaSpec:
                     "FP8 GEMMs need multiples of 16"
                 )
 
+    @classmethod
+    def of_shape(cls, n_layer: int, n_head: int, n_embd: int, block_size: int) -> "LlamaSpec":
+        """The Llama of a GPT's shape: Llama's own proportions for the rest, an MLP of
+        8/3 ``n_embd`` (rounded up to a multiple of 16) and half as many key/value heads
+        as heads (all of them when ``n_head`` is odd). ``LlamaSpec()`` is the Llama of
+        the "small" GPT's shape.
+
+        Raises:
+            ValueError: a shape that is not valid, naming the field.
+        """
+        intermediate = -(-8 * n_embd // (3 * _FP8_ALIGNMENT)) * _FP8_ALIGNMENT
+        n_kv_head = n_head // 2 if n_head % 2 == 0 else n_head
+        return cls(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                   intermediate=intermediate, block_size=block_size)
+
     @property
     def name(self) -> str:
         """The shape in a few words, e.g. "Llama 2x128 (ctx 64, untied head)"."""

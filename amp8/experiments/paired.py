@@ -13,28 +13,35 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..levels import OptLevel
 from ..recipe import Recipe
-from .compare import CompareConfig, RunSpec, _recipe_dict, train_run, validation_batches
+from .compare_config import CompareConfig, RunSpec
 from .corpus import load_corpus
+from .train import _recipe_dict, train_run, validation_batches
 
 BASELINE = "O0"
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to train: a name, an opt level (a name or an ``OptLevel``), a recipe, and
-    a relative perturbation of the initial weights (``RunSpec.init_perturbation``; the
-    null variant ``null_variant()`` is O0 with one of 1e-6), or torchao's float8 training
-    under its recipe ``torchao`` ("tensorwise", "rowwise") instead of amp8."""
+    """One way to train: a name, an opt level (a name or an ``OptLevel``), a recipe (None
+    for ``amp8.initialize``'s default), and a relative perturbation of the initial
+    weights (``RunSpec.init_perturbation``; the null variant ``null_variant()`` is O0 with
+    one of 1e-6), or torchao's float8 training under its recipe ``torchao``
+    ("tensorwise", "rowwise") instead of amp8."""
 
     name: str
     level: str | OptLevel
-    recipe: Recipe = Recipe()
+    recipe: Recipe | None = None
     init_perturbation: float = 0.0
     torchao: str | None = None
+
+    def spec(self, seed: int) -> RunSpec:
+        """The run of this variant from ``seed``."""
+        return RunSpec(self.name, self.level, seed, self.recipe, torchao=self.torchao is not None,
+                       init_perturbation=self.init_perturbation, torchao_recipe=self.torchao or "tensorwise")
 
     def describe(self) -> dict[str, Any]:
         """The variant as plain data, for JSON."""
@@ -42,7 +49,8 @@ class Variant:
             key: getattr(value, "value", value) for key, value in dataclasses.asdict(self.level).items()
             if key not in ("brief", "description")
         }
-        return {"name": self.name, "level": level, "recipe": _recipe_dict(self.recipe),
+        recipe = None if self.recipe is None else _recipe_dict(self.recipe)
+        return {"name": self.name, "level": level, "recipe": recipe,
                 "init_perturbation": self.init_perturbation, "torchao": self.torchao}
 
 
@@ -54,6 +62,31 @@ def null_variant() -> Variant:
     """O0 from initial weights perturbed by 1e-6 relative (16 float32 ulps): its gap to
     O0 is what run-to-run drift alone gives, the floor a paired gap can be read against."""
     return Variant(NULL, BASELINE, init_perturbation=NULL_PERTURBATION)
+
+
+def paired_specs(variants: Sequence[Variant], seeds: Sequence[int]) -> list[RunSpec]:
+    """The runs of every variant from every seed, seed by seed: all of one seed's runs
+    end before the next seed's begin, so a study cut short still holds whole pairs."""
+    return [variant.spec(seed) for seed in seeds for variant in variants]
+
+
+def gaps_percent(losses: Mapping[str, Sequence[float]], name: str) -> list[float]:
+    """The gap of variant ``name`` to O0, seed by seed, in percent: ``losses`` maps each
+    variant (O0 as ``"O0"``) to its validation losses (final, or at one evaluation of
+    the curve), one per seed, in the same order of seeds.
+
+    Raises:
+        KeyError: for a variant ``losses`` lacks, naming those it has.
+    """
+    if name not in losses:
+        raise KeyError(f"no variant named {name!r}; the variants are {', '.join(losses)}")
+    return [100 * (loss - base) / base for loss, base in zip(losses[name], losses[BASELINE], strict=True)]
+
+
+def standard_error(values: Sequence[float]) -> float | None:
+    """The standard error of the mean of ``values`` (their sample standard deviation over
+    the square root of their count); None for fewer than two values."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
 
 
 @dataclass
@@ -76,13 +109,21 @@ class PairedResult:
         Raises:
             KeyError: for a variant that did not train, naming those that did.
         """
-        if name not in self.losses:
-            raise KeyError(f"no variant named {name!r}; the variants are {', '.join(self.losses)}")
-        return [100 * (loss - base) / base for loss, base in zip(self.losses[name], self.losses[BASELINE])]
+        return gaps_percent(self.losses, name)
 
     def mean_gap_percent(self, name: str) -> float:
         """The paired gap: the mean over seeds of the gap to O0, in percent."""
         return statistics.fmean(self.gaps_percent(name))
+
+    def stderr_percent(self, name: str) -> float | None:
+        """The standard error of the paired gap, in percent; None with one seed."""
+        return standard_error(self.gaps_percent(name))
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per variant other than O0: its gaps per seed, their mean and standard error."""
+        return {name: {"gaps_percent": self.gaps_percent(name), "mean_gap_percent": self.mean_gap_percent(name),
+                       "stderr_percent": self.stderr_percent(name)}
+                for name in self.losses if name != BASELINE}
 
     def to_dict(self) -> dict[str, Any]:
         """Configuration, seeds, losses, per-seed and mean gaps as plain data."""
@@ -95,8 +136,8 @@ class PairedResult:
             "variants": [variant.describe() for variant in self.variants],
             "losses": self.losses,
             "train_losses": self.train_losses,
-            "gaps_percent": {name: self.gaps_percent(name) for name in self.losses if name != BASELINE},
-            "mean_gap_percent": {name: self.mean_gap_percent(name) for name in self.losses if name != BASELINE},
+            **{key: {name: row[key] for name, row in self.summary().items()}
+               for key in ("gaps_percent", "mean_gap_percent", "stderr_percent")},
             "skipped_steps": self.skipped_steps,
             "wall_s": self.wall_s,
         }
@@ -138,17 +179,14 @@ def paired_runs(
     if baseline is not None:
         result.losses[BASELINE] = [float(loss) for loss in baseline]
     to_train = (*([] if baseline is not None else [Variant(BASELINE, BASELINE)]), *variants)
-    for seed in seeds:
-        for variant in to_train:
-            spec = RunSpec(variant.name, variant.level, seed, variant.recipe, init_perturbation=variant.init_perturbation,
-                           torchao=variant.torchao is not None, torchao_recipe=variant.torchao or "tensorwise")
-            run = train_run(spec, config, corpus, val_batches)
-            if not run.ok or run.final_val_loss is None:
-                raise RuntimeError(f"variant {variant.name!r} did not train: {run.reason}")
-            result.losses.setdefault(variant.name, []).append(run.final_val_loss)
-            result.train_losses.setdefault(variant.name, []).append(run.final_train_loss or math.nan)
-            result.skipped_steps.setdefault(variant.name, []).append(run.skipped_steps or 0)
-            result.wall_s.setdefault(variant.name, []).append(run.wall_s or 0.0)
-            if on_run is not None:
-                on_run(variant.name, seed, run.final_val_loss)
+    for spec in paired_specs(to_train, seeds):
+        run = train_run(spec, config, corpus, val_batches)
+        if not run.ok or run.final_val_loss is None:
+            raise RuntimeError(f"variant {spec.name!r} did not train: {run.reason}")
+        result.losses.setdefault(spec.name, []).append(run.final_val_loss)
+        result.train_losses.setdefault(spec.name, []).append(run.final_train_loss or math.nan)
+        result.skipped_steps.setdefault(spec.name, []).append(run.skipped_steps or 0)
+        result.wall_s.setdefault(spec.name, []).append(run.wall_s or 0.0)
+        if on_run is not None:
+            on_run(spec.name, spec.seed, run.final_val_loss)
     return result
