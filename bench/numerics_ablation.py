@@ -138,6 +138,7 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
     Variant("O1-rowwise-head-fp8", "O1", DEFAULT.replace(output_head="fp8")),
     Variant("O1-rowwise-hybrid", "O1", HYBRID_ROWWISE),
     *(Variant(f"default-{level}", level, DEFAULT) for level in ("O1", "O2", "O3")),
+    *(Variant(f"{level}-head-fp8", level, Recipe(output_head="fp8")) for level in ("O2", "O3")),
     Variant("default-O2-fp32-m", override("O2", exp_avg="fp32"), DEFAULT),
     Variant("default-O2-fp32-v", override("O2", exp_avg_sq="fp32"), DEFAULT),
     # one source at a time, against the default
@@ -159,6 +160,7 @@ GROUPS: Mapping[str, tuple[str, ...]] = {
     "activations": ("O1-act8", "O2-act8", "O3-act8"),
     "sources": ("grads-e4m3", "wgrad-high", "fprop-high", "storage-high", "wgrad-e4m3-rowwise", "dgrad-high"),
     "defaults": (NULL, "default-O1", "default-O2", "default-O3", "torchao-rowwise"),
+    "o2-o3-tensorwise": ("O2-head-fp8", "O3-head-fp8"),
     "head-and-scales": ("O1-head-fp8", "O1-head-high", "O1-rowwise-head-fp8", "O1-rowwise-hybrid",
                         "torchao-tensorwise"),
     "default-sources": ("default-compute-only", "default-wgrad-high", "default-fprop-high",
