@@ -12,6 +12,11 @@ and norms' mean and reciprocal deviation, which backward exponentiates or divide
 and inputs), views of the model's parameters and buffers
 and copies of parameters (autocast's BF16 weights, see ``amp8.memory``), and the outputs of the operations it names (log-softmax: an absolute error in log space
 is a relative error of the probabilities).
+
+Autograd does not check the version of a tensor that saved-tensor hooks pack, so the
+storage checks it itself where backward would read changed values: a tensor kept as it
+is (or still held elsewhere) that was changed in place after it was saved raises
+autograd's own error. An FP8 copy keeps the values the tensor had when it was saved.
 """
 
 from __future__ import annotations
@@ -100,6 +105,31 @@ class Fp8Saved:
         return values.to(self.dtype).view(self.shape)
 
 
+@dataclass(frozen=True)
+class SavedVersion:
+    """What autograd keeps of one saved tensor: ``value`` (the tensor, or its
+    ``Fp8Saved`` copy) and the version ``source`` (held weakly: an FP8 copy does not
+    keep the tensor) had when it was saved."""
+
+    value: torch.Tensor | Fp8Saved
+    source: weakref.ref[torch.Tensor]
+    version: int
+
+    def check(self) -> None:
+        """Raise autograd's ``RuntimeError`` where the tensor, if still alive, was changed
+        in place after it was saved (autograd's own check, which saved-tensor hooks
+        bypass)."""
+        source = self.source()
+        if source is not None and source._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a {source.dtype} tensor of shape {tuple(source.shape)} saved for "
+                f"backward is at version {source._version}; expected version {self.version} instead. "
+                "Change a copy instead (amp8 stores saved tensors through saved-tensor hooks, "
+                "Recipe(activations='fp8'), and checks their versions as autograd does)"
+            )
+
+
 @dataclass
 class ActivationStorage:
     """The hook pair that stores ``model``'s saved tensors in FP8 during its forward.
@@ -115,8 +145,12 @@ class ActivationStorage:
     _active: list[contextlib.AbstractContextManager[Any]] = field(default_factory=list)
     _packed: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], Fp8Saved]] = field(default_factory=dict)
 
+    def save(self, tensor: torch.Tensor) -> SavedVersion:
+        """The pack hook: ``pack(tensor)`` with the version ``tensor`` has now."""
+        return SavedVersion(self.pack(tensor), weakref.ref(tensor), tensor._version)
+
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | Fp8Saved:
-        """What autograd keeps of ``tensor``: an ``Fp8Saved`` or the tensor itself."""
+        """What autograd keeps of ``tensor``: an ``Fp8Saved`` copy or the tensor itself."""
         if (
             storage_key(tensor) in self._persistent
             or not self.policy.compresses(tensor)
@@ -151,8 +185,12 @@ class ActivationStorage:
             meter.add(packed.scale)
 
     @staticmethod
-    def unpack(packed: torch.Tensor | Fp8Saved) -> torch.Tensor:
-        """The saved tensor backward reads."""
+    def unpack(packed: SavedVersion | torch.Tensor | Fp8Saved) -> torch.Tensor:
+        """The unpack hook: the saved tensor backward reads, from ``save`` (whose version
+        is checked, see ``SavedVersion.check``) or ``pack``."""
+        if isinstance(packed, SavedVersion):
+            packed.check()
+            packed = packed.value
         return packed if isinstance(packed, torch.Tensor) else packed.restore()
 
     def before_forward(self, model: nn.Module, args: Any) -> None:
@@ -169,7 +207,7 @@ class ActivationStorage:
                 "model eagerly, or compile it with activations='high' (the default)"
             )
         self._persistent = persistent_storages(model)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.save, self.unpack)
         hooks.__enter__()
         self._active.append(hooks)
 
@@ -201,6 +239,19 @@ def attach_activation_storage(model: nn.Module, policy: ActivationPolicy | None 
     model.register_forward_hook(storage.after_forward, always_call=True)
     setattr(model, _ATTRIBUTE, storage)
     return storage
+
+
+def detach_activation_storage(module: nn.Module) -> None:
+    """Undo ``attach_activation_storage`` on ``module`` (a copy of an attached model
+    included): its forwards save tensors as torch does again."""
+    storage = attached_storage(module)
+    if storage is None:
+        return
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [key for key, hook in hooks.items() if getattr(hook, "__self__", None) is storage]:
+            del hooks[key]
+            module._forward_hooks_always_called.pop(key, None)
+    delattr(module, _ATTRIBUTE)
 
 
 def attached_storage(module: nn.Module) -> ActivationStorage | None:

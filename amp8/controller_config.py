@@ -25,6 +25,11 @@ def _check_fraction(field: str, value: Any, *, allow_zero: bool = True) -> None:
         raise ValueError(f"{field}={value!r} is not valid; use a share in {bound}")
 
 
+def _names(value: Any) -> tuple[Any, ...]:
+    """``value`` as a tuple of names: a string is one name, not its characters."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def _check_count(field: str, value: Any, *, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -86,8 +91,9 @@ class PrecisionPhase:
     Attributes:
         start: a step (an int >= 0), or a share of ``ControllerConfig.total_steps`` (a
             float in (0, 1], e.g. 0.9 for the last 10 % of training).
-        high: GEMM names among "fprop", "dgrad", "wgrad".
-        layers: patterns of module names (as ``model.named_modules()`` gives them).
+        high: GEMM names among "fprop", "dgrad", "wgrad" (one name alone may be a string).
+        layers: patterns of module names (as ``model.named_modules()`` gives them); one
+            pattern alone may be a string.
     """
 
     start: int | float
@@ -95,8 +101,8 @@ class PrecisionPhase:
     layers: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "high", tuple(self.high))
-        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "high", _names(self.high))
+        object.__setattr__(self, "layers", _names(self.layers))
         start = self.start
         if isinstance(start, bool) or not isinstance(start, (int, float)):
             raise ValueError(f"PrecisionPhase.start={start!r} is not valid; use a step (int) or a share (float)")

@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import nn
 
+from .activations import detach_activation_storage
+from .comm.ddp import amp8_names, stop_watching
 from .nn.embedding import LowBitEmbedding
 from .nn.linear import Fp8Linear
 from .tensor import is_sharded
@@ -23,7 +25,8 @@ def export(
 ) -> nn.Module:
     """A deep copy of ``model`` with every ``Fp8Linear`` replaced by an ``nn.Linear``
     (and every ``LowBitEmbedding`` by an ``nn.Embedding``) holding the layer's real
-    weight, cast to ``dtype``. The original is not changed.
+    weight, cast to ``dtype``, and none of amp8's hooks (FP8 saved activations, the DDP
+    watch): a plain PyTorch model. The original is not changed.
 
     Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
 
@@ -53,6 +56,9 @@ def export(
             has_master = optimizer is not None and "master" in optimizer.state.get(module.weight, {})
             real_weights[name] = masters(module.weight) if has_master else module.read_weight()
     exported = copy.deepcopy(model)
+    for module in exported.modules():
+        detach_activation_storage(module)
+    stop_watching(exported, amp8_names(model))
     for name, real in real_weights.items():
         layer = exported.get_submodule(name)
         if isinstance(layer, LowBitEmbedding):

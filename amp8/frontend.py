@@ -232,8 +232,7 @@ def _initialize(
 
         shard_weights(model, layers.values(), data_parallel)  # new weight Parameters
         for layer in layers.values():
-            layer.stored_weight.mark(layer.weight)
-            layer.stored_weight.sharded = True
+            layer.mark_weight_sharded()
     if distributed:
         leave_to_amp8(model)
         watch_for_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]

@@ -138,7 +138,15 @@ def count_saved_bytes(model: nn.Module | None = None) -> Iterator[SavedBytes]:
     not counted. A model whose saved tensors amp8 stores in FP8 reports each stored
     tensor's FP8 bytes. The saved tensors are stored and restored as usual, so the
     backward of the counted step runs unchanged.
+
+    Raises:
+        TypeError: ``model`` is neither None nor an ``nn.Module``.
     """
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"amp8.count_saved_bytes takes the model (a torch.nn.Module) whose parameters and "
+            f"buffers are not counted, or None; got {type(model).__name__}"
+        )
     saved = SavedBytes(_excluded=persistent_storages(model))
     storages = [] if model is None else activation_storages(model)
     for storage in storages:

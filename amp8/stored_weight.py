@@ -6,15 +6,19 @@ Storage: the weight Parameter holds ``w * scale`` in FP16 (one power-of-two scal
 binade of headroom) or in FP8 (the recipe's scales at its granularity, which feed the
 GEMMs directly); the scale is the owning module's ``weight_scale`` buffer.
 
-Gradient: backward hands each new FP8 weight gradient to ``add_grad``. It lands in
-``param.grad`` as a ``WeightGrad`` (one byte per element), where ``model.zero_grad()``,
-``optimizer.zero_grad()`` and ``torch.nn.utils.clip_grad_norm_`` find it. A weight that
+Gradient: backward returns each new FP8 weight gradient to autograd as the Parameter's
+own gradient, a ``WeightGrad`` (one byte per element at ``grad_layout``), so it lands in
+``param.grad``, where hooks, ``model.zero_grad()``, ``optimizer.zero_grad()`` and
+``torch.nn.utils.clip_grad_norm_`` find it; the handle reads it there. A weight that
 FSDP2 shards keeps its gradient on the handle instead (FSDP2 would reduce a ``.grad`` it
-finds with its own collectives): amp8's gradient reduction reads it there.
+finds with its own collectives): backward returns it to a sink, which hands it to
+``add_grad``, and amp8's gradient reduction reads it there.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -27,7 +31,7 @@ from .formats import E4M3
 from .levels import Precision
 from .recipe import Granularity, Recipe, Scaling
 from .tensor import ScaledTensor, is_sharded, local_tensor
-from .weight_grad import WeightGrad
+from .weight_grad import GradLayout, WeightGrad
 
 STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
 # Headroom of one binade above an FP16 tensor's amax, so growth between rescales fits.
@@ -65,32 +69,35 @@ class StoredWeight:
     """The stored weight of one FP8 layer (``module.weight`` and ``module.weight_scale``).
 
     Args:
-        module: the layer that owns the Parameter and the scale buffer.
+        module: the layer that owns the Parameter and the scale buffer; its
+            ``drop_weight_cache()`` is called whenever the stored weight changes (the
+            layer drops its cached FP8 casts).
         recipe: the layer's FP8 recipe (granularity, margin, power-of-two scales, formats).
         storage: ``Precision.FP16`` or ``Precision.FP8``.
-        on_store: called whenever the stored weight changes (the layer drops its cached
-            FP8 casts).
         fixed_storage: the weight keeps ``storage`` at every opt level: no FP8 copy, no
             master weight, never sharded (an embedding's FP16 table, which forward reads
             row by row). Its Adam first moment takes one scale per row.
     """
 
     def __init__(
-        self, module: nn.Module, recipe: Recipe, storage: Precision, on_store: Callable[[], None],
-        *, fixed_storage: bool = False,
+        self, module: nn.Module, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
     ) -> None:
         check_storage(storage)
-        self._module = module
+        # Weak: the Parameter refers to this handle, and the layer's gradient bridge (a
+        # tensor whose autograd node holds the Parameter, see ``amp8.nn.stored_module``)
+        # to the Parameter; a strong way back to the layer would be a cycle through C++
+        # that the garbage collector cannot see.
+        self._module_ref = weakref.ref(module)
         self.recipe = recipe
         self.storage = storage
         self.fixed_storage = fixed_storage
-        self._on_store = on_store
-        self.sharded = False  # set when FSDP2 shards the weight (see amp8.comm.fsdp)
+        self.sharded = False  # set by ``shard`` (see amp8.comm.fsdp)
         # The data-parallel group amp8.initialize found (an amp8.comm.DataParallelGroup), so an
         # optimizer built over these weights averages their gradients over it.
         self.data_parallel: Any = None
-        self._held_grad: ScaledTensor | None = None
+        self._held_grad: WeightGrad | None = None
         self._grad_ready_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
+        self._hooked: weakref.ref[nn.Parameter] | None = None  # the Parameter that runs them
         if storage is not Precision.AS_IS:  # an AS_IS weight is a plain Parameter to everyone
             self.mark(module.weight)
 
@@ -98,13 +105,35 @@ class StoredWeight:
         """A copy (``copy.deepcopy`` of the model) starts with no gradient, no hooks and
         no process group: those belong to the original's optimizer and run."""
         state = self.__dict__.copy()
-        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), data_parallel=None)
+        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), data_parallel=None, _hooked=None,
+                     _module_ref=self._module)
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild from ``__getstate__`` (the reference to the layer becomes weak again)."""
+        self.__dict__.update(state)
+        self._module_ref = weakref.ref(state["_module_ref"])
+
+    @property
+    def _module(self) -> nn.Module:
+        module = self._module_ref()
+        if module is None:
+            raise RuntimeError("the layer that stored this weight was deleted; keep the model alive while training it")
+        return module
+
     def mark(self, param: nn.Parameter) -> None:
-        """Attach this handle to ``param``, so ``stored_weight(param)`` finds it (also for
-        the new Parameter FSDP2 puts in place)."""
+        """Attach this handle to ``param``, so ``stored_weight(param)`` finds it, and run
+        the grad-ready hooks after each backward has accumulated into ``param.grad``."""
         setattr(param, _ATTRIBUTE, self)
+        if self._hooked is None or self._hooked() is not param:
+            param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
+            self._hooked = weakref.ref(param)
+
+    def shard(self, param: nn.Parameter) -> None:
+        """Attach this handle to ``param``, the Parameter FSDP2 put in place, which holds
+        this rank's rows: from now on the gradient stays on the handle (see ``add_grad``)."""
+        setattr(param, _ATTRIBUTE, self)
+        self.sharded = True
 
     # -- storage ---------------------------------------------------------------------
     @property
@@ -202,8 +231,8 @@ class StoredWeight:
     def store(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Store already encoded ``data`` (this rank's rows of a sharded weight) and its
         ``scale``, in place."""
-        self._on_store()
         param, module = self.param, self._module
+        module.drop_weight_cache()
         with torch.no_grad():
             if param.dtype == data.dtype:
                 local_tensor(param).copy_(data)
@@ -235,21 +264,25 @@ class StoredWeight:
         """The FP8 dtype of the weight gradient (``Recipe.weight_grad_format``)."""
         return self.recipe.weight_grad_dtype
 
+    @property
+    def grad_layout(self) -> GradLayout:
+        """How the weight gradient is stored (``GradLayout.for_weight`` of the recipe)."""
+        return GradLayout.for_weight(self.recipe, tuple(self.param.shape))
+
     def grad_tile(self) -> tuple[int, int] | None:
         """The tile of the weight gradient's scales (``Recipe.weight_grad_scaling``)."""
-        return self.recipe.weight_grad_tile(tuple(self.param.shape))
+        return self.grad_layout.tile
 
     @property
     def grad_block_size(self) -> int:
         """Elements per block edge of the gradient's scales (0 unless they are blocks)."""
-        tile = self.grad_tile()
-        return self.block_size if tile is not None and self.block_size in tile else 0
+        return self.grad_layout.block_size
 
     def grad(self) -> ScaledTensor | None:
         """The weight gradient as FP8 + scales, or None. Like ``param.grad`` it is live:
         a later backward or clip changes it in place."""
         if self.sharded:
-            return self._held_grad
+            return None if self._held_grad is None else self._held_grad.fp8
         grad = self.param.grad
         if grad is None:
             return None
@@ -266,54 +299,52 @@ class StoredWeight:
         dtype, the weight's shape and the weight's scale layout."""
         if value is not None:
             self._check_grad(value)
+        grad = None if value is None else WeightGrad(value, self.param.dtype, self.grad_layout)
         if self.sharded:
-            self._held_grad = value
-            return
-        param = self.param
-        param.grad = None if value is None else WeightGrad(value, param.dtype)
+            self._held_grad = grad
+        else:
+            self.param.grad = grad
 
     def clear_grad(self) -> None:
         """Drop the gradient."""
         self.set_grad(None)
 
     def quantize_grad(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(FP8 data, scales)`` of a float weight gradient: the recipe's gradient format,
-        fresh scales per tile of ``grad_tile`` (what backward and accumulation use)."""
-        return scaling.quantize_tiles(
-            value, self.grad_dtype, self.grad_tile(), margin=self.recipe.margin,
-            power_of_2=self.recipe.power_of_2_scales,
-        )
+        """``(FP8 data, scales)`` of a float weight gradient at ``grad_layout``: fresh
+        scales per tile (what backward and accumulation use)."""
+        fp8 = self.grad_layout.quantize(value)
+        return fp8.data, fp8.scale
 
     def set_grad_from_float(self, value: torch.Tensor) -> None:
         """Store float ``value`` as the gradient, in FP8 with fresh scales."""
-        self.set_grad(ScaledTensor(*self.quantize_grad(value), self.grad_block_size))
+        self.set_grad(self.grad_layout.quantize(value))
 
-    def add_grad(self, data: torch.Tensor, scale: torch.Tensor) -> None:
-        """Backward's new FP8 gradient: it becomes the gradient, or is added to the one
-        there (gradient accumulation) and re-stored with fresh scales. Then the
-        grad-ready hooks run."""
-        current = self.grad()
-        new = ScaledTensor(data, scale, self.grad_block_size)
-        if current is None:
-            self.set_grad(new)
+    def add_grad(self, grad: WeightGrad) -> None:
+        """A sharded weight's new gradient from backward (see ``shard``): it becomes the
+        gradient the handle holds, or is added to it (gradient accumulation) and stored
+        again with fresh scales. Then the grad-ready hooks run."""
+        if self._held_grad is None:
+            self._held_grad = grad.at_rest()
         else:
-            data, scale = self.quantize_grad(current.dequantize() + new.dequantize())
-            current.data.copy_(data)
-            current.scale.copy_(scale)
-        for hook in list(self._grad_ready_hooks.values()):
-            hook(self.param)
+            self._held_grad.add_(grad)
+        self.run_grad_ready_hooks()
 
     def register_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> RemovableHandle:
-        """Call ``hook(param)`` after each backward has added to the gradient (the FP8
-        counterpart of ``Tensor.register_post_accumulate_grad_hook``)."""
+        """Call ``hook(param)`` after each backward has added to the gradient (the
+        Parameter's post-accumulate-grad hook, or ``add_grad`` for a sharded weight)."""
         handle = RemovableHandle(self._grad_ready_hooks)
         self._grad_ready_hooks[handle.id] = hook
         return handle
 
+    def run_grad_ready_hooks(self) -> None:
+        """Run the hooks of ``register_grad_ready_hook``."""
+        for hook in list(self._grad_ready_hooks.values()):
+            hook(self.param)
+
     @property
     def grad_scale_shape(self) -> torch.Size:
         """The shape of the gradient's scales (one per ``grad_tile``)."""
-        return scaling.tile_amax(torch.zeros(self.param.shape, device="meta"), self.grad_tile()).shape
+        return self.grad_layout.scale_shape(tuple(self.param.shape))
 
     def _check_grad(self, value: ScaledTensor) -> None:
         expected_scale = self.grad_scale_shape
@@ -325,6 +356,13 @@ class StoredWeight:
                 f"{tuple(value.scale.shape)} does not fit this weight: {self.grad_dtype}, shape "
                 f"{tuple(self.param.shape)}, scales {tuple(expected_scale)}"
             )
+
+
+def _grad_accumulated(handle: "weakref.ref[StoredWeight]", param: nn.Parameter) -> None:
+    """The Parameter's post-accumulate-grad hook: its handle's grad-ready hooks run."""
+    stored = handle()
+    if stored is not None:
+        stored.run_grad_ready_hooks()
 
 
 def float_grad(param: nn.Parameter) -> torch.Tensor | None:

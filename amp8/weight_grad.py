@@ -1,196 +1,178 @@
-"""``WeightGrad``: an FP8 weight gradient that sits in ``weight.grad``.
+"""``WeightGrad``: an FP8 weight gradient that is its weight's autograd gradient.
 
 An FP8 layer's weight gradient is stored in one byte per element (FP8 data and float32
 scales), and it is the gradient of the layer's *real* weight (what ``read_weight()``
 returns), not of the scaled FP16 or FP8 numbers the Parameter stores. ``WeightGrad`` is a
-``torch.Tensor`` subclass with the Parameter's shape and dtype around those two tensors,
-so torch's own tools find and handle it where they look for gradients:
+``torch.Tensor`` subclass with the Parameter's shape, dtype and device around those two
+tensors, so autograd hands it to the Parameter as any gradient: it lands in
+``param.grad``, passes through ``register_hook`` and post-accumulate-grad hooks, is what
+``torch.autograd.grad`` returns, and is summed where a layer is called twice or a
+backward accumulates into an existing gradient.
 
-- ``model.zero_grad()`` and ``optimizer.zero_grad()`` drop it (or zero it in place);
-- ``torch.nn.utils.clip_grad_norm_`` measures its real values and clips it by changing
-  its scale, exactly (the FP8 data stays as it is);
-- ``.float()``, ``.to(dtype)``, ``.abs()``, ``.isfinite()``, norms and reductions read
-  its real values, in float32.
+It carries its ``GradLayout`` (FP8 dtype, scale tiles, margin, power-of-two scales), so
+whatever gives a new gradient (a sum, ``clamp``, ``torch.where``) stores it again at the
+same layout with fresh scales. The operations it supports, and what they give, are in
+``amp8/weight_grad_ops.py``; anything else raises a ``TypeError`` that names them.
 
-Everything else raises a ``TypeError`` that says what to do: an optimizer that would add
-the real gradient to the scaled stored weight (``torch.optim.SGD`` or ``AdamW`` built by
-hand over an amp8 model) must not step silently wrong.
+``WeightGradInFlight`` is the same gradient on its way out of a compiled backward: it
+can be traced (``__tensor_flatten__``), which ``param.grad`` must not be (Dynamo cannot
+fakeify a traceable subclass as the ``.grad`` of a plain Parameter). See DESIGN.md,
+"Weight gradients".
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from . import scaling
+from .recipe import Granularity, Recipe
 from .tensor import ScaledTensor
 
-aten = torch.ops.aten
 
-_FIX = (
-    "step FP8 weights with the optimizer amp8.initialize returns (or amp8.optim.LowBitAdam "
-    "over the model's parameters), or keep weights and gradients as your optimizer expects "
-    "with opt_level=amp8.levels.FP8_COMPUTE_ONLY"
-)
+@dataclass(frozen=True)
+class GradLayout:
+    """How an FP8 weight gradient is stored: what quantizing it again needs.
+
+    Attributes:
+        dtype: the FP8 dtype of the data.
+        tile: the (rows, columns) tile that shares one scale; None for one per tensor.
+        block_size: elements per block edge of the scales, for ``ScaledTensor`` (0 unless
+            the tiles are blocks).
+        margin: scales are divided by ``2**margin``.
+        power_of_2: scales are rounded down to powers of two.
+    """
+
+    dtype: torch.dtype
+    tile: tuple[int, int] | None = None
+    block_size: int = 0
+    margin: int = 0
+    power_of_2: bool = False
+
+    @classmethod
+    def for_weight(cls, recipe: Recipe, shape: tuple[int, ...]) -> "GradLayout":
+        """The layout ``recipe`` gives the gradient of a weight of ``shape``:
+        ``Recipe.weight_grad_dtype``, one scale per ``Recipe.weight_grad_tile``, the
+        recipe's margin and power-of-two rounding."""
+        tile = recipe.weight_grad_tile(shape)
+        block = recipe.block_size if recipe.granularity is Granularity.BLOCK else 0
+        block_size = block if tile is not None and block in tile else 0
+        return cls(recipe.weight_grad_dtype, tile, block_size, recipe.margin, recipe.power_of_2_scales)
+
+    def quantize(self, value: torch.Tensor) -> ScaledTensor:
+        """The float ``value`` in FP8 at this layout, with fresh scales from its amaxes."""
+        data, scale = scaling.quantize_tiles(
+            value, self.dtype, self.tile, margin=self.margin, power_of_2=self.power_of_2
+        )
+        return ScaledTensor(data, scale, self.block_size)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> torch.Size:
+        """The shape of the scales of a gradient of ``shape`` (one per ``tile``)."""
+        return scaling.tile_amax(torch.zeros(shape, device="meta"), self.tile).shape
 
 
 class WeightGrad(torch.Tensor):
     """The FP8 gradient of an FP8 layer's real weight, as that weight's ``.grad``.
 
-    Attributes:
-        fp8: the FP8 data and its float32 scales (tensorwise, per row or per block, like
-            the weight's own scales), as a ``ScaledTensor`` that shares their memory.
+    Args:
+        fp8: the FP8 data and its float32 scales (tensorwise, per row or per tile).
+        dtype: the dtype the gradient reports: its Parameter's, so autograd does not
+            cast it.
+        layout: how it is stored (``grad_layout``); results of operations keep it.
     """
 
-    fp8: ScaledTensor
+    grad_layout: GradLayout
 
     @staticmethod
-    def __new__(cls, fp8: ScaledTensor, dtype: torch.dtype) -> "WeightGrad":
+    def __new__(cls, fp8: ScaledTensor, dtype: torch.dtype, layout: GradLayout) -> "WeightGrad":
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, fp8.shape, dtype=dtype, device=fp8.data.device, requires_grad=False
         )
 
-    def __init__(self, fp8: ScaledTensor, dtype: torch.dtype) -> None:
-        self.fp8 = fp8
+    def __init__(self, fp8: ScaledTensor, dtype: torch.dtype, layout: GradLayout) -> None:
+        self._data, self._scale, self.grad_layout = fp8.data, fp8.scale, layout
+
+    @classmethod
+    def from_float(cls, value: torch.Tensor, layout: GradLayout, dtype: torch.dtype) -> "WeightGrad":
+        """The float gradient ``value`` stored at ``layout``, reporting ``dtype``."""
+        return cls(layout.quantize(value), dtype, layout)
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], layout: GradLayout, dtype: torch.dtype,
+              device: torch.device) -> "WeightGrad":
+        """A zero gradient of ``shape`` that holds one byte and one scale (its data is
+        one zero expanded): what a sink starts as."""
+        data = torch.zeros((), dtype=layout.dtype, device=device).expand(shape)
+        scale = torch.ones(layout.scale_shape(shape), device=device)
+        return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
+
+    @property
+    def fp8(self) -> ScaledTensor:
+        """The FP8 data and scales, sharing their memory (changes show in the gradient)."""
+        return ScaledTensor(self._data, self._scale, self.grad_layout.block_size)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
-            f"WeightGrad(shape={tuple(self.shape)}, data={self.fp8.dtype}, "
-            f"scale={tuple(self.fp8.scale.shape)}, real={self.dequantize()})"
+            f"{type(self).__name__}(shape={tuple(self.shape)}, data={self._data.dtype}, "
+            f"scale={tuple(self._scale.shape)}, real={self.dequantize()})"
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real gradient in ``dtype``."""
         return self.fp8.dequantize(dtype)
 
+    def store_(self, value: torch.Tensor) -> "WeightGrad":
+        """Store the float ``value`` here, in place, with fresh scales at this layout."""
+        fp8 = self.grad_layout.quantize(value)
+        self._data.copy_(fp8.data)
+        self._scale.copy_(fp8.scale)
+        return self
+
+    def at_rest(self) -> "WeightGrad":
+        """This gradient as a ``WeightGrad`` (what ``param.grad`` holds), sharing memory."""
+        return WeightGrad(self.fp8, self.dtype, self.grad_layout)
+
     @property
     def nbytes(self) -> int:  # type: ignore[override]
         """Bytes really held: the FP8 data plus its scales."""
         return self.fp8.nbytes
 
-    def _rescaled(self, factor: torch.Tensor | float) -> "WeightGrad":
-        return WeightGrad(ScaledTensor(self.fp8.data, self.fp8.scale / factor, self.fp8.block_size), self.dtype)
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """``isfinite`` reads the real values here: its kernel checks the reported dtype
+        before the operation reaches ``__torch_dispatch__`` (and knows no FP8 dtype)."""
+        if func is torch.isfinite or func is torch.Tensor.isfinite:
+            return func(*[arg.dequantize() if isinstance(arg, WeightGrad) else arg for arg in args], **(kwargs or {}))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            return handler(*args, **kwargs)
-        if func.overloadpacket in _READS:
-            real = tree_map(_real, (args, kwargs))
-            return func(*real[0], **real[1])
-        if func.overloadpacket in _FOREACH_INPLACE:
-            return _foreach_inplace(func.overloadpacket, *args, **kwargs)
-        raise TypeError(
-            f"amp8: {func} cannot use an FP8 weight gradient (1 byte per element, the "
-            f"gradient of the real weight, which the parameter stores scaled); {_FIX}"
-        )
+        from .weight_grad_ops import dispatch  # the operations need the class defined here
+
+        return dispatch(func, args, kwargs or {})
 
 
-def _real(value: Any) -> Any:
-    return value.dequantize() if isinstance(value, WeightGrad) else value
+class WeightGradInFlight(WeightGrad):
+    """A ``WeightGrad`` that torch.compile can trace: the gradient a compiled backward
+    returns, and the sinks it returns it to (see ``amp8.nn.stored_module``). It becomes
+    a ``WeightGrad`` (``at_rest()``) before it reaches a Parameter."""
 
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-def _factor(value: Any) -> torch.Tensor | float:
-    """A scalar factor (a number or a one-element tensor), else a ``TypeError``."""
-    if isinstance(value, numbers.Number):
-        return float(value)  # type: ignore[arg-type]
-    if isinstance(value, torch.Tensor) and not isinstance(value, WeightGrad) and value.numel() == 1:
-        return value.detach().float().reshape(())
-    raise TypeError(f"amp8: an FP8 weight gradient can be multiplied by a scalar only; {_FIX}")
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, GradLayout]]:
+        """The inner tensors (FP8 data, scales) and what rebuilds the wrapper."""
+        return ["_data", "_scale"], (self.dtype, self.grad_layout)
 
-
-def _mul_(grad: WeightGrad, factor: Any) -> WeightGrad:
-    """Multiply in place, exactly: the scale is divided, the FP8 data stays."""
-    grad.fp8.scale.div_(_factor(factor))
-    return grad
-
-
-def _div_(grad: WeightGrad, factor: Any) -> WeightGrad:
-    grad.fp8.scale.mul_(_factor(factor))
-    return grad
-
-
-def _zero_(grad: WeightGrad) -> WeightGrad:
-    grad.fp8.data.view(torch.uint8).zero_()  # the zero byte is +0.0 in both FP8 formats
-    grad.fp8.scale.fill_(1.0)
-    return grad
-
-
-def _copy_(grad: WeightGrad, source: Any, non_blocking: bool = False) -> WeightGrad:
-    if not isinstance(source, WeightGrad) or source.fp8.scale.shape != grad.fp8.scale.shape:
-        raise TypeError(f"amp8: an FP8 weight gradient can be copied from another of its layout only; {_FIX}")
-    grad.fp8.data.copy_(source.fp8.data)
-    grad.fp8.scale.copy_(source.fp8.scale)
-    return grad
-
-
-def _same(grad: WeightGrad, *args: Any, **kwargs: Any) -> WeightGrad:
-    return WeightGrad(grad.fp8, grad.dtype)
-
-
-def _clone(grad: WeightGrad, **kwargs: Any) -> WeightGrad:
-    fp8 = ScaledTensor(grad.fp8.data.clone(), grad.fp8.scale.clone(), grad.fp8.block_size)
-    return WeightGrad(fp8, grad.dtype)
-
-
-def _to_copy(grad: WeightGrad, **kwargs: Any) -> torch.Tensor:
-    """``.float()``, ``.to(dtype)``, ``.cpu()``: the real values, float32 unless asked."""
-    real = grad.dequantize(kwargs.get("dtype") or torch.float32)
-    device = kwargs.get("device")
-    return real if device is None else real.to(device)
-
-
-def _mul(grad: Any, factor: Any) -> WeightGrad:
-    if not isinstance(grad, WeightGrad):
-        grad, factor = factor, grad
-    return grad._rescaled(1.0 / _factor(factor))
-
-
-def _div(grad: WeightGrad, factor: Any) -> WeightGrad:
-    return grad._rescaled(_factor(factor))
-
-
-def _foreach_inplace(packet: Any, tensors: list[torch.Tensor], *operands: Any, **kwargs: Any) -> None:
-    """``torch._foreach_mul_``, ``_foreach_div_`` and ``_foreach_zero_``, one tensor at a
-    time (the other tensors of the list may be plain ones)."""
-    name = _FOREACH_INPLACE[packet]
-    operand = operands[0] if operands else None
-    for index, tensor in enumerate(tensors):
-        method = getattr(tensor, name)
-        if operand is None:
-            method()
-        else:
-            method(operand[index] if isinstance(operand, (list, tuple)) else operand)
-
-
-_HANDLERS: dict[Any, Callable[..., Any]] = {
-    aten.detach.default: _same,
-    aten.alias.default: _same,
-    aten.detach_.default: lambda grad: grad,
-    aten.clone.default: _clone,
-    aten._to_copy.default: _to_copy,
-    aten.mul_.Tensor: _mul_,
-    aten.mul_.Scalar: _mul_,
-    aten.div_.Tensor: _div_,
-    aten.div_.Scalar: _div_,
-    aten.mul.Tensor: _mul,
-    aten.mul.Scalar: _mul,
-    aten.div.Tensor: _div,
-    aten.div.Scalar: _div,
-    aten.zero_.default: _zero_,
-    aten.copy_.default: _copy_,
-}
-# Reductions and tests that only read the gradient: they see its real values, in float32.
-# Arithmetic that an optimizer could feed back into the scaled weight is not among them.
-_READS = {
-    aten.linalg_vector_norm, aten.norm, aten.abs, aten.isfinite, aten.isnan, aten.isinf,
-    aten.amax, aten.amin, aten.max, aten.min, aten.sum, aten.mean, aten.eq, aten.ne,
-    aten.equal, aten.allclose, aten.any, aten.all,
-}
-_FOREACH_INPLACE = {aten._foreach_mul_: "mul_", aten._foreach_div_: "div_", aten._foreach_zero_: "zero_"}
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], context: tuple[torch.dtype, GradLayout], outer_size: Any, outer_stride: Any
+    ) -> "WeightGradInFlight":
+        """The wrapper around ``inner`` (see ``__tensor_flatten__``)."""
+        dtype, layout = context
+        return WeightGradInFlight(ScaledTensor(inner["_data"], inner["_scale"], layout.block_size), dtype, layout)

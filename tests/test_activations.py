@@ -191,3 +191,47 @@ def test_compiled_regions_are_refused(compiled: str) -> None:
     with pytest.raises(RuntimeError, match="activations='high'"):
         model(torch.randn(4, 16))
     assert not attached_storage(model)._active, "the refusal left the hooks active"
+
+
+class _InPlaceAfterSave(nn.Module):
+    """A sigmoid's output (which its backward reads) doubled in place before use, or
+    out of place (``in_place=False``: what the gradient must be)."""
+
+    def __init__(self, features: int, in_place: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(64, features), nn.Linear(features, 8)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.sigmoid(self.fc1(x))
+        return self.fc2(hidden.mul_(2.0) if self.in_place else hidden * 2.0)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_a_saved_tensor_changed_in_place_fails_backward_as_in_torch(level: str) -> None:
+    """Saved-tensor hooks bypass autograd's version check: the storage makes it itself
+    for the tensors it keeps as they are (here under 1,024 elements), whose changed
+    values backward would read."""
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _InPlaceAfterSave(64)(x).sum().backward()  # plain torch
+    model, _ = amp8.initialize(_InPlaceAfterSave(64), None, level, recipe=amp8.Recipe(activations="fp8"))
+    assert attached_storage(model) is not None
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_an_fp8_copy_keeps_the_values_forward_saved(level: str) -> None:
+    """A saved tensor stored as an FP8 copy keeps the values it had when saved, so a
+    later in-place change does not reach backward: the gradient is the one of the
+    out-of-place forward."""
+    x = torch.randn(16, 64)
+    recipe = amp8.Recipe(activations="fp8")
+    reference, _ = amp8.initialize(_InPlaceAfterSave(512, in_place=False), None, level, recipe=recipe)
+    model, _ = amp8.initialize(_InPlaceAfterSave(512), None, level, recipe=recipe)
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    real = [layer.weight_grad.dequantize() if level != "O0" else layer.weight.grad for layer in (model.fc1, reference.fc1)]
+    torch.testing.assert_close(real[0], real[1], atol=0, rtol=0)

@@ -10,6 +10,8 @@ weight (measured on the CPU: 51.7 dB at worst, most of them bit for bit).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -18,6 +20,7 @@ from torch import nn
 import amp8
 import multiprocess
 from amp8.nn import Fp8Linear
+from amp8.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 @pytest.fixture(autouse=True)
@@ -147,3 +150,42 @@ def test_inductor_fuses_the_amax_and_the_cast_into_one_kernel(scaling: str) -> N
     assert len(kernels) == 1, f"{len(kernels)} kernels: {kernels}"
     assert data.dtype == torch.float8_e4m3fn
     assert_bitwise_equal(data, layer.cast(amp8.nn.TensorRole.INPUT, x, record=False).data)
+
+
+class _Tied(nn.Module):
+    """One FP8 layer called twice in a forward, then another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_compiled_backward_gives_the_weight_its_gradient(level: str) -> None:
+    """A compiled backward hands the FP8 weight gradient to the Parameter through
+    autograd, as eager code does: a layer called twice gets the sum, tensor hooks and
+    post-accumulate-grad hooks see it, ``torch.autograd.grad`` returns it; the same
+    bits as eager."""
+    torch.manual_seed(0)
+    eager, _ = amp8.initialize(_Tied(), None, level)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    seen: list[type] = []
+    accumulated: list[type] = []
+    model.block.weight.register_hook(lambda grad: seen.append(type(grad)) or grad.clamp(-1e-2, 1e-2))
+    model.block.weight.register_post_accumulate_grad_hook(lambda param: accumulated.append(type(param.grad)))
+    eager.block.weight.register_hook(lambda grad: grad.clamp(-1e-2, 1e-2))
+    compiled(x).square().mean().backward()
+    eager(x).square().mean().backward()
+    assert seen == [WeightGrad] and accumulated == [WeightGrad]
+    for name in ("block", "head"):
+        assert_bitwise_equal(getattr(model, name).weight_grad.data, getattr(eager, name).weight_grad.data)
+        assert_bitwise_equal(getattr(model, name).weight_grad.scale, getattr(eager, name).weight_grad.scale)
+    (grad,) = torch.autograd.grad(compiled(x).square().mean(), [model.head.weight])
+    assert isinstance(grad, WeightGrad)
+    assert_bitwise_equal(grad.dequantize(), eager.head.weight_grad.dequantize())

@@ -116,6 +116,19 @@ def test_the_schedule_moves_the_named_gemms_from_its_step(start) -> None:
     assert [(m.step, m.layer, m.reason) for m in controller.moves] == [(6, "2", "schedule")]
 
 
+@pytest.mark.parametrize(("layers", "high"), [("2", "wgrad"), (("2",), ("wgrad",))])
+def test_a_phase_takes_one_name_as_a_string(layers, high) -> None:
+    """``layers="blocks.11.*"`` is one pattern (not one per character), and
+    ``high="wgrad"`` one GEMM."""
+    phase = PrecisionPhase(start=0, high=high, layers=layers)
+    assert (phase.layers, phase.high) == (("2",), ("wgrad",))
+    assert phase.covers("2") and not phase.covers("0")
+    model, optimizer, _ = _build(ControllerConfig(adapt=False, schedule=(phase,)))
+    _train(model, optimizer, 1)
+    assert model[2].high_precision_gemms == (False, False, True)
+    assert model[0].high_precision_gemms == (False, False, False)
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

@@ -36,3 +36,28 @@ def test_export_refuses_what_is_not_a_float_dtype(dtype: object) -> None:
 def test_export_refuses_wrong_types(model: object, optimizer: object, message: str) -> None:
     with pytest.raises(TypeError, match=message):
         amp8.export(model, optimizer)  # type: ignore[arg-type]
+
+
+def _saved_by(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Bytes by dtype autograd saves in a forward of ``model``."""
+    with amp8.count_saved_bytes(model) as saved:
+        model(x).sum()
+    return saved.by_dtype
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_export_drops_amp8s_hooks(level: str) -> None:
+    """The plain copy of a model trained with FP8 activations saves its activations as
+    torch does, and a DDP built around it later ignores none of its parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    model, _ = amp8.initialize(model, None, level, recipe=amp8.Recipe(activations="fp8"))
+    model._ddp_params_and_buffers_to_ignore = ["user.name", "0.weight", "0.weight_scale"]  # as initialize leaves them
+    x = torch.randn(32, 64)
+    assert "float8_e4m3fn" in _saved_by(model, x)
+    plain = amp8.export(model)
+    assert amp8.activations.attached_storage(plain) is None
+    assert not plain._forward_pre_hooks and not plain._forward_hooks
+    assert set(_saved_by(plain, x)) == {"float32"}
+    assert plain._ddp_params_and_buffers_to_ignore == ["user.name"]
+    assert "float8_e4m3fn" in _saved_by(model, x), "the original keeps its storage"

@@ -158,3 +158,29 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
     optimizer.step()
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("use", "error", "replacement"),
+    [
+        (lambda: amp8.comm.DataParallel, ImportError, "DataParallelGroup"),
+        (lambda: exec("from amp8.comm import DataParallel"), ImportError, "DataParallelGroup"),
+        (lambda: amp8.nn.Slot, ImportError, "TensorRole"),
+        (lambda: exec("from amp8.nn import Slot"), ImportError, "TensorRole"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).read_weight, AttributeError, "master_weight"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).write_weight, AttributeError, "update_weight"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), fp8_layers=[]), TypeError, "finds the FP8 weights"),
+    ],
+    ids=["DataParallel", "from-import DataParallel", "Slot", "from-import Slot", "read_weight", "write_weight",
+         "fp8_layers"],
+)
+def test_removed_names_name_their_replacement(use, error: type, replacement: str) -> None:
+    with pytest.raises(error, match=f"was removed: .*{replacement}"):
+        use()
+
+
+def test_unknown_names_fail_as_python_says() -> None:
+    assert not hasattr(amp8.comm, "Nothing") and not hasattr(amp8.nn, "Nothing")
+    assert not hasattr(amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()), "nothing")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'betas2'"):
+        amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), betas2=0.9)

@@ -72,3 +72,10 @@ def test_per_token_refuses_a_bad_count() -> None:
         pass
     with pytest.raises(ValueError, match="tokens=0"):
         saved.per_token(0)
+
+
+@pytest.mark.parametrize("model", ["model", 3, [nn.Linear(2, 2)]])
+def test_count_saved_bytes_refuses_what_is_not_a_model(model: object) -> None:
+    with pytest.raises(TypeError, match=rf"torch\.nn\.Module.*got {type(model).__name__}"):
+        with count_saved_bytes(model):  # type: ignore[arg-type]
+            pass

@@ -129,23 +129,23 @@ SCALINGS = [("tensorwise", "delayed")] + [(g, s) for g in GRANULARITIES for s in
 @pytest.mark.parametrize(("granularity", "scaling_kind"), SCALINGS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("grad_format", "grad_scaling"), [("E4M3", "weight"), ("gradient", "weight"), ("E5M2", "rowwise")])
-def test_weight_grad_quantizer_is_the_stored_weights(
+def test_backward_stores_the_weight_grad_at_the_stored_weights_layout(
     fmt, granularity, scaling_kind, shape, grad_format, grad_scaling
 ) -> None:
     recipe = _recipe(fmt, granularity, scaling_kind, margin=2, power_of_2_scales=True).replace(
-        weight_grad_format=grad_format, weight_grad_scaling=grad_scaling
+        weight_grad_format=grad_format, weight_grad_scaling=grad_scaling,
+        override_linear_precision=(True, True, True),  # GEMMs of any shape; the gradient is stored in FP8
     )
     layer = Fp8Linear.from_linear(nn.Linear(shape[1], shape[0]), recipe)
-    grad = torch.randn(shape) * 1e-3
-    data, scale = layer.stored_weight.quantize_grad(grad)
-    cast = layer.quantizers.weight_grad.cast(grad)
-    assert cast.dtype == layer.stored_weight.grad_dtype
-    assert_bitwise_equal(cast.data, data)
-    assert_bitwise_equal(cast.scale, scale)
+    layer(torch.randn(8, shape[1])).square().sum().backward()
+    grad = layer.weight.grad
+    assert grad.grad_layout == layer.stored_weight.grad_layout
+    assert grad.fp8.dtype == layer.stored_weight.grad_dtype
+    assert grad.fp8.scale.shape == layer.stored_weight.grad_scale_shape
 
 
 def test_recording_without_buffers_is_a_clear_error() -> None:
-    quantizer = Quantizer(CastRule.for_weight_grad(Recipe()))
+    quantizer = Quantizer(CastRule.for_role(Recipe(), TensorRole.INPUT))
     with pytest.raises(ValueError, match="record=False"):
         quantizer.cast(torch.ones(2, 16), record=True)
 
@@ -214,7 +214,7 @@ def test_function_gets_tensors_and_config_never_the_layer(monkeypatch, storage, 
         assert layer.weight.grad.dtype == layer.weight.dtype
     else:
         assert isinstance(layer.weight_grad, ScaledTensor)
-        assert_bitwise_equal(layer.weight_grad.scale, layer._grad_scale)
+        assert layer.weight_grad.scale.shape == layer.stored_weight.grad_scale_shape
 
 
 def _assign_loaded(layer: Fp8Linear) -> Fp8Linear:

@@ -307,6 +307,47 @@ def test_ddp_no_sync_and_find_unused_parameters_keep_their_meaning(tmp_path) -> 
         assert torch.equal(second["state"][key], value), key
 
 
+class _LayerDrop(nn.Module):
+    """A body and an FP8 block that a rank may skip (LayerDrop, MoE routing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        self.block = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        hidden = self.body(x)
+        return hidden if skip else hidden + self.block(hidden)
+
+
+def _ddp_skipped_branch(rank: int, world: int) -> dict:
+    """Each step one rank skips the block; ``find_unused_parameters=True``."""
+    model = _LayerDrop()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    generator = torch.Generator().manual_seed(11 + rank)
+    block_grads = []
+    for step in range(4):
+        optimizer.zero_grad()
+        ddp(torch.randn(8, 32, generator=generator), skip=(step + rank) % 2 == 1).pow(2).mean().backward()
+        block_grads.append(model.block.weight_grad.dequantize().clone())  # averaged when backward ends
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+    state = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith(("scale", "amax_history"))}
+    return {"state": state, "block_grads": block_grads}
+
+
+def test_ddp_find_unused_parameters_covers_fp8_weights_a_rank_skips(tmp_path) -> None:
+    """A rank that skips an FP8 block reduces a zero gradient for it, as DDP does for its
+    own parameters: no rank waits for the other, and both step alike."""
+    first, second = run(_ddp_skipped_branch, tmp_path, timeout_s=120)
+    for mine, theirs in zip(first["block_grads"], second["block_grads"]):
+        assert_bitwise_equal(mine, theirs)
+        assert mine.abs().amax() > 0, "the rank that used the block gives it a gradient"
+    for key, value in first["state"].items():
+        assert torch.equal(second["state"][key], value), key
+
+
 # -- numbers read back from a checkpoint ---------------------------------------------------
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("key", ["0.weight_scale", "0.scale", "0.amax_history"])

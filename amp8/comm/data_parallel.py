@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -57,12 +57,23 @@ class DataParallelGroup:
         ddp: the user's ``DistributedDataParallel`` around the model, once amp8 has seen
             it (``amp8.comm.ddp``): it averages every gradient but the FP8 weights'.
         backward_sync: False while the next backward is inside the DDP's ``no_sync()``.
+        at_backward_end: what runs when a backward of the DDP's model ends, on every
+            rank, under ``find_unused_parameters=True`` (the reductions' ``synchronize``).
     """
 
     group: dist.ProcessGroup | None = None
     stats: WireStats = field(default_factory=WireStats)
     ddp: Any = None
     backward_sync: bool = True
+    at_backward_end: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def reduces_at_backward_end(self) -> bool:
+        """Whether the FP8 weights' gradients are averaged when backward ends rather than
+        as they become ready: under the user's DDP with ``find_unused_parameters=True``,
+        where ranks may leave different weights without a gradient (LayerDrop, MoE
+        routing), so only the end of backward comes in the same order on every rank."""
+        return self.ddp is not None and bool(getattr(self.ddp, "find_unused_parameters", False))
 
     @property
     def world(self) -> int:

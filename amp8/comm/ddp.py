@@ -14,6 +14,11 @@ amp8 sees the DDP around the model at its first forward (a forward pre-hook read
 registers ``fp8_compress_hook`` on it, unless the user registered a hook of their own: so
 biases, norms and embeddings travel in FP8 as well. ``fp8_compress_hook`` is public: it
 serves any DDP model, amp8 layers or not.
+
+Under ``find_unused_parameters=True`` a rank may leave FP8 weights without a gradient
+(LayerDrop, MoE routing) that another rank gives one: amp8 then averages the FP8
+weights' gradients when each backward ends (a zero gradient for the unused ones), on
+every rank alike, after DDP has started its own reductions.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -22,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
+from torch.utils._pytree import tree_flatten
 
 from ..stored_weight import stored_weight
 from .data_parallel import DataParallelGroup
@@ -75,27 +80,66 @@ def leave_to_amp8(model: nn.Module) -> None:
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
-def watch_for_ddp(model: nn.Module, data_parallel: DataParallelGroup, *, sharded: bool = False) -> RemovableHandle:
-    """A forward pre-hook on ``model`` that finds the DDP running it, if any: the first
-    time, amp8 hands it the model's other parameters and registers ``fp8_compress_hook``;
-    every time, it reads whether this backward synchronizes (``no_sync``). A model whose
-    FP8 weights FSDP2 shards (``sharded``, O3) refuses DDP."""
+class DdpWatch:
+    """The forward hooks by which amp8 finds the DDP running ``model``: the first time,
+    amp8 hands it the model's other parameters and registers ``fp8_compress_hook``; every
+    time, it reads whether this backward synchronizes (``no_sync``) and, under
+    ``find_unused_parameters=True``, has the FP8 weights' gradients averaged when the
+    backward ends. A model whose FP8 weights FSDP2 shards (``sharded``, O3) refuses DDP."""
 
-    def before_forward(module: nn.Module, args: Any) -> None:
+    def __init__(self, data_parallel: DataParallelGroup, sharded: bool) -> None:
+        self.data_parallel = data_parallel
+        self.sharded = sharded
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: find the DDP around ``module`` (see the class docstring)."""
         ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is None or ddp.module is not module:
             return
-        if sharded:
+        if self.sharded:
             raise RuntimeError(
                 "DistributedDataParallel wraps a model whose FP8 weights amp8 sharded with "
                 "FSDP2 (opt level O3 in a process group): amp8 averages every gradient itself "
                 "there; use the model without DDP, or O1/O2 under DDP"
             )
-        if data_parallel.ddp is not ddp:
-            _adopt(ddp, data_parallel)
-        data_parallel.backward_sync = bool(ddp.require_backward_grad_sync)
+        if self.data_parallel.ddp is not ddp:
+            _adopt(ddp, self.data_parallel)
+        self.data_parallel.backward_sync = bool(ddp.require_backward_grad_sync)
 
-    return model.register_forward_pre_hook(before_forward)
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: where gradients are averaged when backward ends, have the first
+        output gradient of this forward's backward queue that (on every rank)."""
+        data_parallel = self.data_parallel
+        if not (data_parallel.reduces_at_backward_end and data_parallel.backward_sync and torch.is_grad_enabled()):
+            return
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, self._backward_started, mode="any")
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        for callback in self.data_parallel.at_backward_end:
+            torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def watch_for_ddp(model: nn.Module, data_parallel: DataParallelGroup, *, sharded: bool = False) -> DdpWatch:
+    """Register ``DdpWatch``'s hooks on ``model``; returns the watch."""
+    watch = DdpWatch(data_parallel, sharded)
+    model.register_forward_pre_hook(watch.before_forward)
+    model.register_forward_hook(watch.after_forward)
+    return watch
+
+
+def stop_watching(model: nn.Module, names: list[str]) -> None:
+    """Remove amp8's DDP hooks from ``model``, and ``names`` (``amp8_names`` of the amp8
+    model it copies: see ``amp8.export``) from what DDP ignores: a DDP built around it
+    later treats it as any model."""
+    for hooks in (model._forward_pre_hooks, model._forward_hooks):
+        for key in [key for key, hook in hooks.items() if isinstance(getattr(hook, "__self__", None), DdpWatch)]:
+            del hooks[key]
+    ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
+    if ignored is not None:
+        kept = [name for name in ignored if name not in set(names)]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, kept)
 
 
 def _adopt(ddp: nn.parallel.DistributedDataParallel, data_parallel: DataParallelGroup) -> None:

@@ -9,8 +9,9 @@ averaged gradients. Replicated gradients are replaced by their mean in place (an
 weight gradient is re-stored once from it); a sharded weight (O3) keeps only this rank's
 rows of the mean, here, for the optimizer. Once the user's DDP runs the model
 (``amp8.comm.ddp``), DDP averages the other parameters and this reduction the FP8
-weights alone. Delayed-scaling histories are made equal on every rank at the end of each
-round, so every rank casts with the same scales.
+weights alone; under its ``find_unused_parameters=True`` when that backward ends, as
+ranks may leave different weights without a gradient. Delayed-scaling histories are made
+equal on every rank at the end of each round, so every rank casts with the same scales.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class GradientReduction:
         self.hook_handles: list[RemovableHandle] = []
         if overlap:
             self._register_hooks()
+        data_parallel.at_backward_end.append(self.synchronize)
 
     def is_sharded(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is a weight FSDP2 shards (its gradient is reduce-scattered)."""
@@ -93,8 +95,13 @@ class GradientReduction:
                 self.hook_handles.append(param.register_post_accumulate_grad_hook(self.grad_ready))
 
     def grad_ready(self, param: nn.Parameter) -> None:
-        """``param``'s gradient of this backward is final: start its bucket if it is full."""
+        """``param``'s gradient of this backward is final: start its bucket if it is full
+        (nothing for a parameter the user's DDP averages)."""
+        if self.data_parallel.ddp is not None and param not in self.weights:
+            return
         self._synchronized = False  # a backward after an average starts a new round
+        if self.data_parallel.reduces_at_backward_end:
+            return  # ranks may differ in which gradients come: all are reduced at the end
         buckets = self.buckets
         buckets.grad_ready(param)
         # Under the user's DDP, trainers clip right after backward, on DDP's averaged

@@ -7,6 +7,15 @@ from .stored_module import StoredWeightModule
 from .swap import (
     ModuleFilter, embedding_reason, high_precision_reason, shared_weight_names, swap_embeddings, swap_linear_layers,
 )
+from ..validation import removed_name
+
+_REMOVED = {"Slot": "use amp8.nn.TensorRole (INPUT, WEIGHT, GRAD_OUTPUT), which Fp8Linear.cast and friends take"}
+
+
+def __getattr__(name: str) -> object:
+    """Removed names fail naming what replaces them."""
+    raise removed_name("amp8.nn", name, _REMOVED, module=True)
+
 
 __all__ = [
     "CastRule",

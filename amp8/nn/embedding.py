@@ -19,8 +19,8 @@ from torch import nn
 
 from ..levels import Precision
 from ..recipe import Recipe, WeightGradScaling
-from ..scaling import quantize_tiles
 from ..tensor import ScaledTensor
+from ..weight_grad import GradLayout, WeightGrad, WeightGradInFlight
 from .stored_module import StoredWeightModule
 from .swap import embedding_reason
 
@@ -33,47 +33,44 @@ class EmbeddingConfig:
         num_embeddings: rows of the table.
         embedding_dim: columns of the table.
         padding_idx: the row that gets no gradient, or None.
-        grad_dtype: the FP8 dtype of the weight gradient.
-        grad_margin, grad_power_of_2: the recipe's margin and power-of-two rounding of
-            the gradient's scales (as ``StoredWeight.quantize_grad`` re-stores a sum).
+        grad_layout: how the FP8 weight gradient is stored (one scale per row).
         out_dtype: the dtype of the looked-up rows (the table's dtype before amp8).
     """
 
     num_embeddings: int
     embedding_dim: int
     padding_idx: int | None
-    grad_dtype: torch.dtype
-    grad_margin: int
-    grad_power_of_2: bool
+    grad_layout: GradLayout
     out_dtype: torch.dtype
 
 
 class _EmbeddingFunction(torch.autograd.Function):
     """Rows of a scaled table, and the table's gradient in FP8 with one scale per row.
 
-    Arguments of ``apply``: ``ids`` (integer indices); ``grad_sink`` (the leaf whose
-    gradient is the FP8 weight gradient, or None when none is needed) and ``grad_scale``
-    (the buffer its per-row scales are copied into, in place); ``table`` (the stored
-    table with its scale); the ``EmbeddingConfig``.
+    Arguments of ``apply``: ``ids`` (integer indices); ``weight``, the tensor that takes
+    the weight gradient (the Parameter, or a stand-in: see
+    ``StoredWeightModule._grad_target``; None when none is needed); ``table`` (the
+    stored table with its scale); the ``EmbeddingConfig``.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         ids: torch.Tensor,
-        grad_sink: torch.Tensor | None,
-        grad_scale: torch.Tensor,
+        weight: torch.Tensor | None,
         table: ScaledTensor,
         config: EmbeddingConfig,
     ) -> torch.Tensor:
         rows = nn.functional.embedding(ids, table.data)
         ctx.save_for_backward(ids)
-        ctx.config, ctx.grad_scale = config, grad_scale
+        ctx.config = config
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.grad_class = WeightGradInFlight if isinstance(weight, WeightGradInFlight) else WeightGrad
         return (rows.float() / table.scale).to(config.out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        unused = (None, None, None)  # grad_scale, table, config
+        unused = (None, None)  # table, config
         if not ctx.needs_input_grad[1]:
             return (None, None, *unused)
         (ids,) = ctx.saved_tensors
@@ -82,13 +79,7 @@ class _EmbeddingFunction(torch.autograd.Function):
         grad.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, config.embedding_dim).float())
         if config.padding_idx is not None:
             grad[config.padding_idx] = 0
-        data, scale = quantize_tiles(
-            grad, config.grad_dtype, (1, config.embedding_dim), margin=config.grad_margin,
-            power_of_2=config.grad_power_of_2,
-        )
-        with torch.no_grad():
-            ctx.grad_scale.copy_(scale)
-        return (None, data, *unused)
+        return (None, ctx.grad_class.from_float(grad, config.grad_layout, ctx.weight_dtype), *unused)
 
 
 class LowBitEmbedding(StoredWeightModule):
@@ -135,11 +126,11 @@ class LowBitEmbedding(StoredWeightModule):
         """The rows of the table at ``ids`` (any integer shape), in the table's dtype."""
         if not torch.compiler.is_compiling():
             self._check_weight_is_amp8s()
+            self._refresh_grad_routes()
         config = EmbeddingConfig(
-            self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_dtype,
-            self.recipe.margin, self.recipe.power_of_2_scales, self.out_dtype,
+            self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_layout, self.out_dtype,
         )
-        return _EmbeddingFunction.apply(ids, self._sink(), self._grad_scale, self.stored_weight.stored(), config)
+        return _EmbeddingFunction.apply(ids, self._grad_target(), self.stored_weight.stored(), config)
 
     def extra_repr(self) -> str:
         """Shape and storage, for ``print(model)``."""

@@ -15,6 +15,7 @@ from ..gemm import GemmRole, fp8_gemm
 from ..health import GemmOperand
 from ..recipe import ActivationFormat, Granularity, Recipe
 from ..tensor import ScaledTensor
+from ..weight_grad import GradLayout, WeightGrad, WeightGradInFlight
 from .quantizer import LinearQuantizers
 
 _GEMM_ALIGNMENT = 16
@@ -31,8 +32,8 @@ class LinearGemmConfig:
         high_dgrad: the input-gradient GEMM runs in float32 on the real weight.
         high_wgrad: the weight-gradient GEMM runs in float32.
         tensorwise: one scale per tensor, so the forward's FP8 input serves wgrad too.
-        fp8_wgrad: the weight gradient leaves backward in FP8 through the grad sink;
-            otherwise in the weight's dtype, as the weight's own gradient.
+        fp8_wgrad: the weight gradient leaves backward in FP8, a ``WeightGrad`` at
+            ``grad_layout``; otherwise in the weight's dtype, as ``nn.Linear``'s.
         fp8_saved_input: finer-than-tensorwise granularities keep the forward's FP8
             input for wgrad (re-cast along tokens from its values) instead of the
             high-precision input (``Recipe(activations="fp8")``).
@@ -41,6 +42,8 @@ class LinearGemmConfig:
         out_dtype: the dtype of the output.
         watch_health: every GEMM operand's cast (or, for a GEMM in high precision, the
             cast it would get) writes its health signals (see ``amp8.health``).
+        grad_layout: how the FP8 weight gradient is stored (the stored weight's
+            ``grad_layout``); None where it is not FP8.
     """
 
     in_features: int
@@ -54,13 +57,22 @@ class LinearGemmConfig:
     update_history: bool
     out_dtype: torch.dtype
     watch_health: bool = False
+    grad_layout: GradLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.fp8_wgrad and self.grad_layout is None:
+            raise ValueError("LinearGemmConfig(fp8_wgrad=True) needs the FP8 weight gradient's grad_layout")
 
     @classmethod
     def build(
         cls, recipe: Recipe, in_features: int, out_features: int, *,
         fp8_wgrad: bool, update_history: bool, out_dtype: torch.dtype, watch_health: bool = False,
+        grad_layout: GradLayout | None = None,
     ) -> "LinearGemmConfig":
-        """The config of one call of a layer with ``recipe`` and an (N, K) weight."""
+        """The config of one call of a layer with ``recipe`` and an (N, K) weight
+        (``grad_layout``: see the attribute; the recipe's, for its shape, when None)."""
+        if fp8_wgrad and grad_layout is None:
+            grad_layout = GradLayout.for_weight(recipe, (out_features, in_features))
         high_fprop, high_dgrad, high_wgrad = recipe.override_linear_precision
         return cls(
             in_features=in_features,
@@ -74,6 +86,7 @@ class LinearGemmConfig:
             update_history=update_history,
             out_dtype=out_dtype,
             watch_health=watch_health,
+            grad_layout=grad_layout if fp8_wgrad else None,
         )
 
     def watched(self, *operands: GemmOperand) -> tuple[GemmOperand, ...]:
@@ -121,22 +134,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
     gradient) along the token dimension for wgrad; rowwise weights are re-cast per
     column for dgrad, while 128x128 weight blocks serve fprop and dgrad alike.
 
-    Arguments of ``apply``: ``x``; the ``weight`` Parameter and ``bias`` (their
-    gradients); ``grad_sink`` (the leaf whose gradient is the FP8 weight gradient, or
-    None) and ``grad_scale`` (the buffer its scales are copied into, in place); ``w8``
-    and ``w8_dgrad`` (the FP8 weight for fprop and dgrad, or None where that GEMM runs
-    in high precision); ``w_stored`` (the stored weight, for the high-precision GEMMs,
-    or None); the ``LinearQuantizers``; the ``LinearGemmConfig``.
+    Arguments of ``apply``: ``x``; ``weight``, the tensor that takes the weight gradient
+    (the Parameter, or a stand-in: see ``StoredWeightModule._grad_target``; None where
+    no gradient is needed), and ``bias``; ``w8`` and ``w8_dgrad`` (the FP8 weight for
+    fprop and dgrad, or None where that GEMM runs in high precision); ``w_stored`` (the
+    stored weight, for the high-precision GEMMs, or None); the ``LinearQuantizers``; the
+    ``LinearGemmConfig``. The FP8 weight gradient leaves as a ``WeightGrad``, or as a
+    ``WeightGradInFlight`` for a stand-in of that type (a compiled graph's).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         bias: torch.Tensor | None,
-        grad_sink: torch.Tensor | None,
-        grad_scale: torch.Tensor,
         w8: ScaledTensor | None,
         w8_dgrad: ScaledTensor | None,
         w_stored: ScaledTensor | None,
@@ -169,10 +181,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.x8_block_size = x8.block_size
         if x8 is None and config.watch_health:
             quantizers.input.watch(x2, 1, config.input_operands)
-        ctx.config, ctx.quantizers, ctx.grad_scale = config, quantizers, grad_scale
+        ctx.config, ctx.quantizers = config, quantizers
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.grad_class = WeightGradInFlight if isinstance(weight, WeightGradInFlight) else WeightGrad
         ctx.w8_dgrad, ctx.w_stored = w8_dgrad, w_stored
         return y
 
@@ -180,8 +193,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         config: LinearGemmConfig = ctx.config
         quantizers: LinearQuantizers = ctx.quantizers
-        needs_x, needs_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-        needs_w = ctx.needs_input_grad[3] if config.fp8_wgrad else ctx.needs_input_grad[1]
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
         g2 = grad_output.reshape(-1, config.out_features)  # (M, N)
         g8 = None
         if (needs_x and not config.high_dgrad) or (needs_w and not config.high_wgrad and config.tensorwise):
@@ -209,18 +221,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
             wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(*saved, ctx.x8_block_size)
             grad_w = _weight_grad(wgrad_input, g2, g8, quantizers, config)
         grad_b = g2.float().sum(0).to(ctx.bias_dtype) if needs_b else None
-        ctx.w8_dgrad = ctx.w_stored = None
-        unused = (None,) * 6  # grad_scale, w8, w8_dgrad, w_stored, quantizers, config
-        if grad_w is None:
-            return (grad_x, None, grad_b, None, *unused)
-        if not config.fp8_wgrad:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear
-            return (grad_x, grad_w.to(ctx.weight_dtype), grad_b, None, *unused)
-        # The FP8 gradient's scales go to the layer's buffer (in place, so a compiled
-        # backward writes them); its data leaves as the gradient of the grad sink.
-        grad_w8 = quantizers.weight_grad.cast(grad_w)
-        with torch.no_grad():
-            ctx.grad_scale.copy_(grad_w8.scale)
-        return (grad_x, None, grad_b, grad_w8.data, *unused)
+        if not _graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
+            ctx.w8_dgrad = ctx.w_stored = None
+        unused = (None,) * 5  # w8, w8_dgrad, w_stored, quantizers, config
+        if grad_w is not None:
+            if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
+                grad_w = ctx.grad_class.from_float(grad_w, config.grad_layout, ctx.weight_dtype)
+            else:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear's
+                grad_w = grad_w.to(ctx.weight_dtype)
+        return (grad_x, grad_w, grad_b, *unused)
+
+
+def _graph_retained() -> bool:
+    """Whether the running backward keeps the graph for another (``retain_graph=True``),
+    which then needs the FP8 weight again; False inside a compiled graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
 def _weight_grad(

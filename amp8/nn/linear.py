@@ -3,14 +3,15 @@
 The layer reuses the caller's ``weight`` and ``bias`` Parameters. The weight's data is
 stored as FP16 (O1, O2) or FP8 (O3) holding ``w * weight_scale``; ``weight_scale`` is a
 buffer beside it. ``layer.stored_weight`` (an ``amp8.StoredWeight``) is the one place that
-knows that storage, and where the weight gradient goes: backward hands each new FP8 weight
-gradient to it, and it lands in ``weight.grad`` as a ``WeightGrad`` (FP8 data + scales,
-the gradient of the real weight), where torch's ``zero_grad`` and ``clip_grad_norm_`` find
-it. See DESIGN.md, "Weight gradients".
+knows that storage. Backward returns the weight gradient to autograd as the weight's own
+gradient, a ``WeightGrad`` (FP8 data + scales, the gradient of the real weight): it lands
+in ``weight.grad``, where hooks, torch's ``zero_grad`` and ``clip_grad_norm_`` find it.
+See DESIGN.md, "Weight gradients".
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ..recipe import GRANULARITY_LADDER, Granularity, Recipe
 from ..tensor import ScaledTensor
 from .function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
 from .quantizer import LinearQuantizers, TensorRole
-from .stored_module import StoredWeightModule
+from .stored_module import StoredWeightModule, recipe_record, saved_recipe
 
 
 class Fp8Linear(StoredWeightModule):
@@ -105,7 +106,7 @@ class Fp8Linear(StoredWeightModule):
                 [GRANULARITY_LADDER.index(self.gemm_recipe.granularity), *map(int, high)]
             ))
         self.quantizers = LinearQuantizers.build(
-            self.gemm_recipe, self.scale, self.amax_history, self.health, storage_recipe=self.recipe,
+            self.gemm_recipe, self.scale, self.amax_history, self.health,
             rotation=getattr(self, "hadamard", None),
         )
 
@@ -146,17 +147,22 @@ class Fp8Linear(StoredWeightModule):
         return self.quantizers.weight.rule.tile(tuple(self.weight.shape), contract_dim)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Load, converting a weight saved at another storage (another opt level, or a
-        plain ``nn.Linear``) and filling scale buffers such a checkpoint lacks."""
+        """Load, converting a weight saved at another storage (another opt level, another
+        recipe, or a plain ``nn.Linear``) and filling scale buffers such a checkpoint
+        lacks. The GEMM precision of a checkpoint made under another recipe (see
+        ``recipe_record``) is not taken: the GEMMs run as this layer's recipe says."""
         if state_dict.get(prefix + "scale") is not None:
             check_loaded_scales(prefix + "scale", state_dict[prefix + "scale"])
         if state_dict.get(prefix + "amax_history") is not None:
             check_loaded_history(prefix + "amax_history", state_dict[prefix + "amax_history"])
-        saved_precision = state_dict.get(prefix + "gemm_precision")
-        if saved_precision is None:  # saved before the GEMMs could move
-            state_dict[prefix + "gemm_precision"] = self.gemm_precision.clone()
-        else:  # the GEMMs run as saved from here on (``_after_move`` binds them)
-            self.gemm_recipe = _loaded_gemm_recipe(self.recipe, prefix + "gemm_precision", saved_precision)
+        key = prefix + "gemm_precision"
+        saved_precision = state_dict.get(key)
+        if saved_precision is not None:  # the GEMMs run as saved from here on (``_after_move`` binds them)
+            loaded = _loaded_gemm_recipe(self.recipe, key, saved_precision, saved_recipe(args[0] if args else None))
+            self.gemm_recipe = self.recipe if loaded is None else loaded
+        # Rewritten from ``gemm_recipe`` once loaded; a checkpoint from before the GEMMs
+        # could move lacks it.
+        state_dict[key] = self.gemm_precision.clone()
         if self.recipe.wgrad_hadamard:  # a checkpoint of another recipe lacks it: keep this one's
             state_dict.setdefault(prefix + "hadamard", self.hadamard.clone())
         else:
@@ -249,11 +255,12 @@ class Fp8Linear(StoredWeightModule):
             )
         if not torch.compiler.is_compiling():
             self._check_weight_is_amp8s()
-        sink = self._sink()
+            self._refresh_grad_routes()
+        fp8_wgrad = self.weight_storage is not Precision.AS_IS
         config = LinearGemmConfig.build(
             self.gemm_recipe, self.in_features, self.out_features,
-            fp8_wgrad=self.weight_storage is not Precision.AS_IS, update_history=self.training,
-            out_dtype=output_dtype(x), watch_health=self.watch_health,
+            fp8_wgrad=fp8_wgrad, update_history=self.training, out_dtype=output_dtype(x),
+            watch_health=self.watch_health, grad_layout=self.stored_weight.grad_layout if fp8_wgrad else None,
         )
         # The weight's FP8 casts happen here, outside the autograd.Function, so that the
         # cache (a module attribute) is written where a compiled graph may write it.
@@ -269,7 +276,7 @@ class Fp8Linear(StoredWeightModule):
                     self.quantizers.weight.watch(w_stored.dequantize(), contract_dim, self._weight_operands(contract_dim))  # type: ignore[union-attr]
         with torch.autocast(x.device.type, enabled=False):  # the GEMMs choose their own dtypes
             return _Fp8LinearFunction.apply(
-                x, self.weight, self.bias, sink, self._grad_scale, w8, w8_dgrad, w_stored, self.quantizers, config
+                x, self._grad_target(), self.bias, w8, w8_dgrad, w_stored, self.quantizers, config
             )
 
     def extra_repr(self) -> str:
@@ -283,8 +290,13 @@ class Fp8Linear(StoredWeightModule):
         )
 
 
-def _loaded_gemm_recipe(recipe: Recipe, key: str, saved: torch.Tensor) -> Recipe:
-    """The GEMM recipe a checkpoint's ``gemm_precision`` tensor describes.
+def _loaded_gemm_recipe(
+    recipe: Recipe, key: str, saved: torch.Tensor, saved_under: dict[str, Any] | None
+) -> Recipe | None:
+    """The GEMM recipe a checkpoint's ``gemm_precision`` tensor describes for a layer of
+    ``recipe``; None, with a warning, where it was made under another recipe
+    (``saved_under``, the checkpoint's ``recipe_record``) or one that ``recipe`` cannot
+    take (a checkpoint without a record).
 
     Raises:
         ValueError: ``saved`` is not four integers (a granularity index, then three 0/1
@@ -297,4 +309,18 @@ def _loaded_gemm_recipe(recipe: Recipe, key: str, saved: torch.Tensor) -> Recipe
             f"granularity index below {len(GRANULARITY_LADDER)} and three 0/1 flags; the checkpoint is corrupt "
             "or not from amp8"
         )
-    return recipe.for_gemms(GRANULARITY_LADDER[values[0]], tuple(bool(v) for v in values[1:]))
+    granularity, high = GRANULARITY_LADDER[values[0]], tuple(bool(v) for v in values[1:])
+    reason = None
+    if saved_under is not None and saved_under != recipe_record(recipe):
+        reason = f"it was made under another recipe ({saved_under})"
+    else:
+        try:
+            return recipe.for_gemms(granularity, high)
+        except ValueError as error:
+            reason = f"this layer's recipe cannot take it ({error})"
+    warnings.warn(
+        f"amp8: {key} ({granularity.value} GEMMs, high precision {high}) is not loaded: {reason}; the "
+        f"GEMMs run as this layer's recipe says ({recipe_record(recipe)})",
+        stacklevel=4,
+    )
+    return None

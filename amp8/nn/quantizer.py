@@ -8,7 +8,6 @@ place (so a compiled graph writes them too). It never holds the layer itself.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, NamedTuple
@@ -19,7 +18,7 @@ from .. import hadamard, microscaling, scaling
 from ..formats import FP4, forward_dtype, gradient_dtype
 from ..health import GemmOperand, block_cast_health, cast_health, record_health
 from ..microscaling import BlockScaledTensor
-from ..recipe import AmaxAlgo, Granularity, Microscaling, Recipe, Scaling, WeightGradScaling, operand_tile
+from ..recipe import AmaxAlgo, Granularity, Microscaling, Recipe, Scaling, operand_tile
 from ..tensor import ScaledTensor
 
 
@@ -78,19 +77,6 @@ class CastRule:
             square_blocks=role is TensorRole.WEIGHT and recipe.square_weight_blocks,
             microscaled=recipe.microscaling is not Microscaling.NONE,
             stochastic=recipe.stochastic_grad_rounding and role is TensorRole.GRAD_OUTPUT,
-        )
-
-    @classmethod
-    def for_weight_grad(cls, recipe: Recipe) -> "CastRule":
-        """The rule of the weight gradient: ``Recipe.weight_grad_dtype``, fresh scales from
-        its own amax under every scaling kind, tiled like the weight's FP8 scales or one
-        per row (``Recipe.weight_grad_scaling``): the rule of
-        ``amp8.StoredWeight.quantize_grad``."""
-        weight = cls.for_role(recipe, TensorRole.WEIGHT)
-        rowwise = recipe.weight_grad_scaling is WeightGradScaling.ROWWISE
-        return dataclasses.replace(
-            weight, dtype=recipe.weight_grad_dtype, scaling=Scaling.CURRENT,
-            granularity=Granularity.ROWWISE if rowwise else weight.granularity, microscaled=False,
         )
 
     @property
@@ -258,13 +244,12 @@ _SCALE_RULES: dict[Scaling, ScaleRule] = {
 
 
 class LinearQuantizers(NamedTuple):
-    """The quantizers of one ``Fp8Linear``: one per ``TensorRole`` (see ``of``) and one
-    for the weight gradient."""
+    """The quantizers of one ``Fp8Linear``: one per ``TensorRole`` (see ``of``). The
+    weight gradient is stored at the stored weight's ``GradLayout``."""
 
     input: Quantizer
     weight: Quantizer
     grad_output: Quantizer
-    weight_grad: Quantizer
 
     @classmethod
     def build(
@@ -273,20 +258,17 @@ class LinearQuantizers(NamedTuple):
         scales: torch.Tensor,
         histories: torch.Tensor,
         health: torch.Tensor | None = None,
-        storage_recipe: Recipe | None = None,
         rotation: torch.Tensor | None = None,
     ) -> "LinearQuantizers":
         """Quantizers for ``recipe`` over a layer's ``scale`` (roles,), ``amax_history``
-        (roles, L) and ``health`` buffers. The weight gradient follows ``storage_recipe``
-        (default ``recipe``): its scales are laid out as the stored weight's, whatever
-        granularity the GEMMs use. The input's and output gradient's wgrad casts are
-        rotated by ``rotation`` where one is given (``Recipe.wgrad_hadamard``)."""
+        (roles, L) and ``health`` buffers. The input's and output gradient's wgrad casts
+        are rotated by ``rotation`` where one is given (``Recipe.wgrad_hadamard``)."""
         recorded = [
             Quantizer(CastRule.for_role(recipe, role), scales, histories, role.value, health=health,
                       rotation=None if role is TensorRole.WEIGHT else rotation)
             for role in TensorRole
         ]
-        return cls(*recorded, Quantizer(CastRule.for_weight_grad(storage_recipe or recipe)))
+        return cls(*recorded)
 
     def of(self, role: TensorRole) -> Quantizer:
         """The quantizer of the tensor in ``role``."""

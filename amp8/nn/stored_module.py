@@ -3,8 +3,9 @@
 A layer whose weight amp8 stores scaled (``Fp8Linear``, ``LowBitEmbedding``) holds the
 caller's ``weight`` Parameter with ``w * weight_scale`` in it, the ``weight_scale``
 buffer, and an ``amp8.StoredWeight`` handle that the optimizer, clipping and the
-gradient reduction go through. Backward hands each new FP8 weight gradient out through a
-grad sink (see ``_make_grad_sink``); it lands in ``weight.grad`` as a ``WeightGrad``.
+gradient reduction go through. Backward returns each new FP8 weight gradient, a
+``WeightGrad``, to autograd as the gradient of the ``weight`` Parameter itself, or of a
+stand-in where the Parameter cannot take it (see ``_grad_target``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..levels import Precision
 from ..recipe import Recipe
 from ..stored_weight import StoredWeight, stored_weight
 from ..tensor import ScaledTensor
+from ..weight_grad import WeightGrad, WeightGradInFlight
 
 
 class StoredWeightModule(nn.Module):
@@ -44,14 +46,10 @@ class StoredWeightModule(nn.Module):
         self.register_buffer("weight_scale", torch.ones((), device=device))
         real_weight = weight.detach().float()
         self.weight = weight
-        self.stored_weight = StoredWeight(self, recipe, storage, self.drop_weight_cache, fixed_storage=fixed_storage)
-        # Backward writes the scales of each new FP8 weight gradient here, in place, and
-        # returns its data as the gradient of ``_grad_sink``; see ``_new_weight_grad``.
-        self.register_buffer(
-            "_grad_scale", torch.ones(self.stored_weight.grad_scale_shape, device=device), persistent=False
-        )
-        self._make_grad_sink()
+        self.stored_weight = StoredWeight(self, recipe, storage, fixed_storage=fixed_storage)
         self.stored_weight.write(real_weight)
+        self._build_grad_routes()
+        self.register_state_dict_post_hook(_record_recipe)
 
     def drop_weight_cache(self) -> None:
         """Forget anything derived from the stored weight (nothing here; ``Fp8Linear``
@@ -61,39 +59,77 @@ class StoredWeightModule(nn.Module):
         """Re-bind what refers to buffers that ``.to()``, a copy or a load replaced."""
 
     # -- the weight gradient's way out of backward -------------------------------------
-    def _make_grad_sink(self) -> None:
-        """A leaf that holds no memory (one element, expanded to the weight's shape) and
-        requires grad: backward returns each new FP8 weight gradient as its gradient, and
-        its hook, which runs eagerly also after a compiled backward, hands it on. The
-        gradient cannot be returned for the weight itself: autograd would cast it to the
-        weight's dtype."""
-        dtype = self.stored_weight.grad_dtype
-        sink = torch.zeros((), dtype=dtype, device=self.weight_scale.device).expand(self.weight.shape)
-        sink.requires_grad_(True)
-        sink.register_post_accumulate_grad_hook(self._new_weight_grad)
+    def _grad_target(self) -> torch.Tensor | None:
+        """The tensor whose gradient backward returns the weight gradient as; None where
+        the weight needs none (its ``requires_grad`` is off).
+
+        The Parameter itself where it can take a ``WeightGrad`` (eager code), so that the
+        gradient lands in ``weight.grad`` through autograd, hooks included. In a compiled
+        graph, the gradient bridge: the graph must not read the Parameter's ``.grad``
+        (Dynamo cannot fakeify a traceable subclass as a plain Parameter's gradient), and
+        the bridge's backward, run eagerly, hands the gradient on to the Parameter. For a
+        weight FSDP2 shards, the grad sink, whose hook hands it to the handle (FSDP2
+        would reduce a ``.grad`` with its own collectives).
+        """
+        weight = self.weight
+        if not weight.requires_grad:
+            return None
+        if self.weight_storage is Precision.AS_IS:
+            return weight
+        if self.stored_weight.sharded:
+            return self._grad_sink
+        return self._grad_bridge if torch.compiler.is_compiling() else weight
+
+    def _build_grad_routes(self) -> None:
+        """Build the grad sink and the gradient bridge (see ``_grad_target``) for the
+        weight's dtype and device now; outside compiled code, as these are leaves and
+        autograd nodes that a compiled graph takes as inputs."""
+        handle = self.stored_weight
+        self._grad_routes_for = self._grad_routes_key()
+        if handle.storage is Precision.AS_IS:
+            self._grad_sink = self._grad_bridge = None
+            return
+        shape, layout, dtype, device = tuple(self.weight.shape), handle.grad_layout, self.weight.dtype, self.weight.device
+        sink = WeightGradInFlight.zeros(shape, layout, dtype, device).requires_grad_(True)
+        sink.register_post_accumulate_grad_hook(self._take_sink_grad)
         self._grad_sink = sink
+        self._grad_bridge = None if handle.sharded else _bridge(self.weight, shape, layout)
 
-    def _new_weight_grad(self, sink: torch.Tensor) -> None:
-        data, sink.grad = sink.grad, None
-        self.stored_weight.add_grad(data, self._grad_scale.clone())
+    def _take_sink_grad(self, sink: torch.Tensor) -> None:
+        grad, sink.grad = sink.grad, None
+        self.stored_weight.add_grad(grad)  # type: ignore[arg-type]
 
-    def _sink(self) -> torch.Tensor | None:
-        """The grad sink where backward should return an FP8 weight gradient, or None
-        (the weight needs no gradient, or it is stored as the model keeps it)."""
-        fp8_grad = self.weight_storage is not Precision.AS_IS
-        return self._grad_sink if self.weight.requires_grad and fp8_grad else None
+    def _grad_routes_key(self) -> tuple[Any, ...]:
+        """What the grad routes are built for: the weight's dtype and device, whether it
+        is sharded and, if not, the Parameter (its id: the bridge keeps it alive, so the
+        id is not reused while the routes are; FSDP2 swaps in another each forward)."""
+        weight, sharded = self.weight, self.stored_weight.sharded
+        return weight.dtype, weight.device, sharded, None if sharded else id(weight)
+
+    def _refresh_grad_routes(self) -> None:
+        """Rebuild the grad routes where what they were built for changed (see
+        ``_grad_routes_key``); from eager code only."""
+        if getattr(self, "_grad_routes_for", None) != self._grad_routes_key():
+            self._build_grad_routes()
+
+    def mark_weight_sharded(self) -> None:
+        """FSDP2 put a new ``weight`` Parameter in place that holds this rank's rows: the
+        gradient stays on the handle from now on (see ``StoredWeight.shard``)."""
+        self.stored_weight.shard(self.weight)
+        self._build_grad_routes()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.pop("_grad_sink", None)  # a leaf with a hook does not pickle; rebuilt below
+        for name in ("_grad_sink", "_grad_bridge", "_grad_routes_for"):  # rebuilt in __setstate__
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._make_grad_sink()
         self._after_move()
         if self.weight_storage is not Precision.AS_IS:  # a copied Parameter loses its mark
             self.stored_weight.mark(self.weight)
+        self._build_grad_routes()
 
     # -- weight storage (see ``amp8.StoredWeight``) ------------------------------------
     @property
@@ -124,6 +160,7 @@ class StoredWeightModule(nn.Module):
     def set_weight_storage(self, weight_storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
         self.stored_weight.restore(weight_storage)
+        self._refresh_grad_routes()
 
     @property
     def weight_grad(self) -> ScaledTensor | None:
@@ -136,31 +173,37 @@ class StoredWeightModule(nn.Module):
     def weight_grad(self, value: ScaledTensor | None) -> None:
         self.stored_weight.set_grad(value)
 
-    def _convert_loaded_weight(self, state_dict: dict[str, Any], prefix: str) -> None:
-        """Re-encode a weight saved at another storage (another opt level, or the plain
-        module amp8 replaced) into this one's, in ``state_dict``, with a warning."""
+    def _convert_loaded_weight(self, state_dict: dict[str, Any], prefix: str, block_size: int) -> None:
+        """Re-encode a weight saved at another storage (another opt level, another
+        recipe's scales, or the plain module amp8 replaced) into this one's, in
+        ``state_dict``, with a warning. ``block_size``: that of the saved scales."""
         weight_key, scale_key = prefix + "weight", prefix + "weight_scale"
         saved, saved_scale = state_dict.get(weight_key), state_dict.get(scale_key)
         if saved_scale is not None:
             check_loaded_scales(scale_key, saved_scale)
         if saved is None or (
-            saved.dtype == self.weight.dtype and saved_scale is not None and saved_scale.shape == self.weight_scale.shape
+            saved.dtype == self.weight.dtype and saved_scale is not None
+            and saved_scale.shape == self.weight_scale.shape and saved_scale.dtype == self.weight_scale.dtype
         ):
             return
         if saved_scale is None:
             saved_scale = torch.ones((), device=saved.device)
-        real = ScaledTensor(saved, saved_scale.to(saved.device), self.stored_weight.recipe.block_size).dequantize()
+        real = ScaledTensor(saved, saved_scale.to(saved.device), block_size).dequantize()
         state_dict[weight_key], state_dict[scale_key] = self.stored_weight.encode(real.to(self.weight.device))
         warnings.warn(
             f"amp8: converted {weight_key} from {saved.dtype} to {self.weight_dtype} storage "
-            f"(scales of shape {tuple(saved_scale.shape)} to {tuple(state_dict[scale_key].shape)})",
+            f"(scales of shape {tuple(saved_scale.shape)}, blocks of {block_size}, to "
+            f"{tuple(state_dict[scale_key].shape)})",
             stacklevel=3,
         )
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Load, converting a weight saved at another storage (see
-        ``_convert_loaded_weight``)."""
-        self._convert_loaded_weight(state_dict, prefix)
+        ``_convert_loaded_weight``; ``args[0]`` is the layer's checkpoint metadata, which
+        names the recipe its scales were made with)."""
+        saved = saved_recipe(args[0] if args else None)
+        block_size = self.stored_weight.recipe.block_size if saved is None else saved["block_size"]
+        self._convert_loaded_weight(state_dict, prefix, block_size)
         self.drop_weight_cache()
         super()._load_from_state_dict(state_dict, prefix, *args)
         self._after_move()
@@ -179,8 +222,7 @@ class StoredWeightModule(nn.Module):
                 self._buffers[name] = original.to(device)
         if self.weight.dtype != weight_dtype and self.weight_storage is not Precision.AS_IS:
             self.weight.data = stored.to(device)
-        if self._grad_sink.device != device:
-            self._make_grad_sink()
+        self._refresh_grad_routes()
         self._after_move()
         return self
 
@@ -196,3 +238,68 @@ class StoredWeightModule(nn.Module):
             "in a process group, where amp8 applies fully_shard itself, or "
             "DistributedDataParallel at O1/O2, wrapped after amp8.initialize"
         )
+
+
+class _GradBridge(torch.autograd.Function):
+    """``apply(weight, sink)``: a stand-in for ``weight`` (``sink``, an empty
+    ``WeightGradInFlight``) whose gradient backward passes on to ``weight`` as a
+    ``WeightGrad`` (see ``StoredWeightModule._grad_target``)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return sink.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+        return (grad.at_rest() if isinstance(grad, WeightGrad) else grad), None
+
+
+def _bridge(weight: nn.Parameter, shape: tuple[int, ...], layout: Any) -> torch.Tensor:
+    """The gradient bridge of ``weight``: built while ``weight`` requires grad (for a
+    moment, if it does not now), so that it serves whenever the weight trains."""
+    sink = WeightGradInFlight.zeros(shape, layout, weight.dtype, weight.device)
+    frozen = not weight.requires_grad
+    with torch.enable_grad():
+        try:
+            weight.requires_grad_(True)
+            return _GradBridge.apply(weight, sink)
+        finally:
+            if frozen:
+                weight.requires_grad_(False)
+
+
+RECIPE_METADATA = "amp8_recipe"
+"""The key of a layer's recipe in its checkpoint metadata (``state_dict()._metadata``)."""
+
+
+def recipe_record(recipe: Recipe) -> dict[str, Any]:
+    """What a checkpoint records of ``recipe``: what the layer's scales and GEMM
+    precision were made under (strings and ints, which ``torch.load(weights_only=True)``
+    reads)."""
+    return {"granularity": recipe.granularity.value, "microscaling": recipe.microscaling.value,
+            "block_size": recipe.block_size}
+
+
+def saved_recipe(local_metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``recipe_record`` in a layer's checkpoint metadata, or None (a checkpoint of
+    an older amp8, or a state dict that lost its metadata).
+
+    Raises:
+        ValueError: a record that is not one ``recipe_record`` writes.
+    """
+    record = (local_metadata or {}).get(RECIPE_METADATA)
+    if record is None:
+        return None
+    if not isinstance(record, dict) or set(record) != {"granularity", "microscaling", "block_size"} or not (
+        isinstance(record["block_size"], int) and record["block_size"] > 0
+    ):
+        raise ValueError(
+            f"checkpoint metadata {RECIPE_METADATA}={record!r} is not an amp8 recipe record: expected "
+            "granularity, microscaling and a block_size > 0; the checkpoint is corrupt or not from amp8"
+        )
+    return record
+
+
+def _record_recipe(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
+    """``state_dict`` post-hook: the layer's recipe goes into its checkpoint metadata."""
+    local_metadata[RECIPE_METADATA] = recipe_record(module.stored_weight.recipe)

@@ -38,7 +38,11 @@ from .state import MOMENTS
 from .fused import cpp_compiler_found
 from .fused_update import fused_update
 from .stored_state import StoredState
-from .support import check_hyperparameters, check_options, check_state_precision, check_supported, torch_groups
+from .support import (
+    REMOVED_METHODS, check_hyperparameters, check_options, check_removed_options, check_state_precision,
+    check_supported, torch_groups,
+)
+from ..validation import removed_name
 
 DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
 # From this many parameter elements on, fused=None compiles the step on the CPU too.
@@ -101,7 +105,9 @@ class LowBitAdam(torch.optim.Optimizer):
         reduction: GradientReduction | None = None,
         fused: bool | None = None,
         master_weights: Mapping[nn.Parameter, torch.Tensor] | None = None,
+        **removed: Any,
     ) -> None:
+        check_removed_options(removed)
         level = resolve_level(level)
         check_state_precision(level)
         check_hyperparameters(lr, betas, eps, weight_decay)
@@ -264,6 +270,10 @@ class LowBitAdam(torch.optim.Optimizer):
     @rounding_counter.setter
     def rounding_counter(self, value: int) -> None:
         self.stored.rounding_counter = value
+
+    def __getattr__(self, name: str) -> Any:
+        """Removed methods fail naming what replaces them."""
+        raise removed_name(type(self).__name__, name, REMOVED_METHODS)
 
     def master_weight(self, param: nn.Parameter) -> torch.Tensor:
         """The most precise real float32 values of ``param`` this rank has: its master

@@ -78,6 +78,25 @@ def check_options(seed: Any, fused: Any, state_block_size: Any) -> None:
         raise ValueError(f"state_block_size={state_block_size!r} is not valid; use an int >= 0")
 
 
+REMOVED_OPTIONS = {
+    "fp8_layers": "LowBitAdam finds the FP8 weights among its parameters itself (amp8.initialize attaches "
+    "an amp8.StoredWeight to each): pass model.parameters()",
+}
+REMOVED_METHODS = {
+    "read_weight": "use optimizer.master_weight(param) (the layer's read_weight() is unchanged)",
+    "write_weight": "use optimizer.update_weight(param, value) (the layer's write_weight() is unchanged)",
+}
+
+
+def check_removed_options(options: dict[str, Any]) -> None:
+    """Refuse keyword arguments ``LowBitAdam`` does not take: a removed one naming what
+    replaces it, any other as Python would."""
+    for name in options:
+        if name in REMOVED_OPTIONS:
+            raise TypeError(f"LowBitAdam({name}=...) was removed: {REMOVED_OPTIONS[name]}")
+        raise TypeError(f"LowBitAdam got an unexpected keyword argument {name!r}")
+
+
 def torch_groups(optimizer: torch.optim.Optimizer, replaced: dict[Any, Any]) -> list[dict[str, Any]]:
     """``optimizer``'s param groups as ``LowBitAdam`` takes them: each Parameter that
     ``replaced`` maps swapped for its replacement, torch-only options dropped, AdamW's
