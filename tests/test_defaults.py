@@ -106,6 +106,16 @@ def test_get_output_embeddings_names_the_head() -> None:
     assert output_heads(model) == {id(model.out): "the model's get_output_embeddings()"}
 
 
+def test_only_the_last_layer_shaped_like_the_vocabulary_is_the_head() -> None:
+    """The tiny GPT's MLP input projections (64 -> 256) have the vocabulary table's shape
+    too, and its attention output (64 x 64) the position table's: only the head counts."""
+    model = _untied_gpt()
+    assert output_heads(model) == {id(model.head): "maps the width to the vocabulary of embedding 'tok_emb'"}
+    model, _ = amp8.initialize(model, None, "O1")
+    fp8 = {name for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
+    assert len(fp8) == 4 * PRESETS["tiny"].n_layer and "head" not in fp8
+
+
 def test_a_model_without_a_vocabulary_has_no_head() -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
     assert output_heads(model) == {}

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import EXAMPLES as _EXAMPLES
 from conftest import load_example as _load
@@ -57,7 +58,10 @@ def test_hf_transformers_trains_in_fp8() -> None:
     losses, model, optimizer = example.train(example.Config(steps=3, batch_size=2))
     assert losses[-1] < losses[0], losses
     report = amp8.report(model, optimizer)
-    assert report.fp8_share > 0.8, report.summary()
+    head = model.get_output_embeddings()
+    assert type(head) is torch.nn.Linear, "O1 keeps the output head in high precision"
+    head_numel = head.weight.numel()
+    assert report.fp8_share > 0.8 * (1 - head_numel / sum(p.numel() for p in model.parameters())), report.summary()
     assert optimizer.skipped_steps == 0
 
 

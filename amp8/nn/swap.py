@@ -47,29 +47,30 @@ def high_precision_reason(linear: nn.Linear, shared: dict[int, list[str]]) -> st
 
 
 def output_heads(model: nn.Module) -> dict[int, str]:
-    """The model's output heads, found by structure: ``id(linear) -> why it is one``.
+    """The model's output head, found by structure: ``{id(linear): why it is one}``.
 
     An output head is the ``nn.Linear`` that maps hidden states to the vocabulary's
-    logits. It is what ``model.get_output_embeddings()`` returns (the method
-    ``transformers`` models have), or a Linear whose weight has the shape of an
-    embedding's table (``num_embeddings``, ``embedding_dim``): the untied twin of the
-    input embedding. Names play no part, so a renamed head is still found.
+    logits: what ``model.get_output_embeddings()`` returns (the method ``transformers``
+    models have), else the last Linear, in module order, whose weight has the shape of
+    the vocabulary's table (the embedding with the most rows: ``num_embeddings`` x
+    ``embedding_dim``), the untied twin of the input embedding. Names play no part, so
+    a renamed head is still found; a model without an embedding has none.
     """
-    heads: dict[int, str] = {}
     getter = getattr(model, "get_output_embeddings", None)
     found = getter() if callable(getter) else None
     if isinstance(found, nn.Linear):
-        heads[id(found)] = "the model's get_output_embeddings()"
-    tables = {  # nn.Embedding, and the low-bit tables amp8 puts in their place
-        (m.num_embeddings, m.embedding_dim): fqn for fqn, m in model.named_modules()
+        return {id(found): "the model's get_output_embeddings()"}
+    tables = [  # nn.Embedding, and the low-bit tables amp8 puts in their place
+        (m.num_embeddings, m.embedding_dim, fqn) for fqn, m in model.named_modules()
         if isinstance(getattr(m, "num_embeddings", None), int) and isinstance(getattr(m, "embedding_dim", None), int)
-    }
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and id(module) not in heads:
-            table = tables.get(tuple(module.weight.shape))
-            if table is not None:
-                heads[id(module)] = f"maps the width to the vocabulary of embedding {table!r}"
-    return heads
+    ]
+    if not tables:
+        return {}
+    rows, width, table = max(tables, key=lambda entry: entry[0])
+    shaped = [m for m in model.modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) == (rows, width)]
+    if not shaped:
+        return {}
+    return {id(shaped[-1]): f"maps the width to the vocabulary of embedding {table!r}"}
 
 
 def output_head_reason(linear: nn.Linear, heads: dict[int, str]) -> str | None:
