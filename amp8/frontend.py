@@ -254,16 +254,16 @@ def default_recipe(level: OptLevel, distributed: bool = False) -> Recipe:
     defaults study (``bench/numerics_ablation.py --configs realistic``):
 
     - a level with an FP32 first moment (O1, O1-compute): ``Recipe.preset("rowwise")``
-      (E4M3, power-of-two scales, one per row; the output head in high precision);
-    - a level with an FP8 first moment (O2, O3): ``Recipe(output_head="fp8")``, one scale
-      per tensor with the head in FP8. Adam's FP8 first moment takes one scale per row
-      under rowwise scales and for a head outside FP8 layers, and those runs end further
-      from O0 than one scale per tensor does. O3 in a process group (``distributed``)
-      shards its optimizer, which amp8 does for one scale per tensor only, too.
+      (E4M3, power-of-two scales, one per row) with the output head in high precision;
+    - a level with an FP8 first moment (O2, O3): ``Recipe()``, one scale per tensor with
+      the head in FP8. Adam's FP8 first moment takes one scale per row under rowwise
+      scales and for a head outside FP8 layers, and those runs end further from O0 than
+      one scale per tensor does. O3 in a process group (``distributed``) shards its
+      optimizer, which amp8 does for one scale per tensor only, too.
     """
     if level.exp_avg is Precision.FP8 or (distributed and level.shard_optimizer):
-        return Recipe(output_head=OutputHead.FP8)
-    return Recipe.preset("rowwise")
+        return Recipe()
+    return Recipe.preset("rowwise").replace(output_head=OutputHead.HIGH)
 
 
 def _granularity_name(recipe: Recipe) -> str:

@@ -94,9 +94,9 @@ class OutputHead(str, Enum):
     """How ``amp8.initialize`` treats the model's output head: the ``nn.Linear`` that maps
     hidden states to the vocabulary's logits, found by structure (``amp8.nn.swap.output_heads``).
 
-    HIGH: it stays in high precision (the default: its logits feed the loss directly,
-        and measured runs lose most of their FP8 gap there).
-    FP8: it runs in FP8 like any other eligible layer.
+    HIGH: it stays in high precision (``initialize``'s default at O1: its logits feed the
+        loss directly, and measured runs lose most of their FP8 gap there).
+    FP8: it runs in FP8 like any other eligible layer (the field's default).
     """
 
     HIGH = "high"
@@ -222,12 +222,12 @@ class Recipe:
         high_precision_layers: ``fnmatch`` patterns of layer names (as in
             ``model.named_modules()``) that ``amp8.initialize`` keeps in high precision,
             e.g. ``("blocks.11.*", "head")`` for the last block and the head.
-        output_head: "high" (the default) keeps the model's output head (the Linear
-            that maps hidden states to the vocabulary, found by structure) in high
-            precision; "fp8" runs it in FP8.
+        output_head: "fp8" (the field's default) runs the model's output head (the
+            Linear that maps hidden states to the vocabulary, found by structure) in FP8
+            like any other layer; "high" keeps it in high precision.
 
     The field defaults are the tensorwise recipe. ``amp8.initialize`` without a recipe
-    uses ``Recipe.preset("rowwise")``.
+    uses one per level (``amp8.frontend.default_recipe``).
     """
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
@@ -247,7 +247,7 @@ class Recipe:
     wgrad_hadamard: bool = False
     stochastic_grad_rounding: bool = False
     high_precision_layers: tuple[str, ...] = ()
-    output_head: OutputHead = OutputHead.HIGH
+    output_head: OutputHead = OutputHead.FP8
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -360,8 +360,9 @@ class Recipe:
         "tensorwise": ``Recipe()``, one scale per tensor, HYBRID formats: the fastest
             casts (one amax per tensor), at a larger loss gap.
         "rowwise": E4M3 everywhere, power-of-two scales, one scale per row along each
-            GEMM's contraction dimension (as torchao's rowwise recipe): what
-            ``amp8.initialize`` uses when it is given no recipe.
+            GEMM's contraction dimension (as torchao's rowwise recipe); with
+            ``output_head="high"``, what ``amp8.initialize`` uses at O1 when it is given
+            no recipe.
         "deepseek": E4M3 everywhere, power-of-two scales, 1x128 tiles for activations and
             gradients and 128x128 blocks for weights (the DeepSeek-V3 recipe).
         "mxfp8": MXFP8: E4M3 everywhere, one E8M0 scale per 1 x 32 tile along each GEMM's

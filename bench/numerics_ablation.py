@@ -101,10 +101,10 @@ realistic configurations ``<model>-<corpus>`` (see ``_realistic`` and ``REALISTI
 check; "stdlib-lr0.001-warmup-wd" is ``amp8 compare``'s old setting."""
 REALISTIC_CONFIGS = tuple(name for name in CONFIGS if name.split("-")[0] in ("gpt", "llama"))
 
-DEFAULT = Recipe.preset("rowwise")
-"""What ``initialize`` uses without a recipe: E4M3 everywhere, power-of-two scales, one
+DEFAULT = Recipe.preset("rowwise").replace(output_head="high")
+"""What ``initialize`` uses at O1 without a recipe: E4M3 everywhere, power-of-two scales, one
 per row along each GEMM's contraction dimension, the output head in high precision."""
-HYBRID_ROWWISE = Recipe(granularity="rowwise")
+HYBRID_ROWWISE = Recipe(granularity="rowwise", output_head="high")
 """Rowwise scales with HYBRID formats (E5M2 output gradients)."""
 FIRST_LAYERS = ("blocks.0.attn.qkv", "lm.model.layers.0.self_attn.[qkv]_proj")
 """The first FP8 GEMMs of the GPT and of the Llama."""
@@ -134,7 +134,7 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
     *(Variant(f"{level}-act8", level, Recipe(activations="fp8")) for level in ("O1", "O2", "O3")),
     # the defaults: which layers stay high precision, the scale granularity, the formats
     Variant("O1-head-fp8", "O1", Recipe(output_head="fp8")),
-    Variant("O1-head-high", "O1", Recipe()),
+    Variant("O1-head-high", "O1", Recipe(output_head="high")),
     Variant("O1-rowwise-head-fp8", "O1", DEFAULT.replace(output_head="fp8")),
     Variant("O1-rowwise-hybrid", "O1", HYBRID_ROWWISE),
     *(Variant(f"default-{level}", level, DEFAULT) for level in ("O1", "O2", "O3")),

@@ -17,6 +17,7 @@ from amp8.levels import resolve_level
 from amp8.nn import Fp8Linear
 from amp8.nn.swap import output_heads
 
+RECIPE_O1 = amp8.Recipe.preset("rowwise").replace(output_head="high")
 needs_transformers = pytest.mark.skipif(not transformers_available(), reason="needs transformers")
 
 
@@ -55,7 +56,7 @@ def test_no_recipe_at_o1_means_rowwise_with_the_head_in_high_precision(level: st
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
     assert type(model.head) is nn.Linear, "the untied head must stay in high precision"
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert layers and all(m.recipe == amp8.Recipe.preset("rowwise") for m in layers)
+    assert layers and all(m.recipe == RECIPE_O1 for m in layers)
     assert all(m.gemm_granularity is amp8.Granularity.ROWWISE for m in layers)
     notes = {row["name"]: row["note"] for row in amp8.report(model, optimizer).rows}
     assert notes["head.weight"].startswith("output head (maps the width to the vocabulary of embedding 'tok_emb')")
@@ -67,10 +68,10 @@ def test_no_recipe_at_fp8_first_moment_levels_means_tensorwise_with_the_head_in_
     model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert isinstance(model.head, Fp8Linear)
-    assert all(m.recipe == amp8.Recipe(output_head="fp8") for m in layers)
+    assert all(m.recipe == amp8.Recipe() for m in layers)
 
 
-@pytest.mark.parametrize("recipe", [amp8.Recipe(output_head="fp8"), amp8.Recipe.preset("rowwise").replace(output_head="fp8")])
+@pytest.mark.parametrize("recipe", [amp8.Recipe(), amp8.Recipe.preset("rowwise"), RECIPE_O1.replace(output_head="fp8")])
 def test_output_head_fp8_runs_the_head_in_fp8(recipe: amp8.Recipe) -> None:
     model = _untied_gpt()
     model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=recipe)
@@ -79,10 +80,11 @@ def test_output_head_fp8_runs_the_head_in_fp8(recipe: amp8.Recipe) -> None:
 
 def test_an_explicit_recipe_is_used_as_given() -> None:
     model = _untied_gpt()
-    model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=amp8.Recipe())
+    recipe = amp8.Recipe(output_head="high")
+    model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=recipe)
     granularities = {m.gemm_granularity for m in model.modules() if isinstance(m, Fp8Linear)}
     assert granularities == {amp8.Granularity.TENSORWISE}
-    assert type(model.head) is nn.Linear, "Recipe()'s output_head is 'high' too"
+    assert type(model.head) is nn.Linear
 
 
 def test_tied_head_is_kept_for_its_shared_weight_not_as_a_head() -> None:
@@ -133,12 +135,12 @@ def test_transformers_llama_head_stays_high() -> None:
 
 
 @pytest.mark.parametrize(("level", "distributed", "expected"), [
-    ("O1", False, amp8.Recipe.preset("rowwise")),
-    ("O1", True, amp8.Recipe.preset("rowwise")),
-    ("O1-compute", False, amp8.Recipe.preset("rowwise")),
-    ("O2", False, amp8.Recipe(output_head="fp8")),  # FP8 first moment: one scale per tensor
-    ("O3", False, amp8.Recipe(output_head="fp8")),
-    ("O3", True, amp8.Recipe(output_head="fp8")),
+    ("O1", False, RECIPE_O1),
+    ("O1", True, RECIPE_O1),
+    ("O1-compute", False, RECIPE_O1),
+    ("O2", False, amp8.Recipe()),  # FP8 first moment: one scale per tensor
+    ("O3", False, amp8.Recipe()),
+    ("O3", True, amp8.Recipe()),
 ])
 def test_default_recipe_per_level(level: str, distributed: bool, expected: amp8.Recipe) -> None:
     assert default_recipe(resolve_level(level), distributed) == expected
@@ -148,7 +150,8 @@ def test_default_is_rowwise_e4m3_with_the_head_high() -> None:
     recipe = default_recipe(resolve_level("O1"))
     assert (recipe.granularity, recipe.fp8_format, recipe.power_of_2_scales, recipe.output_head) == (
         amp8.Granularity.ROWWISE, amp8.Fp8Format.E4M3, True, amp8.recipe.OutputHead.HIGH)
-    assert recipe.replace(granularity="tensorwise", fp8_format="HYBRID", power_of_2_scales=False) == amp8.Recipe()
+    assert recipe.replace(granularity="tensorwise", fp8_format="HYBRID", power_of_2_scales=False,
+                          output_head="fp8") == amp8.Recipe()
 
 
 def test_output_head_takes_high_or_fp8_only() -> None:
