@@ -23,6 +23,15 @@ from .corpus import VOCAB_SIZE
 _FP8_ALIGNMENT = 16
 
 
+def check_sizes(config: object, names: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` unless each of ``config``'s fields ``names`` is an int >= 1;
+    the message names the class, the field and its value."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(config).__name__}.{name}={value!r} is not valid; use an int >= 1")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of the GPT.
@@ -45,10 +54,7 @@ class GPTConfig:
     tie_head: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r} is not valid; use an int >= 1")
+        check_sizes(self, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"))
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .corpus import VOCAB_SIZE
+from .gpt import check_sizes
 
 _FP8_ALIGNMENT = 16
 
@@ -51,10 +52,7 @@ class LlamaSpec:
     tie_head: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate", "block_size", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LlamaSpec.{name}={value!r} is not valid; use an int >= 1")
+        check_sizes(self, ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate", "block_size", "vocab_size"))
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(
                 f"LlamaSpec n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
