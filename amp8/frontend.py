@@ -250,18 +250,13 @@ def _initialize(
 
 
 def default_recipe(level: OptLevel, distributed: bool = False) -> Recipe:
-    """The recipe ``initialize`` uses when it is given none, chosen per level by the
-    defaults study (``bench/numerics_ablation.py --configs realistic``):
-
-    - a level with an FP32 first moment (O1, O1-compute): ``Recipe.preset("rowwise")``
-      (E4M3, power-of-two scales, one per row) with the output head in high precision;
-    - a level with an FP8 first moment (O2, O3): ``Recipe()``, one scale per tensor with
-      the head in FP8. Adam's FP8 first moment takes one scale per row under rowwise
-      scales and for a head outside FP8 layers, and those runs end further from O0 than
-      one scale per tensor does. O3 in a process group (``distributed``) shards its
-      optimizer, which amp8 does for one scale per tensor only, too.
+    """The recipe ``initialize`` uses when it is given none, chosen by the defaults study
+    (``bench/numerics_ablation.py --configs realistic``): ``Recipe.preset("rowwise")``
+    (E4M3, power-of-two scales, one per row) with the output head in high precision, at
+    every level; ``Recipe()`` (one scale per tensor) for O3 in a process group
+    (``distributed``), whose sharded optimizer amp8 builds for one scale per tensor only.
     """
-    if level.exp_avg is Precision.FP8 or (distributed and level.shard_optimizer):
+    if distributed and level.shard_optimizer:
         return Recipe()
     return Recipe.preset("rowwise").replace(output_head=OutputHead.HIGH)
 

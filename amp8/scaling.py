@@ -87,8 +87,8 @@ def _saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
 def quantize_stochastic(
     x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, noise_key: torch.Tensor | int
 ) -> torch.Tensor:
-    """``x * scale`` rounded to ``dtype`` (FP16 or BF16) up or down at random, with the
-    probability that makes the expected result exact.
+    """``x * scale`` rounded to ``dtype`` (FP16, BF16 or FP8) up or down at random, with
+    the probability that makes the expected result exact.
 
     Rounding to nearest drops every update smaller than half a unit in the last place;
     stochastic rounding keeps it on average, so a long run of tiny updates lands where a
@@ -121,18 +121,28 @@ def quantize_stochastic(
     return rounded.sub_(offset).to(dtype)
 
 
+def quantize_rounded(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, noise_key: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """``quantize`` (to nearest) without a ``noise_key``, ``quantize_stochastic`` under one."""
+    if noise_key is None:
+        return quantize(x, scale, dtype)
+    return quantize_stochastic(x, scale, dtype, noise_key)
+
+
 def quantize_blockwise(
-    x: torch.Tensor, dtype: torch.dtype, block_size: int
+    x: torch.Tensor, dtype: torch.dtype, block_size: int, noise_key: torch.Tensor | int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the flattened ``x`` in blocks of ``block_size`` elements, each with its own
-    scale from its own amax. Returns ``(data shaped like x, scales of shape (blocks,))``;
-    ``block_size=0`` means one block (a tensorwise scale, shape ())."""
+    scale from its own amax, rounding stochastically under ``noise_key`` when one is
+    given. Returns ``(data shaped like x, scales of shape (blocks,))``; ``block_size=0``
+    means one block (a tensorwise scale, shape ())."""
     if block_size == 0:
         scale = scale_from_amax(amax(x), dtype)
-        return quantize(x, scale, dtype), scale
+        return quantize_rounded(x, scale, dtype, noise_key), scale
     blocks = _as_blocks(x.float(), block_size)
     scales = scale_from_amax(blocks.abs().amax(dim=1), dtype)
-    data = quantize(blocks, scales[:, None], dtype)
+    data = quantize_rounded(blocks, scales[:, None], dtype, noise_key)
     return data.flatten()[: x.numel()].view(x.shape), scales
 
 
@@ -208,13 +218,15 @@ def quantize_tiles(
     *,
     margin: int = 0,
     power_of_2: bool = False,
+    noise_key: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the 2-D ``x`` with one scale per ``tile`` (rows, columns), each from its
-    own amax; ``tile=None`` means one scale for the tensor. Returns ``(data, scales)``
-    with scales of shape ``(ceil(R / rows), ceil(C / columns))`` (or ``()``)."""
+    own amax, rounding stochastically under ``noise_key`` when one is given; ``tile=None``
+    means one scale for the tensor. Returns ``(data, scales)`` with scales of shape
+    ``(ceil(R / rows), ceil(C / columns))`` (or ``()``)."""
     scale = scale_from_amax(tile_amax(x, tile), dtype, margin=margin, power_of_2=power_of_2)
     block_size = 0 if tile is None else max(tile)
-    return quantize(x, expand_scale(scale, tuple(x.shape), block_size), dtype), scale
+    return quantize_rounded(x, expand_scale(scale, tuple(x.shape), block_size), dtype, noise_key), scale
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:

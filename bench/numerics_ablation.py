@@ -102,7 +102,7 @@ check; "stdlib-lr0.001-warmup-wd" is ``amp8 compare``'s old setting."""
 REALISTIC_CONFIGS = tuple(name for name in CONFIGS if name.split("-")[0] in ("gpt", "llama"))
 
 DEFAULT = Recipe.preset("rowwise").replace(output_head="high")
-"""What ``initialize`` uses at O1 without a recipe: E4M3 everywhere, power-of-two scales, one
+"""What ``initialize`` uses without a recipe (but for sharded O3): E4M3 everywhere, power-of-two scales, one
 per row along each GEMM's contraction dimension, the output head in high precision."""
 HYBRID_ROWWISE = Recipe(granularity="rowwise", output_head="high")
 """Rowwise scales with HYBRID formats (E5M2 output gradients)."""
@@ -138,10 +138,10 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
     Variant("O1-rowwise-head-fp8", "O1", DEFAULT.replace(output_head="fp8")),
     Variant("O1-rowwise-hybrid", "O1", HYBRID_ROWWISE),
     Variant("default-O1", "O1", DEFAULT),
-    *(Variant(f"rowwise-head-high-{level}", level, DEFAULT) for level in ("O2", "O3")),
-    *(Variant(f"default-{level}", level, Recipe()) for level in ("O2", "O3")),
-    Variant("rowwise-head-high-O2-fp32-m", override("O2", exp_avg="fp32"), DEFAULT),
-    Variant("rowwise-head-high-O2-fp32-v", override("O2", exp_avg_sq="fp32"), DEFAULT),
+    *(Variant(f"default-{level}", level, DEFAULT) for level in ("O2", "O3")),
+    *(Variant(f"tensorwise-{level}", level, Recipe()) for level in ("O2", "O3")),
+    Variant("default-O2-fp32-m", override("O2", exp_avg="fp32"), DEFAULT),
+    Variant("default-O2-fp32-v", override("O2", exp_avg_sq="fp32"), DEFAULT),
     # one source at a time, against the default
     Variant("default-compute-only", FP8_COMPUTE_ONLY, DEFAULT),
     Variant("default-fprop-high", "O1", DEFAULT.replace(override_linear_precision=(True, False, False))),
@@ -161,7 +161,8 @@ GROUPS: Mapping[str, tuple[str, ...]] = {
     "activations": ("O1-act8", "O2-act8", "O3-act8"),
     "sources": ("grads-e4m3", "wgrad-high", "fprop-high", "storage-high", "wgrad-e4m3-rowwise", "dgrad-high"),
     "defaults": (NULL, "default-O1", "default-O2", "default-O3", "torchao-rowwise"),
-    "rowwise-o2-o3": ("rowwise-head-high-O2", "rowwise-head-high-O3"),
+    "tensorwise": ("tensorwise-O2", "tensorwise-O3"),
+    "first-moment": ("default-O2", "default-O2-fp32-m", "default-O2-fp32-v"),
     "head-and-scales": ("O1-head-fp8", "O1-head-high", "O1-rowwise-head-fp8", "O1-rowwise-hybrid",
                         "torchao-tensorwise"),
     "default-sources": ("default-compute-only", "default-wgrad-high", "default-fprop-high",

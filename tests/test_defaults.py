@@ -1,5 +1,6 @@
 """What ``amp8.initialize`` does with no recipe: one scale per row, the output head in
-high precision (found by structure), tensorwise where the optimizer is sharded."""
+high precision (found by structure), at every level; tensorwise where the optimizer is
+sharded."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from amp8.levels import resolve_level
 from amp8.nn import Fp8Linear
 from amp8.nn.swap import output_heads
 
-RECIPE_O1 = amp8.Recipe.preset("rowwise").replace(output_head="high")
+RECIPE_DEFAULT = amp8.Recipe.preset("rowwise").replace(output_head="high")
 needs_transformers = pytest.mark.skipif(not transformers_available(), reason="needs transformers")
 
 
@@ -50,28 +51,19 @@ def _untied_gpt() -> nn.Module:
     return dataclasses.replace(PRESETS["tiny"], tie_head=False).build(torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("level", ["O1", amp8.levels.FP8_COMPUTE_ONLY])
-def test_no_recipe_at_o1_means_rowwise_with_the_head_in_high_precision(level: str) -> None:
+@pytest.mark.parametrize("level", ["O1", amp8.levels.FP8_COMPUTE_ONLY, "O2", "O3"])
+def test_no_recipe_means_rowwise_with_the_head_in_high_precision(level: str) -> None:
     model = _untied_gpt()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
     assert type(model.head) is nn.Linear, "the untied head must stay in high precision"
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert layers and all(m.recipe == RECIPE_O1 for m in layers)
+    assert layers and all(m.recipe == RECIPE_DEFAULT for m in layers)
     assert all(m.gemm_granularity is amp8.Granularity.ROWWISE for m in layers)
     notes = {row["name"]: row["note"] for row in amp8.report(model, optimizer).rows}
     assert notes["head.weight"].startswith("output head (maps the width to the vocabulary of embedding 'tok_emb')")
 
 
-@pytest.mark.parametrize("level", ["O2", "O3"])
-def test_no_recipe_at_fp8_first_moment_levels_means_tensorwise_with_the_head_in_fp8(level: str) -> None:
-    model = _untied_gpt()
-    model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert isinstance(model.head, Fp8Linear)
-    assert all(m.recipe == amp8.Recipe() for m in layers)
-
-
-@pytest.mark.parametrize("recipe", [amp8.Recipe(), amp8.Recipe.preset("rowwise"), RECIPE_O1.replace(output_head="fp8")])
+@pytest.mark.parametrize("recipe", [amp8.Recipe(), amp8.Recipe.preset("rowwise"), RECIPE_DEFAULT.replace(output_head="fp8")])
 def test_output_head_fp8_runs_the_head_in_fp8(recipe: amp8.Recipe) -> None:
     model = _untied_gpt()
     model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=recipe)
@@ -135,12 +127,13 @@ def test_transformers_llama_head_stays_high() -> None:
 
 
 @pytest.mark.parametrize(("level", "distributed", "expected"), [
-    ("O1", False, RECIPE_O1),
-    ("O1", True, RECIPE_O1),
-    ("O1-compute", False, RECIPE_O1),
-    ("O2", False, amp8.Recipe()),  # FP8 first moment: one scale per tensor
-    ("O3", False, amp8.Recipe()),
-    ("O3", True, amp8.Recipe()),
+    ("O1", False, RECIPE_DEFAULT),
+    ("O1", True, RECIPE_DEFAULT),
+    ("O1-compute", False, RECIPE_DEFAULT),
+    ("O2", False, RECIPE_DEFAULT),
+    ("O2", True, RECIPE_DEFAULT),
+    ("O3", False, RECIPE_DEFAULT),
+    ("O3", True, amp8.Recipe()),  # a sharded optimizer: one scale per tensor
 ])
 def test_default_recipe_per_level(level: str, distributed: bool, expected: amp8.Recipe) -> None:
     assert default_recipe(resolve_level(level), distributed) == expected

@@ -33,3 +33,25 @@ def test_compiled_noise_equals_eager() -> None:
     compiled = torch.compile(lambda k: noise.uniform((3, 300), k, torch.device("cpu")), backend="aot_eager")
     eager = noise.uniform((3, 300), key, torch.device("cpu"))
     assert torch.equal(compiled(key), eager)
+
+
+@pytest.mark.parametrize("key", [0, 0xFFFFFFFF, noise.rounding_key(3, 5)])
+@pytest.mark.parametrize("stream", [1, 2])
+def test_stream_keys_are_the_same_for_ints_tensors_and_compiled(key: int, stream: int) -> None:
+    """A noise stream's key is one hash of the draw's key: the same word from a Python int,
+    an int64 tensor and inside torch.compile, in range, and another than the draw's own."""
+    from_int = noise.stream_key(key, stream)
+    from_tensor = noise.stream_key(torch.tensor(key, dtype=torch.int64), stream)
+    compiled = torch.compile(lambda k: noise.stream_key(k, stream), backend="aot_eager")
+    assert 0 <= from_int < 2**32 and from_int != key
+    assert int(from_tensor) == from_int == int(compiled(torch.tensor(key, dtype=torch.int64)))
+
+
+def test_streams_of_one_key_are_uncorrelated() -> None:
+    """Two tensors rounded in one update take streams 0 and 1 of its key: their noise is
+    uncorrelated (under one key, element i of both would get the same bits)."""
+    key = noise.rounding_key(5, 9)
+    first = noise.uniform((100_000,), key, torch.device("cpu"))
+    second = noise.uniform((100_000,), noise.stream_key(key, 1), torch.device("cpu"))
+    correlation = torch.corrcoef(torch.stack([first, second]))[0, 1]
+    assert abs(float(correlation)) < 0.02  # about 6 standard errors of independent noise

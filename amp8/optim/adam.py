@@ -303,7 +303,7 @@ class LowBitAdam(torch.optim.Optimizer):
                 for param in group["params"]:
                     if self._runs_fused(param) and fused_update(
                         self._fused_steps, param, self.weights.get(param), self.state[param], group,
-                        self.stored.next_noise_key,
+                        lambda: self.stored.update_noise_key(param),
                     ):
                         continue
                     grad = self.gradient(param)
@@ -348,9 +348,10 @@ class LowBitAdam(torch.optim.Optimizer):
         step_size = lr / (1 - beta1**step)
         denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
         weight.addcdiv_(exp_avg, denom, value=-step_size)
+        noise_key = self.stored.update_noise_key(param)
         for key, value in zip(MOMENTS, (exp_avg, exp_avg_sq)):
-            self.stored.store_moment(param, param_state, key, value)
-        self.stored.write_weight(param, param_state, weight)
+            self.stored.store_moment(param, param_state, key, value, noise_key)
+        self.stored.write_weight(param, param_state, weight, noise_key)
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -26,8 +26,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import scaling
+from .. import noise, scaling
 from ..stored_weight import encode_fp16
+from .state import FIRST_MOMENT_STREAM
 
 
 class Decay(str, Enum):
@@ -51,12 +52,14 @@ class Storage:
     """How one tensor is stored: ``dtype`` None is float32 without scales; otherwise
     data of ``dtype`` with float32 scales: per tensor (``block_size`` 0), per flat block
     of ``block_size`` elements, per row of a matrix (``rows``), or per ``tile`` x ``tile``
-    block of a matrix (``tile`` > 0)."""
+    block of a matrix (``tile`` > 0); rounded stochastically (``stochastic``, under the
+    step's first-moment noise stream) or to nearest."""
 
     dtype: torch.dtype | None = None
     block_size: int = 0
     rows: bool = False
     tile: int = 0
+    stochastic: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,16 +142,20 @@ def _load(data: torch.Tensor, scale: torch.Tensor | None, storage: Storage) -> t
     return scaling.dequantize_blockwise(data, scale, storage.block_size)
 
 
-def _store(value: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(data, scales)`` storing float32 ``value`` (as ``amp8.optim.state.store``)."""
+def _store(
+    value: torch.Tensor, storage: Storage, noise_key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(data, scales)`` storing float32 ``value`` (as ``amp8.optim.state.store``, with
+    the step's ``noise_key`` where ``storage`` rounds stochastically)."""
     if storage.dtype is None:
         return value, None
+    key = noise.stream_key(noise_key, FIRST_MOMENT_STREAM) if storage.stochastic else None
     if storage.rows:
         scale = scaling.scale_from_amax(value.abs().amax(dim=1, keepdim=True), storage.dtype)
-        return scaling.quantize(value, scale, storage.dtype), scale
+        return scaling.quantize_rounded(value, scale, storage.dtype, key), scale
     if storage.tile:
-        return scaling.quantize_tiles(value, storage.dtype, (storage.tile, storage.tile))
-    return scaling.quantize_blockwise(value, storage.dtype, storage.block_size)
+        return scaling.quantize_tiles(value, storage.dtype, (storage.tile, storage.tile), noise_key=key)
+    return scaling.quantize_blockwise(value, storage.dtype, storage.block_size, key)
 
 
 def _encode_fp8_weight(
@@ -177,7 +184,8 @@ def adam_tensor_step(
     """One Adam / AdamW update of one tensor; see the module docstring.
 
     ``noise_key`` (an int64 0-d tensor in ``[0, 2**32)``) drives the stochastic rounding
-    of FP16 weights and masters, as in ``scaling.quantize_stochastic``.
+    of FP16 weights and masters, as in ``scaling.quantize_stochastic``, and under its
+    stream ``FIRST_MOMENT_STREAM`` that of an FP8 first moment.
     """
     grad = _load(tensors.grad, tensors.grad_scale, spec.grad)
     if spec.maximize:
@@ -197,8 +205,8 @@ def adam_tensor_step(
     exp_avg_sq = exp_avg_sq * scalars.beta2 + scalars.one_minus_beta2 * grad * grad
     denom = torch.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
     weight = weight + scalars.neg_step_size * exp_avg / denom
-    exp_avg_data, exp_avg_scale = _store(exp_avg, spec.exp_avg)
-    exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, spec.exp_avg_sq)
+    exp_avg_data, exp_avg_scale = _store(exp_avg, spec.exp_avg, noise_key)
+    exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, spec.exp_avg_sq, noise_key)
     fp8_weight = fp8_weight_scale = None
     if spec.weight is WeightKind.PLAIN:
         weight_data, weight_scale = weight, None

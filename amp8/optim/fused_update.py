@@ -4,6 +4,7 @@ describes their storage as the fused step's ``UpdateSpec``, and writes the resul
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -25,7 +26,8 @@ def fused_update(
     next_noise_key: Callable[[], torch.Tensor],
 ) -> bool:
     """Run ``param``'s update through the fused step: the same operations as the
-    reference step. False, with nothing changed, where a tensor's storage is one the
+    reference step, with the noise key ``next_noise_key()`` gives (called once, after
+    the storage check). False, with nothing changed, where a tensor's storage is one the
     fused step does not cover (the caller then takes the reference step)."""
     if handle is not None:
         scaled_grad = handle.grad()
@@ -70,7 +72,7 @@ def fused_update(
         group["lr"], beta1, beta2, group["eps"], weight_decay, group["decoupled_weight_decay"],
         float(param_state["step"]),
     )
-    noise_key = next_noise_key() if kind is not fused.WeightKind.PLAIN else torch.zeros((), dtype=torch.int64)
+    noise_key = next_noise_key()
     tensors = fused.Tensors(
         grad, grad_scale, moments[0][0], moments[0][1], moments[1][0], moments[1][1],
         weight, weight_scale, handle.scale if handle is not None and fp8_previous else None,
@@ -98,7 +100,10 @@ def _stored_tensor(
     """``(data, scales, storage)`` of ``param_state[key]`` as the fused step reads it."""
     data = param_state[key]
     scale = param_state.get(key + state_storage.SCALE_SUFFIX)
-    return data, scale, _scale_storage(data, scale, param_state.get(key + state_storage.BLOCK_SUFFIX, 0))
+    storage = _scale_storage(data, scale, param_state.get(key + state_storage.BLOCK_SUFFIX, 0))
+    if storage is not None and state_storage.rounds_stochastically(key, state_storage.stored_precision(param_state, key)):
+        storage = dataclasses.replace(storage, stochastic=True)
+    return data, scale, storage
 
 
 def _scale_storage(data: torch.Tensor, scale: torch.Tensor | None, block_size: int) -> fused.Storage | None:

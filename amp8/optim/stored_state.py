@@ -75,14 +75,30 @@ class StoredState:
         handle = self.weights.get(param)
         return self.level.master_weight is not None and handle is not None and not handle.fixed_storage
 
-    def store_master(self, param_state: dict[str, Any], value: torch.Tensor) -> None:
-        """Store a master weight as FP16 weights are stored (``encode_fp16``)."""
+    def store_master(
+        self, param_state: dict[str, Any], value: torch.Tensor, noise_key: torch.Tensor | None = None
+    ) -> None:
+        """Store a master weight as FP16 weights are stored (``encode_fp16``), rounded
+        under ``noise_key``, else a new draw."""
         param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX] = encode_fp16(
-            value, self.next_noise_key(), previous=param_state.get(MASTER + state_storage.SCALE_SUFFIX)
+            value, self.next_noise_key() if noise_key is None else noise_key,
+            previous=param_state.get(MASTER + state_storage.SCALE_SUFFIX),
         )
 
-    def store_moment(self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor) -> None:
-        """Store a moment at its level's precision. An FP8 first moment takes the tiles
+    def update_noise_key(self, param: nn.Parameter) -> torch.Tensor:
+        """The noise key of one update of ``param``: the next draw where the update rounds
+        anything stochastically (an FP16 or FP8 layer's weight or master weight, an FP8
+        first moment), else a zero key that draws nothing. The reference and fused steps
+        both take their key here, so they draw the same noise."""
+        rounds = param in self.weights or state_storage.rounds_stochastically(MOMENTS[0], self.level.exp_avg)
+        return self.next_noise_key() if rounds else torch.zeros((), dtype=torch.int64)
+
+    def store_moment(
+        self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor,
+        noise_key: torch.Tensor | None = None,
+    ) -> None:
+        """Store a moment at its level's precision (an FP8 first moment rounded
+        stochastically under ``noise_key``, the update's, when one is given). An FP8 first moment takes the tiles
         of its FP8 layer's weight scales (rowwise or block recipes), or one scale per row
         for any other matrix (an embedding: a rare token's row would round to zero under
         a scale set by the frequent ones); other low-bit moments take ``state_block_size``.
@@ -93,7 +109,9 @@ class StoredState:
         else:
             tile = (1, param.shape[1]) if param.dim() == 2 and param.numel() else None
             scale_dtype = torch.float32
-        state_storage.store(param_state, key, value, getattr(self.level, key), self.state_block_size, tile, scale_dtype)
+        state_storage.store(
+            param_state, key, value, getattr(self.level, key), self.state_block_size, tile, scale_dtype, noise_key
+        )
 
     def weight(self, param: nn.Parameter, param_state: dict[str, Any]) -> torch.Tensor:
         """The real float32 values the update starts from: the master weight (this rank's
@@ -103,18 +121,21 @@ class StoredState:
         handle = self.weights.get(param)
         return handle.read() if handle is not None else param.detach().float()
 
-    def write_weight(self, param: nn.Parameter, param_state: dict[str, Any], value: torch.Tensor) -> None:
+    def write_weight(
+        self, param: nn.Parameter, param_state: dict[str, Any], value: torch.Tensor,
+        noise_key: torch.Tensor | None = None,
+    ) -> None:
         """Store float32 ``value`` as ``param``'s new weight: its master weight and FP8
         storage (O3; a sharded weight's FP8 rows are stored after the step, from the amax
         of all ranks), its FP16 storage with stochastic rounding (O1, O2), or the
-        parameter itself."""
+        parameter itself. The rounding takes ``noise_key`` (the update's), else a new draw."""
         handle = self.weights.get(param)
         if MASTER in param_state:
-            self.store_master(param_state, value)
+            self.store_master(param_state, value, noise_key)
             if not self._is_sharded(param):
                 handle.write(value)  # type: ignore[union-attr]
         elif handle is not None:
-            handle.write(value, noise_key=self.next_noise_key())
+            handle.write(value, noise_key=self.next_noise_key() if noise_key is None else noise_key)
         else:
             param.copy_(value)
 
