@@ -130,8 +130,9 @@ O2 = OptLevel(
     name="O2",
     brief="O1 plus FP8 first moment and FP16 second moment in Adam.",
     description=(
-        "Everything O1 does, and Adam keeps its first moment in FP8 and its second in "
-        "FP16, each with a scale: about 6 bytes per parameter instead of 16."
+        "Everything O1 does, and Adam keeps its first moment in FP8 (rounded "
+        "stochastically) and its second in FP16, each with a scale: about 6 bytes per "
+        "parameter instead of 16."
     ),
     gemm=_FP8, grad_comm=_FP8, weight=_FP16, master_weight=None,
     weight_grad=_FP8, exp_avg=_FP8, exp_avg_sq=_FP16,

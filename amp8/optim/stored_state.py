@@ -97,12 +97,13 @@ class StoredState:
         self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor,
         noise_key: torch.Tensor | None = None,
     ) -> None:
-        """Store a moment at its level's precision (an FP8 first moment rounded
-        stochastically under ``noise_key``, the update's, when one is given). An FP8 first moment takes the tiles
-        of its FP8 layer's weight scales (rowwise or block recipes), or one scale per row
-        for any other matrix (an embedding: a rare token's row would round to zero under
-        a scale set by the frequent ones); other low-bit moments take ``state_block_size``.
-        Its scales are stored as ``StoredWeight.state_scale_dtype`` gives them."""
+        """Store a moment at its level's precision. An FP8 first moment is rounded
+        stochastically under ``noise_key`` (the update's) when one is given, and takes
+        the tiles of its FP8 layer's weight scales (rowwise or block recipes), or one scale
+        per row for any other matrix (an embedding: a rare token's row would round to zero
+        under a scale set by the frequent ones); other low-bit moments take
+        ``state_block_size``. Its scales are stored as ``StoredWeight.state_scale_dtype``
+        gives them."""
         handle = self.weights.get(param)
         if handle is not None:
             tile, scale_dtype = handle.state_tile(), handle.state_scale_dtype()
