@@ -71,6 +71,7 @@ def _stored(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_fullgraph_capture_is_bitwise_eager(case: str) -> None:
     level, recipe = CASES[case]
@@ -91,6 +92,7 @@ def test_fullgraph_capture_is_bitwise_eager(case: str) -> None:
     assert counter.frame_count == cached_graphs, f"{counter.frame_count} graphs compiled"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["O1-tensorwise", "O2-rowwise"])
 def test_inductor_matches_eager(case: str) -> None:
     level, recipe = CASES[case]
@@ -117,6 +119,7 @@ def _compiled_data_parallel(rank: int, world: int, compile_model: bool, level: s
     return multiprocess.full_state(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("level", "preset"), [("O2", "tensorwise"), ("O3", "tensorwise"), ("O2", "nvfp4")])
 def test_compiled_data_parallel_matches_eager(tmp_path, level: str, preset: str) -> None:
     """Inside a compiled backward the weight-gradient hooks cannot run, so no bucket
@@ -132,6 +135,7 @@ def test_compiled_data_parallel_matches_eager(tmp_path, level: str, preset: str)
             assert_bitwise_equal(compiled[rank][key], value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_inductor_fuses_the_amax_and_the_cast_into_one_kernel(scaling: str) -> None:
     """The cast to FP8 with its amax, scale and saturation is one generated kernel: no
@@ -164,6 +168,7 @@ class _Tied(nn.Module):
         return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O3"])
 def test_compiled_backward_gives_the_weight_its_gradient(level: str) -> None:
     """A compiled backward hands the FP8 weight gradient to the Parameter through
