@@ -30,7 +30,7 @@ def _block_format(x: torch.Tensor, scale: torch.Tensor) -> tuple[int, torch.dtyp
     per 32) or NVFP4 (packed FP4, E4M3 scales per 16); None for anything else."""
     if is_fp4(x.dtype):
         return 16, torch.float8_e4m3fn
-    if x.dtype in FP8_DTYPES and E8M0 is not None:
+    if x.dtype in FP8_DTYPES:
         return 32, E8M0
     return None
 

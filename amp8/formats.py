@@ -15,10 +15,10 @@ import torch
 E4M3: torch.dtype = torch.float8_e4m3fn
 E5M2: torch.dtype = torch.float8_e5m2
 FP8_DTYPES: tuple[torch.dtype, ...] = (E4M3, E5M2)
-E8M0: torch.dtype | None = getattr(torch, "float8_e8m0fnu", None)
-"""The MX block-scale dtype (an 8-bit power of two), None where torch lacks it."""
-FP4: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)
-"""Two E2M1 values packed in a byte, None where torch lacks it."""
+E8M0: torch.dtype = torch.float8_e8m0fnu
+"""The MX block-scale dtype (an 8-bit power of two)."""
+FP4: torch.dtype = torch.float4_e2m1fn_x2
+"""Two E2M1 values packed in a byte."""
 FP4_MAX = 6.0
 """The largest E2M1 value (torch has no ``finfo`` for a packed dtype)."""
 
@@ -59,15 +59,6 @@ def short_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def support_reason() -> str | None:
-    """Why this torch cannot hold microscaled tensors (a missing dtype), or None."""
-    missing = [name for name, dtype in (("float8_e8m0fnu", E8M0), ("float4_e2m1fn_x2", FP4)) if dtype is None]
-    if not missing:
-        return None
-    return (f"torch {torch.__version__} lacks {' and '.join('torch.' + name for name in missing)}; "
-            "microscaled recipes need torch 2.8 or newer")
-
-
 def is_fp4(dtype: torch.dtype | None) -> bool:
     """Whether ``dtype`` is the packed FP4 dtype."""
-    return FP4 is not None and dtype == FP4
+    return dtype == FP4

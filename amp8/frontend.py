@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._compat import fsdp_module_types
 from .controller import Controller
 from .comm.agreement import check_ranks_agree
 from .comm.data_parallel import DataParallelGroup, broadcast_module, process_group_size
@@ -27,11 +28,7 @@ from .selection import LayerSelection, resolve_selection
 def _wrapped(model: nn.Module) -> str | None:
     """The name of the first module (``""``: the model) that DDP, DataParallel or FSDP
     already wraps, else None."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed support
-        FSDPModule = ()  # noqa: N806
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FSDPModule)
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, *fsdp_module_types())
     return next((name for name, module in model.named_modules() if isinstance(module, wrappers)), None)
 
 

@@ -8,7 +8,9 @@ checks the CUDA operand contract on every device, so a layout bug fails in CPU t
 - tensorwise scales: one ``torch._scaled_mm`` call with scalar scales;
 - rowwise scales ((M, 1) and (1, N)): one ``torch._scaled_mm`` call with rowwise scales,
   whose output is bfloat16 or float16 (CUDA's rowwise kernels write no float32 except
-  through cuBLAS >= 12.9 on sm_90, so amp8 never asks for it; the CPU would accept it);
+  through cuBLAS >= 12.9 on sm_90, so amp8 never asks for it; the CPU would accept it).
+  On a CPU whose torch lacks rowwise scales (``amp8._compat``) ``emulated_scaled_mm``
+  computes the same bits;
 - block scales: ``fp8_mm_blockwise``, a sum over K-blocks of unit-scale ``_scaled_mm``
   products, each multiplied by its block scales and accumulated in float32;
 - microscaled operands (``BlockScaledTensor``: MXFP8, NVFP4): ``amp8.block_scaled_gemm``.
@@ -20,7 +22,7 @@ from enum import Enum
 
 import torch
 
-from . import scaling
+from . import _compat, scaling
 from .scale_layout import GEMM_ALIGNMENT, is_column_major, is_row_major
 from .block_scaled_gemm import microscaled_gemm
 from .formats import E5M2, FP8_DTYPES
@@ -115,6 +117,9 @@ def fp8_mm(
     check_operands(a, b, scale_a, scale_b, out_dtype)
     if a.numel() == 0 or b.numel() == 0:  # an empty batch: no kernel takes every empty shape
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1  # M = 1 gives a (1, 1) rowwise scale_a
+    if rowwise and not _compat.native_rowwise_scaled_mm(a.device):
+        return emulated_scaled_mm(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype)
     return torch._scaled_mm(
         a,
         b,
@@ -123,6 +128,33 @@ def fp8_mm(
         out_dtype=out_dtype,
         use_fast_accum=role is GemmRole.FPROP,
     )
+
+
+@torch.library.custom_op("amp8::emulated_scaled_mm", mutates_args=())
+def emulated_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)`` as
+    the CPU computes it, for a torch whose CPU kernel lacks rowwise scales.
+
+    Each operand is dequantized to float32 with its (decode) scales, ``b`` laid out
+    row-major first as the kernel does, then one float32 matmul and one rounding to
+    ``out_dtype``: bit for bit the CPU kernel's result on torch releases that have it,
+    tensorwise or rowwise, with or without fast accumulation (which the CPU ignores).
+    It is an operator of its own (``torch.ops.amp8.emulated_scaled_mm``), opaque to
+    ``torch.compile`` as ``torch._scaled_mm`` is: Inductor would otherwise choose the
+    dequantized ``b``'s layout itself, and a column-major one sums the matmul in another
+    order.
+    """
+    return ((a.float() * scale_a) @ (b.contiguous().float() * scale_b)).to(out_dtype)
+
+
+@emulated_scaled_mm.register_fake
+def _emulated_scaled_mm_result(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The empty (M, N) result ``torch.compile`` traces ``emulated_scaled_mm`` with."""
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def fp8_mm_blockwise(

@@ -114,7 +114,7 @@ class BlockScaledTensor:
     @property
     def dtype(self) -> torch.dtype:
         """The element dtype (FP8, or the packed FP4 dtype)."""
-        return self.data.dtype if self.packed_dim is None else FP4  # type: ignore[return-value]
+        return self.data.dtype if self.packed_dim is None else FP4
 
     @property
     def block_size(self) -> int:
@@ -178,7 +178,7 @@ def quantize_mx(
     ``2**margin``); an all-zero or non-finite tile gets scale 1."""
     storage = scaling.scale_from_amax(scaling.tile_amax(x, tile), dtype, margin=margin, power_of_2=True)
     data = scaling.quantize(x, scaling.expand_scale(storage, tuple(x.shape), max(tile)), dtype)
-    scales = storage.reciprocal().to(E8M0)  # type: ignore[arg-type]  # powers of two: exact
+    scales = storage.reciprocal().to(E8M0)  # powers of two: exact
     return BlockScaledTensor(data, scales, torch.ones((), device=x.device), tile)
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from .formats import E4M3, E5M2, E8M0, Fp8Format, gradient_dtype, max_margin
-from .formats import support_reason as microscaling_support_reason
 
 MAX_HISTORY_LEN = 1024
 """The longest amax history: the largest in common use (Transformer Engine's default);
@@ -324,9 +323,6 @@ class Recipe:
                     "use Recipe.preset('nvfp4') or set microscaling='mxfp8' or 'nvfp4'"
                 )
             return
-        reason = microscaling_support_reason()
-        if reason is not None:
-            raise ValueError(f"Recipe(microscaling={micro.value!r}) is not available: {reason}")
         block = MICRO_BLOCK_SIZES[micro]
         wrong = []
         if self.granularity is not Granularity.BLOCK or self.block_size != block:
@@ -413,7 +409,7 @@ class Recipe:
         """The dtype of the scales of FP8 weights and Adam's FP8 first moment, as stored:
         one-byte E8M0 under MXFP8 (its scales are powers of two), else float32. Weight
         gradients keep float32 scales, which clipping rescales by any factor, exactly."""
-        return E8M0 if self.microscaling is Microscaling.MXFP8 else torch.float32  # type: ignore[return-value]
+        return E8M0 if self.microscaling is Microscaling.MXFP8 else torch.float32
 
     def weight_grad_tile(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """The (rows, columns) tile sharing one scale in a stored weight gradient of

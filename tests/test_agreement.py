@@ -95,6 +95,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[st
     return multiprocess.run(_every_case, tmp_path_factory.mktemp("agreement"), timeout_s=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("case", list(CASES))
 def test_mismatch_fails_quickly_on_every_rank(
@@ -107,6 +108,7 @@ def test_mismatch_fails_quickly_on_every_rank(
     assert result["seconds"] < SECONDS_PER_CASE, f"the {case} mismatch took {result['seconds']:.1f} s"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(FAILURES))
 def test_a_rank_that_fails_its_checks_stops_every_rank(
     outcomes: list[dict[str, dict[str, object]]], case: str

@@ -41,6 +41,7 @@ def _assert_timed_or_recorded(name: str, variant: dict[str, Any]) -> None:
 
 
 # -- bench/linear.py ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_linear_quick_writes_every_variant(tmp_path: Path) -> None:
     path = linear.main(["--quick", "--device", "cpu", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
     record = _assert_record(path, "linear")

@@ -59,6 +59,7 @@ def _reduce(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_fp8_all_reduce_against_fp32_on_two_processes(tmp_path) -> None:
     results = multiprocess.run(_reduce, tmp_path)
     for rank_result in results:

@@ -19,6 +19,7 @@ from torch import nn
 
 import amp8
 import multiprocess
+from amp8 import _compat
 from amp8.nn import Fp8Linear
 from amp8.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
@@ -71,6 +72,7 @@ def _stored(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_fullgraph_capture_is_bitwise_eager(case: str) -> None:
     level, recipe = CASES[case]
@@ -91,13 +93,24 @@ def test_fullgraph_capture_is_bitwise_eager(case: str) -> None:
     assert counter.frame_count == cached_graphs, f"{counter.frame_count} graphs compiled"
 
 
-@pytest.mark.parametrize("case", ["O1-tensorwise", "O2-rowwise"])
-def test_inductor_matches_eager(case: str) -> None:
+Runs = list[dict[str, torch.Tensor]]
+
+
+def _eager_and_inductor(case: str) -> tuple[nn.Module, nn.Module, Runs, Runs]:
+    """Two models of ``case`` from the same start, one trained eagerly and one compiled by
+    Inductor: (eager model, compiled model, what each micro-batch gave eagerly, compiled)."""
     level, recipe = CASES[case]
     eager_model, eager_optimizer = _model(level, recipe)
     model, optimizer = _model(level, recipe)
     compiled = torch.compile(model, fullgraph=True)
     expected, actual = _train(eager_model, eager_optimizer, eager_model), _train(model, optimizer, compiled)
+    return eager_model, model, expected, actual
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["O1-tensorwise", "O2-rowwise"])
+def test_inductor_matches_eager(case: str) -> None:
+    eager_model, model, expected, actual = _eager_and_inductor(case)
     for want, got in zip(expected, actual):
         for key in want:
             assert_sqnr_at_least(want[key], got[key], 40.0)
@@ -107,7 +120,23 @@ def test_inductor_matches_eager(case: str) -> None:
             assert_sqnr_at_least(value.float(), stored[key].float(), 40.0)
 
 
-def _compiled_data_parallel(rank: int, world: int, compile_model: bool, level: str, preset: str) -> dict[str, torch.Tensor]:
+def test_inductor_runs_the_emulated_rowwise_gemm_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU's ``torch._scaled_mm`` lacks rowwise scales, ``amp8.gemm`` emulates
+    it with an operator of its own, which Inductor runs as it is: compiled and eager
+    training agree bit for bit (Inductor would otherwise lay the dequantized operand out
+    column-major and sum the matmul in another order)."""
+    monkeypatch.setattr(_compat, "native_rowwise_scaled_mm", lambda device: False)
+    _, _, expected, actual = _eager_and_inductor("O2-rowwise")
+    for want, got in zip(expected, actual):
+        for key in want:
+            assert_bitwise_equal(got[key], want[key])
+
+
+def _compiled_data_parallel(
+    rank: int, world: int, compile_model: bool, level: str, preset: str, trace_sharded: bool = False
+) -> dict[str, torch.Tensor]:
+    if trace_sharded:  # this process claims the feature, so a sharded layer is traced whatever the torch
+        _compat.COMPILED_SHARDED_LAYERS = _compat.TorchFeature(_compat.COMPILED_SHARDED_LAYERS.name, (0, 0))
     model, optimizer = _model(level, amp8.Recipe.preset(preset))
     # FSDP2's hooks (O3) are not traced (torch._dynamo.disable): graphs break around
     # each layer there. O1/O2 compile whole.
@@ -117,6 +146,7 @@ def _compiled_data_parallel(rank: int, world: int, compile_model: bool, level: s
     return multiprocess.full_state(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("level", "preset"), [("O2", "tensorwise"), ("O3", "tensorwise"), ("O2", "nvfp4")])
 def test_compiled_data_parallel_matches_eager(tmp_path, level: str, preset: str) -> None:
     """Inside a compiled backward the weight-gradient hooks cannot run, so no bucket
@@ -132,6 +162,20 @@ def test_compiled_data_parallel_matches_eager(tmp_path, level: str, preset: str)
             assert_bitwise_equal(compiled[rank][key], value)
 
 
+def test_sharded_layers_trace_where_the_table_says(tmp_path) -> None:
+    """``amp8._compat.COMPILED_SHARDED_LAYERS`` against this torch: a compiled O3 model
+    in data parallel whose sharded FP8 layers are traced (the fallback off) trains where
+    the table has the feature and fails in Dynamo where it does not."""
+    feature = _compat.COMPILED_SHARDED_LAYERS
+    if feature.available():
+        states = multiprocess.run(_compiled_data_parallel, tmp_path, True, "O3", "tensorwise", True)
+        assert_bitwise_equal(states[1]["0.weight"], states[0]["0.weight"])
+    else:
+        with pytest.raises(Exception, match="overwrite_tensor_vt_proxy"):
+            multiprocess.run(_compiled_data_parallel, tmp_path, True, "O3", "tensorwise", True)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_inductor_fuses_the_amax_and_the_cast_into_one_kernel(scaling: str) -> None:
     """The cast to FP8 with its amax, scale and saturation is one generated kernel: no
@@ -164,6 +208,7 @@ class _Tied(nn.Module):
         return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O3"])
 def test_compiled_backward_gives_the_weight_its_gradient(level: str) -> None:
     """A compiled backward hands the FP8 weight gradient to the Parameter through

@@ -214,6 +214,7 @@ def test_a_model_checkpoint_keeps_the_gemm_precision_and_loads_old_ones() -> Non
     assert older[0].gemm_granularity is amp8.Granularity.TENSORWISE
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_watched_and_moved() -> None:
     model, optimizer, controller = _build(LADDER, "O1")
     compiled = torch.compile(model)
@@ -245,6 +246,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     return {"moves": controller.moves, "resumed_moves": resumed_controller.moves, "bit_exact": same}
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_every_move_and_resume_exactly(tmp_path) -> None:
     results = multiprocess.run(_two_ranks, tmp_path)
     assert results[0]["moves"], "rank 0's outlier moved layers"

@@ -47,7 +47,7 @@ from amp8.experiments.corpus import CorpusConfig
 from amp8.experiments.gpt import PRESETS
 from amp8.experiments.paired import BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs
 
-pytestmark = pytest.mark.convergence
+pytestmark = [pytest.mark.convergence, pytest.mark.slow]
 
 UNTIED = "stdlib-untied-warmup-cosine-wd"
 UNTIED_PROSE = "docs-untied-warmup-cosine-wd"

@@ -11,6 +11,8 @@ from conftest import assert_bitwise_equal
 from torch.distributed.fsdp import fully_shard
 from amp8.scaling import sqnr
 
+pytestmark = pytest.mark.slow  # every test here runs on two processes (or reads what they gave)
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)

@@ -159,6 +159,23 @@ def test_plain_checkpoint_loads_with_a_warning_and_export_gives_a_plain_table() 
     assert_bitwise_equal(exported.embedding(ids), model.embedding(ids).detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traced_lookup_keeps_its_gradient(dtype: torch.dtype) -> None:
+    """Traced by Dynamo (its ``eager`` backend runs the captured graph as it is), the
+    lookup hands on the same FP8 table gradient as eager code, whether its rows need a
+    cast to the model's dtype or not (torch 2.11's Dynamo lost the gradient of a Function
+    whose output is a cast to the dtype it already has)."""
+    model, _ = amp8.initialize(_Lookup().to(dtype), None, "O2", layer_selection="all")
+    compiled = copy.deepcopy(model)
+    compiled.embedding.compile(backend="eager")
+    ids = _zipf_ids(96, (4, 16))
+    for candidate in (model, compiled):
+        candidate(ids).float().pow(2).mean().backward()
+    expected, got = model.embedding.weight_grad.dequantize(), compiled.embedding.weight_grad.dequantize()
+    assert expected.abs().sum() > 0
+    assert_bitwise_equal(got, expected)
+
+
 def test_copies_and_compiled_forward_agree() -> None:
     model, _ = amp8.initialize(_Lookup(), None, "O2", layer_selection="all", recipe=amp8.Recipe())
     ids = _zipf_ids(96, (4, 16))

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import amp8
-from amp8 import Granularity, Recipe, RecipeName, scaling
+from amp8 import Granularity, Recipe, RecipeName, _compat, scaling
 from amp8.formats import E4M3, E5M2
 from amp8.gemm import GemmRole, check_operands, fp8_gemm, fp8_mm, fp8_mm_blockwise
 from amp8.nn import Fp8Linear, TensorRole
@@ -84,8 +84,11 @@ def _operand(x: torch.Tensor, tile, block: int, dtype=E4M3) -> ScaledTensor:
     return ScaledTensor(data, scales, block)
 
 
+@pytest.mark.skipif(
+    not _compat.CPU_ROWWISE_SCALED_MM.available(), reason=str(_compat.CPU_ROWWISE_SCALED_MM.missing_reason())
+)
 def test_cpu_rowwise_scaled_mm_accepts_float32_and_equals_dequantize_then_matmul() -> None:
-    # What torch 2.13 accepts on the CPU (amp8 asks CUDA only for bfloat16/float16).
+    # What torch 2.12+ accepts on the CPU (amp8 asks CUDA only for bfloat16/float16).
     a = _operand(torch.randn(32, 64), (1, 64), 0)
     b = _operand(torch.randn(48, 64), (1, 64), 0).t()
     out = torch._scaled_mm(

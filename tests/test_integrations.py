@@ -229,6 +229,7 @@ def _accelerate_rank(rank: int, world: int, level: str, max_norm: float) -> dict
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O2"])
 def test_accelerate_two_processes_agree(level: str, tmp_path: Path) -> None:
     max_norm = 0.5  # averaged gradients are smaller than one rank's: clip lower so it acts

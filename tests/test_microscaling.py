@@ -172,15 +172,3 @@ def test_transpose_and_repack_keep_the_values() -> None:
     assert_bitwise_equal(repacked.dequantize(), real)
     mx = microscaling.quantize_mx(x, E4M3, (1, 32))
     assert_bitwise_equal(mx.t().dequantize(), mx.dequantize().t())
-
-
-def test_this_torch_has_the_dtypes() -> None:
-    assert formats.support_reason() is None
-
-
-def test_a_torch_without_the_dtypes_is_refused_with_the_reason(monkeypatch) -> None:
-    from amp8 import Recipe
-
-    monkeypatch.setattr(formats, "E8M0", None)
-    with pytest.raises(ValueError, match=r"lacks torch\.float8_e8m0fnu; microscaled recipes need torch 2\.8"):
-        Recipe.preset("mxfp8")

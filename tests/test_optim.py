@@ -212,6 +212,7 @@ def _real_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.T
     return torch.cat([read(p).flatten() for p in model.parameters()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("level", "update_sqnr_floor"), [("O1", 22.0), ("O2", 20.0), ("O3", 20.0)])
 def test_trajectory_stays_close_to_fp32_adamw(level: str, update_sqnr_floor: float) -> None:
     """200 AdamW steps on a regression: the final loss within 1 % of the FP32 run, and the

@@ -120,6 +120,7 @@ def test_fused_step_matches_the_reference_step(level: str) -> None:
     assert len(optimizers[1]._fused_steps.specs) == 1, "both shapes should share one graph"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("level", "granularity", "options"),
     [

@@ -82,6 +82,7 @@ def _amp8_all_reduce(rank: int, world: int, grads: torch.Tensor) -> torch.Tensor
     return fp8_all_reduce_mean([grads[rank].clone()])[0]
 
 
+@pytest.mark.slow
 def test_simulated_all_reduce_is_bit_identical_to_amp8s_on_two_processes(tmp_path: Path) -> None:
     grads = _gradients("student-t3", 2, 1001)
     results = multiprocess.run(_amp8_all_reduce, tmp_path, grads, world=2)

@@ -205,6 +205,7 @@ def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_ddp_after_initialize_trains_with_identical_ranks(ddp_results: dict, level: str) -> None:
     first, second = ddp_results[level, "ddp"]
@@ -217,6 +218,7 @@ def test_ddp_after_initialize_trains_with_identical_ranks(ddp_results: dict, lev
     assert abs(final - managed) <= 0.005 * abs(managed), f"{final} vs amp8's own data parallel {managed}"
 
 
+@pytest.mark.slow
 def test_ddp_after_initialize_under_nvfp4(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The comm hook reduces NVFP4's weight gradients (E4M3 at 16 x 16 tiles, from
     rotated and stochastically rounded FP4 operands) like any others."""
@@ -233,6 +235,7 @@ def test_ddp_after_initialize_under_nvfp4(tmp_path_factory: pytest.TempPathFacto
     assert abs(final - managed) <= 0.01 * abs(managed), f"{final} vs amp8's own data parallel {managed}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_ddp_after_initialize_sends_every_gradient_in_fp8(ddp_results: dict, level: str) -> None:
     """Each gradient element crosses the wire in one byte: the all-to-all sends this
@@ -260,6 +263,7 @@ def _hook_on_plain_ddp(rank: int, world: int) -> dict:
             "bytes": dict(state.stats.bytes_by_kind)}
 
 
+@pytest.mark.slow
 def test_fp8_compress_hook_on_any_ddp_model(tmp_path) -> None:
     results = run(_hook_on_plain_ddp, tmp_path)
     assert_bitwise_equal(results[0]["grad"], results[1]["grad"])
@@ -299,6 +303,7 @@ def _ddp_options_and_no_sync(rank: int, world: int) -> dict:
     return {"state": state, "inside_no_sync": inside_no_sync, "unused_grad": model.unused.weight.grad}
 
 
+@pytest.mark.slow
 def test_ddp_no_sync_and_find_unused_parameters_keep_their_meaning(tmp_path) -> None:
     first, second = run(_ddp_options_and_no_sync, tmp_path)
     assert first["inside_no_sync"] == [0, 0, 0], "nothing may cross the wire inside no_sync()"
@@ -337,6 +342,7 @@ def _ddp_skipped_branch(rank: int, world: int) -> dict:
     return {"state": state, "block_grads": block_grads}
 
 
+@pytest.mark.slow
 def test_ddp_find_unused_parameters_covers_fp8_weights_a_rank_skips(tmp_path) -> None:
     """A rank that skips an FP8 block reduces a zero gradient for it, as DDP does for its
     own parameters: no rank waits for the other, and both step alike."""

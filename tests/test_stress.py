@@ -185,6 +185,7 @@ def test_bench_writes_losses_gaps_and_underflow(tmp_path: Path) -> None:
     assert "| O1-tensorwise |" in path.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stressed", [True, False])
 def test_the_controller_moves_the_stressed_layer_and_nothing_else(tmp_path: Path, stressed: bool) -> None:
     """Under the stress, the controller walks the last MLP's down-projection up the
@@ -209,6 +210,7 @@ def test_the_controller_moves_the_stressed_layer_and_nothing_else(tmp_path: Path
     assert saved["config"]["controller_levels"] == ["O1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stressed", [True, False])
 @pytest.mark.parametrize(("preset", "cap", "moved"), [("mxfp8", 0.1, "wgrad"), ("nvfp4", 0.2, "fprop+wgrad")])
 def test_the_controller_moves_a_microscaled_layer_to_high_precision(

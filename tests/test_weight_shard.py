@@ -112,6 +112,7 @@ def _gather(rank: int, world: int, rows: int, columns: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [6, 5])  # 5 rows: rank 1 holds 2 of 3, padded for the wire
 def test_pre_and_post_all_gather_give_back_the_whole_weight(tmp_path, rows: int) -> None:
     columns, world = 16, 2

@@ -66,7 +66,10 @@ class _EmbeddingFunction(torch.autograd.Function):
         ctx.config = config
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.grad_class = WeightGradInFlight if isinstance(weight, WeightGradInFlight) else WeightGrad
-        return (rows.float() / table.scale).to(config.out_dtype)
+        real = rows.float() / table.scale
+        # A cast to the dtype a tensor has returns that tensor, and torch 2.11's Dynamo
+        # loses the gradient of a Function whose output is such a cast: cast only if needed.
+        return real if real.dtype == config.out_dtype else real.to(config.out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _compat
 from ..checks import check_loaded_history, check_loaded_scales
 from ..health import Gemm, GemmOperand, new_health
 from ..hadamard import random_hadamard
@@ -249,6 +250,11 @@ class Fp8Linear(StoredWeightModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + b`` for ``x`` of shape (..., in_features)."""
+        if self.stored_weight.sharded and not _compat.COMPILED_SHARDED_LAYERS.available():
+            return self._forward_outside_graphs(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}"
@@ -278,6 +284,9 @@ class Fp8Linear(StoredWeightModule):
             return _Fp8LinearFunction.apply(
                 x, self._grad_target(), self.bias, w8, w8_dgrad, w_stored, self.quantizers, config
             )
+
+    # A torch without COMPILED_SHARDED_LAYERS cannot trace a sharded layer: run it eagerly.
+    _forward_outside_graphs = torch.compiler.disable(_forward)
 
     def extra_repr(self) -> str:
         """Shape, weight storage and recipe, for ``print(model)``."""

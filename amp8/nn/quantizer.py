@@ -67,7 +67,7 @@ class CastRule:
         fmt = recipe.fp8_format
         dtype = gradient_dtype(fmt) if role is TensorRole.GRAD_OUTPUT else forward_dtype(fmt)
         return cls(
-            dtype=FP4 if recipe.microscaling is Microscaling.NVFP4 else dtype,  # type: ignore[arg-type]
+            dtype=FP4 if recipe.microscaling is Microscaling.NVFP4 else dtype,
             scaling=recipe.scaling,
             margin=recipe.margin,
             power_of_2=recipe.power_of_2_scales,

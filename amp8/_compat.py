@@ -1,0 +1,107 @@
+"""Which features this torch has: the one place in amp8 that reads torch's version or
+probes torch for a feature.
+
+amp8 supports torch ``OLDEST_TORCH`` through ``NEWEST_TORCH`` (the range ``pyproject.toml``
+declares and the tests run on). A feature amp8 uses that some of those releases lack is a
+``TorchFeature`` below, with the first release that has it; the rest of amp8 asks this
+module (``native_rowwise_scaled_mm``, ``COMPILED_SHARDED_LAYERS.available()``,
+``fsdp_module_types``) and never compares versions or probes torch itself.
+
+In every supported release, so not listed: the FP8 dtypes ``float8_e4m3fn`` and
+``float8_e5m2``, the microscaling dtypes ``float8_e8m0fnu`` and ``float4_e2m1fn_x2``,
+tensorwise ``torch._scaled_mm`` on the CPU, tensorwise, rowwise and block-scaled
+``torch._scaled_mm`` on CUDA, and FSDP2's public API (``torch.distributed.fsdp``'s
+``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy`` and the
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` extension of tensor subclasses).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+OLDEST_TORCH: tuple[int, int] = (2, 11)
+"""The oldest torch release amp8 supports and tests."""
+NEWEST_TORCH: tuple[int, int] = (2, 15)
+"""The newest torch release amp8 supports and tests."""
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """``"2.11.0+cu130"`` -> ``(2, 11)``: a torch version string's major and minor release.
+
+    Raises:
+        ValueError: ``version`` does not start with ``MAJOR.MINOR``.
+    """
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"cannot read a torch release from the version {version!r}; expected 'MAJOR.MINOR...'")
+    return int(match.group(1)), int(match.group(2))
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor) release."""
+    return parse_version(str(torch.__version__))
+
+
+def version_name(version: tuple[int, int]) -> str:
+    """``(2, 13)`` -> ``"2.13"``."""
+    return f"{version[0]}.{version[1]}"
+
+
+@dataclass(frozen=True)
+class TorchFeature:
+    """A torch feature amp8 uses that arrived within the supported range.
+
+    Attributes:
+        name: what the feature is, as error messages and docs name it.
+        since: the first torch release that has it.
+    """
+
+    name: str
+    since: tuple[int, int]
+
+    def available(self, version: tuple[int, int] | None = None) -> bool:
+        """Whether torch ``version`` (default: the installed one) has this feature."""
+        return (torch_version() if version is None else version) >= self.since
+
+    def missing_reason(self, version: tuple[int, int] | None = None) -> str | None:
+        """Why torch ``version`` (default: the installed one) lacks this feature, naming
+        the release that brings it; None where it has it."""
+        version = torch_version() if version is None else version
+        if self.available(version):
+            return None
+        return f"torch {version_name(version)} lacks {self.name}; torch {version_name(self.since)} or newer has it"
+
+
+CPU_ROWWISE_SCALED_MM = TorchFeature("row-wise scales in torch._scaled_mm on the CPU", (2, 12))
+"""``torch._scaled_mm`` with (M, 1) and (1, N) scales on the CPU (CUDA has them in every
+supported release). Without it ``amp8.gemm`` emulates the call exactly: dequantize each
+operand to float32 with its scales, one float32 matmul, one rounding to the output dtype,
+which is what the CPU kernel computes."""
+
+COMPILED_SHARDED_LAYERS = TorchFeature("torch.compile of FP8 layers that FSDP2 shards (O3 in data parallel)", (2, 12))
+"""Dynamo tracing an FP8 layer's autograd.Function inside a module that ``fully_shard``
+wraps. torch 2.11's Dynamo fails an internal assert there (in
+``overwrite_tensor_vt_proxy``); without the feature a sharded ``Fp8Linear`` runs its
+forward outside the compiled graphs (``torch.compiler.disable``), and the rest of the
+model compiles."""
+
+FEATURES: tuple[TorchFeature, ...] = (CPU_ROWWISE_SCALED_MM, COMPILED_SHARDED_LAYERS)
+"""Every feature in this module."""
+
+
+def fsdp_module_types() -> tuple[type, ...]:
+    """``(FSDPModule,)``, the class FSDP2's ``fully_shard`` gives the modules it wraps; empty
+    in a torch built without distributed support, where nothing can be wrapped."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.fsdp import FSDPModule
+
+    return (FSDPModule,)
+
+
+def native_rowwise_scaled_mm(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes rowwise scales on ``device`` with this torch."""
+    return device.type != "cpu" or CPU_ROWWISE_SCALED_MM.available()
