@@ -71,7 +71,10 @@ def test_hf_trainer_example_trains() -> None:
     example = _load("hf_trainer")
     losses, model, optimizer = example.train(example.Config(steps=3, batch_size=2))
     assert len(losses) == 3 and losses[-1] < losses[0], losses
-    assert amp8.report(model, optimizer).fp8_share > 0.8
+    projections = {name: module for name, module in model.named_modules() if name.endswith("_proj")}
+    assert len(projections) == 14 and all(isinstance(m, amp8.nn.Fp8Linear) for m in projections.values())
+    assert type(model.lm_head) is torch.nn.Linear, "the default recipe keeps the output head in high precision"
+    assert amp8.report(model, optimizer).fp8_share > 0.65  # the head and the tables are 29 % of this small model
     assert optimizer.skipped_steps == 0
 
 
