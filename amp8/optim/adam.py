@@ -2,9 +2,10 @@
 
 The update of every parameter is computed in float32 from dequantized state and stored
 back at the precisions of the opt level: Adam's first moment in FP8 (E4M3, rounded
-stochastically) and second in FP16 at O2 and O3, each with one scale per block; weights of FP8 layers in FP16 with
-stochastic rounding (O1, O2), or FP8 weights beside FP16 master weights (O3). A step with
-any non-finite gradient changes nothing and is counted in ``skipped_steps``.
+stochastically) and second in FP16 at O2 and O3, each with one scale per block; weights
+of FP8 layers in FP16 with stochastic rounding (O1, O2), or FP8 weights beside FP16
+master weights (O3). A step with any non-finite gradient changes nothing and is counted
+in ``skipped_steps``.
 
 The optimizer does Adam and nothing else: it reaches FP8 layers' weights only through
 their ``amp8.StoredWeight`` handles, and in data parallel it calls a

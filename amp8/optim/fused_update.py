@@ -101,7 +101,8 @@ def _stored_tensor(
     data = param_state[key]
     scale = param_state.get(key + state_storage.SCALE_SUFFIX)
     storage = _scale_storage(data, scale, param_state.get(key + state_storage.BLOCK_SUFFIX, 0))
-    if storage is not None and state_storage.rounds_stochastically(key, state_storage.stored_precision(param_state, key)):
+    precision = state_storage.stored_precision(param_state, key)
+    if storage is not None and state_storage.rounds_stochastically(key, precision):
         storage = dataclasses.replace(storage, stochastic=True)
     return data, scale, storage
 
