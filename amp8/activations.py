@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .formats import E4M3
+from .hooks import remove_forward_hooks
 from .memory import SavedBytes, StorageKey, is_parameter_copy, persistent_storages, storage_key
 from .scaling import expand_scale, quantize_tiles
 
@@ -247,10 +248,7 @@ def detach_activation_storage(module: nn.Module) -> None:
     storage = attached_storage(module)
     if storage is None:
         return
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
-        for key in [key for key, hook in hooks.items() if getattr(hook, "__self__", None) is storage]:
-            del hooks[key]
-            module._forward_hooks_always_called.pop(key, None)
+    remove_forward_hooks(module, lambda owner: owner is storage)
     delattr(module, _ATTRIBUTE)
 
 

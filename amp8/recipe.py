@@ -93,7 +93,7 @@ class OutputHead(str, Enum):
     """How ``amp8.initialize`` treats the model's output head: the ``nn.Linear`` that maps
     hidden states to the vocabulary's logits, found by structure (``amp8.nn.swap.output_heads``).
 
-    HIGH: it stays in high precision (``initialize``'s default at O1: its logits feed the
+    HIGH: it stays in high precision (``initialize``'s default: its logits feed the
         loss directly, and measured runs lose most of their FP8 gap there).
     FP8: it runs in FP8 like any other eligible layer (the field's default).
     """
@@ -226,7 +226,7 @@ class Recipe:
             like any other layer; "high" keeps it in high precision.
 
     The field defaults are the tensorwise recipe. ``amp8.initialize`` without a recipe
-    uses one per level (``amp8.frontend.default_recipe``).
+    uses ``amp8.frontend.default_recipe``: the rowwise preset with the head high.
     """
 
     fp8_format: Fp8Format = Fp8Format.HYBRID
@@ -357,8 +357,8 @@ class Recipe:
             casts (one amax per tensor), at a larger loss gap.
         "rowwise": E4M3 everywhere, power-of-two scales, one scale per row along each
             GEMM's contraction dimension (as torchao's rowwise recipe); with
-            ``output_head="high"``, what ``amp8.initialize`` uses at O1 when it is given
-            no recipe.
+            ``output_head="high"``, what ``amp8.initialize`` uses when it is given no
+            recipe (but for O3 with a sharded optimizer).
         "deepseek": E4M3 everywhere, power-of-two scales, 1x128 tiles for activations and
             gradients and 128x128 blocks for weights (the DeepSeek-V3 recipe).
         "mxfp8": MXFP8: E4M3 everywhere, one E8M0 scale per 1 x 32 tile along each GEMM's
@@ -384,6 +384,12 @@ class Recipe:
                        weight_block_2d=True, wgrad_hadamard=True, stochastic_grad_rounding=True)
         granularity = Granularity.ROWWISE if recipe_name is RecipeName.ROWWISE else Granularity.BLOCK
         return cls(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=granularity)
+
+    @property
+    def scale_block_size(self) -> int:
+        """Elements per block edge of the weight's scales (``block_size`` under "block",
+        else 0)."""
+        return self.block_size if self.granularity is Granularity.BLOCK else 0
 
     def tile(
         self, shape: tuple[int, ...], contract_dim: int, *, weight: bool = False

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from . import scaling
 from .formats import E4M3
 from .levels import Precision
-from .recipe import Granularity, Recipe, Scaling
+from .recipe import Recipe, Scaling
 from .tensor import ScaledTensor, is_sharded, local_tensor
 from .weight_grad import GradLayout, WeightGrad
 
@@ -167,7 +167,7 @@ class StoredWeight:
     @property
     def block_size(self) -> int:
         """Elements per block edge of the weight's scales (0 unless the recipe is "block")."""
-        return self.recipe.block_size if self.recipe.granularity is Granularity.BLOCK else 0
+        return self.recipe.scale_block_size
 
     def tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim

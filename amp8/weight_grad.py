@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import scaling
-from .recipe import Granularity, Recipe
+from .recipe import Recipe
 from .tensor import ScaledTensor
 
 
@@ -57,7 +57,7 @@ class GradLayout:
         ``Recipe.weight_grad_dtype``, one scale per ``Recipe.weight_grad_tile``, the
         recipe's margin and power-of-two rounding."""
         tile = recipe.weight_grad_tile(shape)
-        block = recipe.block_size if recipe.granularity is Granularity.BLOCK else 0
+        block = recipe.scale_block_size
         block_size = block if tile is not None and block in tile else 0
         return cls(recipe.weight_grad_dtype, tile, block_size, recipe.margin, recipe.power_of_2_scales)
 

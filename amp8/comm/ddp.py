@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..hooks import remove_forward_hooks
 from ..stored_weight import stored_weight
 from .data_parallel import DataParallelGroup
 from .fp8_collectives import fp8_all_reduce_mean
@@ -133,12 +134,11 @@ def stop_watching(model: nn.Module, names: list[str]) -> None:
     """Remove amp8's DDP hooks from ``model``, and ``names`` (``amp8_names`` of the amp8
     model it copies: see ``amp8.export``) from what DDP ignores: a DDP built around it
     later treats it as any model."""
-    for hooks in (model._forward_pre_hooks, model._forward_hooks):
-        for key in [key for key, hook in hooks.items() if isinstance(getattr(hook, "__self__", None), DdpWatch)]:
-            del hooks[key]
+    remove_forward_hooks(model, lambda owner: isinstance(owner, DdpWatch))
     ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
     if ignored is not None:
-        kept = [name for name in ignored if name not in set(names)]
+        removed = set(names)
+        kept = [name for name in ignored if name not in removed]
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, kept)
 
 
