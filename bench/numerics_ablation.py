@@ -102,8 +102,9 @@ check; "stdlib-lr0.001-warmup-wd" is ``amp8 compare``'s old setting."""
 REALISTIC_CONFIGS = tuple(name for name in CONFIGS if name.split("-")[0] in ("gpt", "llama"))
 
 DEFAULT = Recipe.preset("rowwise").replace(output_head="high")
-"""What ``initialize`` uses without a recipe (but for sharded O3): E4M3 everywhere, power-of-two scales, one
-per row along each GEMM's contraction dimension, the output head in high precision."""
+"""What ``initialize`` uses without a recipe (but for sharded O3): E4M3 everywhere,
+power-of-two scales, one per row along each GEMM's contraction dimension, the output head
+in high precision."""
 HYBRID_ROWWISE = Recipe(granularity="rowwise", output_head="high")
 """Rowwise scales with HYBRID formats (E5M2 output gradients)."""
 FIRST_LAYERS = ("blocks.0.attn.qkv", "lm.model.layers.0.self_attn.[qkv]_proj")
@@ -137,8 +138,7 @@ VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
     Variant("O1-head-high", "O1", Recipe(output_head="high")),
     Variant("O1-rowwise-head-fp8", "O1", DEFAULT.replace(output_head="fp8")),
     Variant("O1-rowwise-hybrid", "O1", HYBRID_ROWWISE),
-    Variant("default-O1", "O1", DEFAULT),
-    *(Variant(f"default-{level}", level, DEFAULT) for level in ("O2", "O3")),
+    *(Variant(f"default-{level}", level, DEFAULT) for level in ("O1", "O2", "O3")),
     *(Variant(f"tensorwise-{level}", level, Recipe()) for level in ("O2", "O3")),
     Variant("default-O2-fp32-m", override("O2", exp_avg="fp32"), DEFAULT),
     Variant("default-O2-fp32-v", override("O2", exp_avg_sq="fp32"), DEFAULT),
