@@ -8,11 +8,14 @@ controller takes the largest of each signal over the data-parallel ranks (one
 all-reduce, so every rank decides alike), and a layer whose signals cross the thresholds
 at ``patience`` checks in a row goes one rung up:
 
-    tensorwise -> rowwise -> 128-block -> high precision for the offending GEMMs
+    tensorwise -> rowwise -> 128-block -> wgrad's outlier tokens in high precision
+    -> high precision for the offending GEMMs
 
-The last rung moves only the GEMMs whose operands crossed a threshold, as
-``Recipe.override_linear_precision`` would, within a cap on the share of FP8 GEMM FLOPs
-that may leave FP8. With ``step_down_after``, a layer healthy for that many checks in a
+The outlier rung (where wgrad's casts fail; ``ControllerConfig.split_wgrad_outliers``)
+multiplies the few tokens whose rows set wgrad's scales along tokens in float32 and
+the rest in FP8 (``Recipe.wgrad_outlier_split``). The last rung moves only the GEMMs
+whose operands crossed a threshold, as ``Recipe.override_linear_precision`` would. Both
+stay within a cap on the share of FP8 GEMM FLOPs that may leave FP8. With ``step_down_after``, a layer healthy for that many checks in a
 row goes one rung back down. A schedule adds GEMMs in high precision from a given step
 on (e.g. the last 10 % of training). Decisions live in each layer's ``gemm_precision``
 buffer (the model's ``state_dict``) and the controller's counters in the optimizer's
@@ -52,6 +55,7 @@ class _LayerWatch:
     cap_warned: bool = False
     peak_underflow: float = 0.0
     peak_saturated: float = 0.0
+    split: bool = False
 
 
 class Controller:
@@ -179,20 +183,27 @@ class Controller:
             watch.rung += 1
             self._note(name, reason)
             return
-        gemms = sorted({op.gemm for op, _ in violations if not watch.high[op.gemm]})
-        if not gemms:
+        failing = sorted({op.gemm for op, _ in violations if not watch.high[op.gemm]})
+        if not failing:
             return  # already in high precision where it fails
-        layer = self._layers[name]
-        share = self.high_precision_share() + len(gemms) * self._flops(layer) / self._fp8_flops()
+        high, split = list(watch.high), watch.split
+        if self.config.split_wgrad_outliers and Gemm.WGRAD in failing and not split:
+            split, wanted = True, "wgrad's outlier tokens"
+            reason = f"{reason}; wgrad's outlier tokens in high precision"
+        else:
+            for gemm in failing:
+                high[gemm] = True
+            wanted = "+".join(GEMM_NAMES[gemm] for gemm in failing)
+        share = self.high_precision_share() + (
+            self._moved_flops(name, high, split) - self._moved_flops(name, watch.high, watch.split)
+        ) / self._fp8_flops()
         if share > self.config.max_high_precision_share + 1e-12:
-            self._refuse(name, watch, gemms, share)
+            self._refuse(name, watch, wanted, share)
             return
-        for gemm in gemms:
-            watch.high[gemm] = True
+        watch.high, watch.split = high, split
         self._note(name, reason)
 
-    def _refuse(self, name: str, watch: _LayerWatch, gemms: list[Gemm], share: float) -> None:
-        wanted = "+".join(GEMM_NAMES[gemm] for gemm in gemms)
+    def _refuse(self, name: str, watch: _LayerWatch, wanted: str, share: float) -> None:
         reason = (f"refused: {wanted} in high precision would put {100 * share:.1f} % of FP8 GEMM FLOPs in "
                   f"high precision, above the cap of {100 * self.config.max_high_precision_share:g} %")
         current = self._layers[name].gemm_description
@@ -208,6 +219,8 @@ class Controller:
         base = GRANULARITY_LADDER.index(self._layers[name].recipe.granularity)
         if any(watch.high):
             watch.high = [False] * len(Gemm)
+        elif watch.split:
+            watch.split = False
         elif watch.rung > base:
             watch.rung -= 1
         else:
@@ -241,9 +254,12 @@ class Controller:
         base = layer.recipe.override_linear_precision
         high = tuple(b or c or s for b, c, s in zip(base, watch.high, self._scheduled_high(name)))
         granularity = GRANULARITY_LADDER[watch.rung]
-        if (granularity, high) == (layer.gemm_granularity, layer.high_precision_gemms):
+        split = layer.recipe.wgrad_outlier_split or watch.split
+        if (granularity, high, split) == (
+            layer.gemm_granularity, layer.high_precision_gemms, layer.gemm_recipe.wgrad_outlier_split
+        ):
             return False
-        layer.set_gemm_precision(granularity, high)
+        layer.set_gemm_precision(granularity, high, split)
         return True
 
     def _apply(self) -> None:
@@ -265,15 +281,23 @@ class Controller:
     def _fp8_flops(self) -> int:
         return max(1, len(Gemm) * sum(self._flops(layer) for layer in self._layers.values()))
 
+    def _moved_flops(self, name: str, high: list[bool] | tuple[bool, ...], split: bool) -> float:
+        """FLOPs per token of layer ``name`` in high precision with the GEMMs ``high``
+        there and, where ``split``, wgrad's outlier tokens."""
+        layer = self._layers[name]
+        outliers = layer.recipe.wgrad_outlier_share if split and not high[Gemm.WGRAD] else 0.0
+        return self._flops(layer) * (sum(high) + outliers)
+
     def high_precision_share(self) -> float:
         """The share of the FP8 layers' GEMM FLOPs (per token) that the controller has
         moved to high precision (the recipe's and the schedule's own are not counted)."""
-        moved = sum(self._flops(self._layers[name]) * sum(w.high) for name, w in self._watches.items())
+        moved = sum(self._moved_flops(name, w.high, w.split) for name, w in self._watches.items())
         return moved / self._fp8_flops()
 
     def fp8_share(self) -> float:
         """The share of the FP8 layers' GEMM FLOPs (per token) that run in FP8 now."""
-        high = sum(self._flops(layer) * sum(layer.high_precision_gemms) for layer in self._layers.values())
+        high = sum(self._moved_flops(name, layer.high_precision_gemms, layer.gemm_recipe.wgrad_outlier_split)
+                   for name, layer in self._layers.items())
         return 1.0 - high / self._fp8_flops()
 
     def peak_signals(self) -> dict[str, dict[str, float]]:

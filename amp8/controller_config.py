@@ -146,6 +146,9 @@ class ControllerConfig:
             a move beyond it is refused with a warning.
         step_down_after: healthy checks in a row after which a layer goes one rung back
             down (None: never).
+        split_wgrad_outliers: between the block rung and wgrad in high precision, a
+            layer whose wgrad casts fail first runs its outlier tokens' share of wgrad in
+            high precision (``Recipe.wgrad_outlier_split``); False skips that rung.
         adapt: move layers on their signals; False applies the schedule alone.
         schedule: ``PrecisionPhase`` entries, applied whatever the signals say.
         total_steps: the run's optimizer steps, for phases that start at a share of it.
@@ -156,6 +159,7 @@ class ControllerConfig:
     thresholds: HealthThresholds = HealthThresholds()
     max_high_precision_share: float = 0.1
     step_down_after: int | None = None
+    split_wgrad_outliers: bool = True
     adapt: bool = True
     schedule: tuple[PrecisionPhase, ...] = ()
     total_steps: int | None = None
@@ -169,8 +173,9 @@ class ControllerConfig:
         _check_fraction("ControllerConfig.max_high_precision_share", self.max_high_precision_share)
         if not isinstance(self.thresholds, HealthThresholds):
             raise TypeError(f"ControllerConfig.thresholds must be a HealthThresholds, got {type(self.thresholds).__name__}")
-        if not isinstance(self.adapt, bool):
-            raise ValueError(f"ControllerConfig.adapt={self.adapt!r} is not valid; use True or False")
+        for name in ("adapt", "split_wgrad_outliers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ControllerConfig.{name}={getattr(self, name)!r} is not valid; use True or False")
         for phase in self.schedule:
             if not isinstance(phase, PrecisionPhase):
                 raise TypeError(f"ControllerConfig.schedule holds a {type(phase).__name__}; use PrecisionPhase entries")

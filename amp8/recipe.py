@@ -218,6 +218,15 @@ class Recipe:
             (``amp8.hadamard``; the product is unchanged, outliers are spread).
         stochastic_grad_rounding: under NVFP4, output gradients round to FP4
             stochastically (unbiased), with noise keyed by the gradient's own bits.
+        wgrad_outlier_split: the weight-gradient GEMM takes its outlier tokens out: the
+            ``wgrad_outlier_share`` of tokens whose input or output-gradient row has the
+            largest amax (relative to the median row's) are multiplied in float32, the
+            rest in FP8, whose scales along tokens the outliers then no longer set.
+            Needs a granularity finer than tensorwise (the casts along tokens are made
+            for wgrad). ``amp8.Controller`` turns it on for a layer whose wgrad casts
+            fail after the block rung.
+        wgrad_outlier_share: the share of tokens, in (0, 0.5], that the split takes out
+            (at least one token a GEMM); the weight-gradient FLOPs it costs in float32.
         high_precision_layers: ``fnmatch`` patterns of layer names (as in
             ``model.named_modules()``) that ``amp8.initialize`` keeps in high precision,
             e.g. ``("blocks.11.*", "head")`` for the last block and the head.
@@ -245,6 +254,8 @@ class Recipe:
     weight_block_2d: bool = False
     wgrad_hadamard: bool = False
     stochastic_grad_rounding: bool = False
+    wgrad_outlier_split: bool = False
+    wgrad_outlier_share: float = 1 / 32
     high_precision_layers: tuple[str, ...] = ()
     output_head: OutputHead = OutputHead.FP8
 
@@ -298,6 +309,20 @@ class Recipe:
             )
         set_field(self, "microscaling", _as_enum(Microscaling, "microscaling", self.microscaling))
         self._check_microscaling()
+        self._check_outlier_split()
+
+    def _check_outlier_split(self) -> None:
+        """Validate ``wgrad_outlier_split`` and ``wgrad_outlier_share``."""
+        if not isinstance(self.wgrad_outlier_split, bool):
+            raise ValueError(f"Recipe.wgrad_outlier_split={self.wgrad_outlier_split!r} is not valid; use True or False")
+        share = self.wgrad_outlier_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 0.5:
+            raise ValueError(f"Recipe.wgrad_outlier_share={share!r} is not valid; use a share of tokens in (0, 0.5]")
+        if self.wgrad_outlier_split and self.granularity is Granularity.TENSORWISE:
+            raise ValueError(
+                "Recipe(wgrad_outlier_split=True) needs scales along tokens for wgrad, which one scale per "
+                "tensor does not cast; use granularity='rowwise' or 'block'"
+            )
 
     def _check_microscaling(self) -> None:
         """Validate the microscaling fields (see the class docstring)."""
@@ -437,16 +462,20 @@ class Recipe:
             raise TypeError(f"Recipe.replace got unknown fields {unknown}; the fields are {', '.join(fields)}")
         return dataclasses.replace(self, **changes)
 
-    def for_gemms(self, granularity: Granularity, high_precision: tuple[bool, bool, bool]) -> "Recipe":
-        """This recipe with the GEMMs at ``granularity`` and ``high_precision`` as
-        ``override_linear_precision``; current scaling where a finer granularity
-        cannot keep delayed scaling's one amax history per tensor."""
+    def for_gemms(
+        self, granularity: Granularity, high_precision: tuple[bool, bool, bool], outlier_split: bool = False
+    ) -> "Recipe":
+        """This recipe with the GEMMs at ``granularity``, ``high_precision`` as
+        ``override_linear_precision`` and ``outlier_split`` as ``wgrad_outlier_split``;
+        current scaling where a finer granularity cannot keep delayed scaling's one amax
+        history per tensor."""
         granularity = _as_enum(Granularity, "granularity", granularity)
         delayed = self.scaling is Scaling.DELAYED and granularity is not Granularity.TENSORWISE
         return self.replace(
             granularity=granularity,
             override_linear_precision=tuple(high_precision),
             scaling=Scaling.CURRENT if delayed else self.scaling,
+            wgrad_outlier_split=outlier_split,
         )
 
     @property

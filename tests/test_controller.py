@@ -4,6 +4,7 @@ agreement and exact resume."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import multiprocess
@@ -53,20 +54,40 @@ LADDER = ControllerConfig(interval=2, patience=1, max_high_precision_share=0.5)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3", "O1-compute"])
-def test_a_token_outlier_walks_the_ladder_to_high_precision_wgrad(level) -> None:
+def test_a_token_outlier_walks_the_ladder_to_wgrads_outlier_split(level) -> None:
     model, optimizer, controller = _build(LADDER, level)
-    _train(model, optimizer, 6)
+    _train(model, optimizer, 10)
     first = [move for move in controller.moves if move.layer == "0"]
     assert [(m.step, m.before, m.after) for m in first] == [
-        (2, "tensorwise", "rowwise"), (4, "rowwise", "block"), (6, "block", "block, wgrad high"),
-    ]
+        (2, "tensorwise", "rowwise"), (4, "rowwise", "block"), (6, "block", "block, wgrad outliers high"),
+    ], "the split heals wgrad's casts: the layer goes no higher"
     assert first[0].reason.startswith("fprop input") and "flushed to zero" in first[0].reason
     assert first[1].reason.startswith("wgrad input"), "per-row scales fix fprop, not wgrad"
+    assert first[2].reason.endswith("wgrad's outlier tokens in high precision")
     assert controller.peak_signals()["0"]["underflow"] > 0.9
     assert model[0].gemm_granularity is amp8.Granularity.BLOCK
-    assert model[0].high_precision_gemms == (False, False, True)
+    assert model[0].high_precision_gemms == (False, False, False) and model[0].splits_wgrad_outliers
+    assert model[0].gemm_precision.tolist() == [2, 0, 0, 2]
+    share = model[0].recipe.wgrad_outlier_share
+    flops = {name: layer.in_features * layer.out_features for name, layer in _fp8_layers(model).items()}
+    split = sum(flops[name] for name, rung in controller.rungs().items() if rung == "block, wgrad outliers high")
+    assert controller.fp8_share() == pytest.approx(1 - share * split / (3 * sum(flops.values())))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_without_the_split_rung_the_ladder_ends_in_high_precision_wgrad(level) -> None:
+    config = dataclasses.replace(LADDER, split_wgrad_outliers=False)
+    model, optimizer, controller = _build(config, level)
+    _train(model, optimizer, 6)
+    first = [move for move in controller.moves if move.layer == "0"]
+    assert [(m.step, m.after) for m in first] == [(2, "rowwise"), (4, "block"), (6, "block, wgrad high")]
+    assert model[0].high_precision_gemms == (False, False, True) and not model[0].splits_wgrad_outliers
     assert model[0].gemm_precision.tolist() == [2, 0, 0, 1]
     assert controller.fp8_share() < 1.0
+
+
+def _fp8_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, amp8.nn.Fp8Linear)}
 
 
 def test_the_cap_keeps_a_layer_in_fp8_with_one_warning() -> None:
@@ -78,6 +99,8 @@ def test_the_cap_keeps_a_layer_in_fp8_with_one_warning() -> None:
     assert len(cap_warnings) == len(controller.rungs()), "one warning per layer"
     refused = [m for m in controller.moves if m.reason.startswith("refused")]
     assert refused and all(m.before == m.after == "block" for m in refused)
+    assert all("wgrad's outlier tokens in high precision would put" in m.reason for m in refused), \
+        "even the split's few tokens are over a cap of 0"
     assert controller.fp8_share() == 1.0 and controller.high_precision_share() == 0.0
 
 
@@ -162,22 +185,23 @@ def test_initialize_checks_the_controller_before_changing_anything() -> None:
         amp8.initialize(other, torch.optim.AdamW(other.parameters()), "O1", controller=controller, recipe=amp8.Recipe())
 
 
-@pytest.mark.parametrize("level", ["O1", "O3"])
-def test_resume_after_a_move_is_bit_exact(level) -> None:
+@pytest.mark.parametrize(("level", "steps"), [("O1", 5), ("O3", 5), ("O1", 7), ("O3", 7)])
+def test_resume_after_a_move_is_bit_exact(level, steps) -> None:
     """A checkpoint taken after layers moved (model and optimizer state dicts) resumes
-    with the same rungs, counters and decisions: the same weights, bit for bit."""
+    with the same rungs, counters and decisions: the same weights, bit for bit. After 7
+    steps the layers split wgrad's outlier tokens off."""
     model, optimizer, controller = _build(LADDER, level)
-    _train(model, optimizer, 5)
+    _train(model, optimizer, steps)
     assert controller.moves, "the checkpoint is taken after a move"
     saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-    assert saved["optimizer"][STATE_DICT_KEY]["step"] == 5
-    _train(model, optimizer, 5, start=5)
+    assert saved["optimizer"][STATE_DICT_KEY]["step"] == steps
+    _train(model, optimizer, 5, start=steps)
 
     resumed_model, resumed_optimizer, resumed_controller = _build(LADDER, level)
     resumed_model.load_state_dict(saved["model"])
     resumed_optimizer.load_state_dict(saved["optimizer"])
     assert resumed_controller.rungs() == {name: rung for name, rung in _rungs_at(saved).items()}
-    _train(resumed_model, resumed_optimizer, 5, start=5)
+    _train(resumed_model, resumed_optimizer, 5, start=steps)
     assert resumed_controller.moves == controller.moves
     for key, value in model.state_dict().items():
         assert torch.equal(value.view(torch.uint8) if value.element_size() == 1 else value,
@@ -194,7 +218,8 @@ def _rungs_at(saved: dict) -> dict[str, str]:
     for key, value in saved["model"].items():
         if key.endswith("gemm_precision"):
             granularity, *high = value.tolist()
-            flags = [gemm for gemm, flag in zip(("fprop", "dgrad", "wgrad"), high) if flag]
+            flags = [gemm for gemm, flag in zip(("fprop", "dgrad", "wgrad"), high) if flag == 1]
+            flags += ["wgrad outliers"] * (high[-1] == 2)
             rungs[key.removesuffix(".gemm_precision")] = names[granularity] + (f", {'+'.join(flags)} high" if flags else "")
     return rungs
 
@@ -298,6 +323,7 @@ def test_accelerate_steps_and_checkpoints_the_controller() -> None:
 def test_a_corrupt_gemm_precision_is_refused_by_name() -> None:
     model, _ = amp8.initialize(_model(), None, "O2", recipe=amp8.Recipe())
     state = model.state_dict()
-    state["0.gemm_precision"] = torch.tensor([7, 0, 0, 0])
-    with pytest.raises(ValueError, match=r"0\.gemm_precision .* is not a GEMM precision"):
-        model.load_state_dict(state)
+    for corrupt in ([7, 0, 0, 0], [2, 2, 0, 0], [2, 0, 0, 3]):
+        state["0.gemm_precision"] = torch.tensor(corrupt)
+        with pytest.raises(ValueError, match=r"0\.gemm_precision .* is not a GEMM precision"):
+            model.load_state_dict(state)

@@ -6,6 +6,7 @@ frozen settings) and a frozen ``LinearGemmConfig``; never the layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ class LinearGemmConfig:
             cast it would get) writes its health signals (see ``amp8.health``).
         grad_layout: how the FP8 weight gradient is stored (the stored weight's
             ``grad_layout``); None where it is not FP8.
+        wgrad_outlier_share: the share of tokens whose wgrad contribution runs in
+            float32 (``Recipe.wgrad_outlier_split``); 0 where wgrad does not split.
     """
 
     in_features: int
@@ -58,6 +61,7 @@ class LinearGemmConfig:
     out_dtype: torch.dtype
     watch_health: bool = False
     grad_layout: GradLayout | None = None
+    wgrad_outlier_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.fp8_wgrad and self.grad_layout is None:
@@ -87,6 +91,7 @@ class LinearGemmConfig:
             out_dtype=out_dtype,
             watch_health=watch_health,
             grad_layout=grad_layout if fp8_wgrad else None,
+            wgrad_outlier_share=recipe.wgrad_outlier_share if recipe.wgrad_outlier_split else 0.0,
         )
 
     def watched(self, *operands: GemmOperand) -> tuple[GemmOperand, ...]:
@@ -257,22 +262,50 @@ def _weight_grad(
             quantizers.grad_output.watch(_pad_rows(g2, _GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
             quantizers.input.watch(_pad_rows(_real(wgrad_input), _GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
         return g2.float().t() @ _real(wgrad_input)
+    outliers = None
     if config.tensorwise:
         x8: ScaledTensor = wgrad_input  # type: ignore[assignment]
         g_rows = g8.with_data(_pad_rows(g8.data, _GEMM_ALIGNMENT))  # type: ignore[union-attr]
         x_rows = x8.with_data(_pad_rows(x8.data, _GEMM_ALIGNMENT))
     else:  # scales along the token dim M, which wgrad contracts
+        x2 = _real(wgrad_input)  # the forward's FP8 input is re-cast from its values
+        if config.wgrad_outlier_share:
+            outliers, x2, g2 = split_outlier_tokens(x2, g2, config.wgrad_outlier_share)
         g_rows = quantizers.grad_output.cast(
             _pad_rows(g2, _GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_GRAD_OUTPUT)
         )
-        x_rows = quantizers.input.cast(  # the forward's FP8 input is re-cast from its values
-            _pad_rows(_real(wgrad_input), _GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_INPUT)
+        x_rows = quantizers.input.cast(
+            _pad_rows(x2, _GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_INPUT)
         )
     g_t = g_rows.t()  # (N, M)
-    return fp8_gemm(
+    grad_w = fp8_gemm(
         g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
         torch.float32, GemmRole.WGRAD,
     )
+    return grad_w if outliers is None else grad_w + outliers
+
+
+def split_outlier_tokens(
+    x2: torch.Tensor, g2: torch.Tensor, share: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Take the outlier tokens out of a weight-gradient GEMM ``g2^T @ x2`` (x2: (M, K),
+    g2: (M, N)): the ``ceil(share * M)`` tokens whose row amax in either operand is
+    largest relative to that operand's median row amax. Returns their float32
+    contribution ``(N, K)`` and both operands with their rows zeroed, so the FP8 GEMM of
+    the rest, plus the contribution, is the whole product. The count depends on M
+    alone, so the shapes are static (torch.compile)."""
+    count = min(x2.shape[0], math.ceil(share * x2.shape[0]))
+    score = torch.maximum(_relative_row_amax(x2), _relative_row_amax(g2))
+    rows = score.topk(count, sorted=False).indices.sort().values  # in token order, as the GEMM sums
+    outliers = g2.index_select(0, rows).float().t() @ x2.index_select(0, rows).float()
+    return outliers, x2.index_fill(0, rows, 0), g2.index_fill(0, rows, 0)
+
+
+def _relative_row_amax(x2: torch.Tensor) -> torch.Tensor:
+    """Each row's amax over the median row's (float32; a zero median counts as the
+    smallest normal float32, so every nonzero row then stands out)."""
+    amax = x2.abs().amax(1).float()
+    return amax / amax.median().clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def _real(x: torch.Tensor | ScaledTensor) -> torch.Tensor:

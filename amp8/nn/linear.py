@@ -28,6 +28,9 @@ from .function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
 from .quantizer import LinearQuantizers, TensorRole
 from .stored_module import StoredWeightModule, recipe_record, saved_recipe
 
+OUTLIER_SPLIT = 2
+"""wgrad's entry in ``gemm_precision`` where only its outlier tokens run in high precision."""
+
 
 class Fp8Linear(StoredWeightModule):
     """A linear layer whose forward, input-gradient and weight-gradient GEMMs run in FP8.
@@ -45,7 +48,8 @@ class Fp8Linear(StoredWeightModule):
         amax_history: (3, L) float32, newest first; L is 1 under current scaling.
         gemm_precision: (4,) int64, how the GEMMs run now: the index of their
             granularity in ``GRANULARITY_LADDER``, then 1 for each of fprop, dgrad and
-            wgrad that runs in high precision (``set_gemm_precision``).
+            wgrad that runs in high precision (``set_gemm_precision``); wgrad's entry is
+            ``OUTLIER_SPLIT`` (2) where only its outlier tokens do.
         hadamard: (16, 16) float32, the random Hadamard matrix of wgrad's operands, only
             under ``Recipe(wgrad_hadamard=True)``.
 
@@ -101,23 +105,26 @@ class Fp8Linear(StoredWeightModule):
         ``health`` buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace
         them), for the GEMMs as ``gemm_recipe`` says; ``gemm_precision`` is rewritten
         from it (``to_empty`` leaves buffers uninitialized)."""
-        high = self.gemm_recipe.override_linear_precision
+        high = [int(flag) for flag in self.gemm_recipe.override_linear_precision]
+        if self.splits_wgrad_outliers:
+            high[-1] = OUTLIER_SPLIT
         with torch.no_grad():
-            self.gemm_precision.copy_(torch.tensor(
-                [GRANULARITY_LADDER.index(self.gemm_recipe.granularity), *map(int, high)]
-            ))
+            self.gemm_precision.copy_(torch.tensor([GRANULARITY_LADDER.index(self.gemm_recipe.granularity), *high]))
         self.quantizers = LinearQuantizers.build(
             self.gemm_recipe, self.scale, self.amax_history, self.health,
             rotation=getattr(self, "hadamard", None),
         )
 
-    def set_gemm_precision(self, granularity: Granularity | str, high_precision: tuple[bool, bool, bool]) -> None:
+    def set_gemm_precision(
+        self, granularity: Granularity | str, high_precision: tuple[bool, bool, bool], outlier_split: bool = False
+    ) -> None:
         """Run the GEMMs from now on at ``granularity``, with each of (fprop, dgrad,
-        wgrad) in high precision where ``high_precision`` says True. The weight, its
-        gradient and their scales stay as the recipe stores them; only the casts that
-        feed the GEMMs change. ``amp8.Controller`` calls this; it is kept in
-        ``state_dict`` (``gemm_precision``)."""
-        self.gemm_recipe = self.recipe.for_gemms(Granularity(granularity), tuple(high_precision))
+        wgrad) in high precision where ``high_precision`` says True, and wgrad's outlier
+        tokens in high precision where ``outlier_split`` (``Recipe.wgrad_outlier_split``).
+        The weight, its gradient and their scales stay as the recipe stores them; only
+        the casts that feed the GEMMs change. ``amp8.Controller`` calls this; it is kept
+        in ``state_dict`` (``gemm_precision``)."""
+        self.gemm_recipe = self.recipe.for_gemms(Granularity(granularity), tuple(high_precision), outlier_split)
         self.drop_weight_cache()
         self._bind_quantizers()
 
@@ -132,10 +139,19 @@ class Fp8Linear(StoredWeightModule):
         return self.gemm_recipe.override_linear_precision  # type: ignore[return-value]
 
     @property
+    def splits_wgrad_outliers(self) -> bool:
+        """Whether wgrad's outlier tokens run in high precision and the rest in FP8 now
+        (not where the whole of wgrad is high)."""
+        return self.gemm_recipe.wgrad_outlier_split and not self.high_precision_gemms[-1]
+
+    @property
     def gemm_description(self) -> str:
         """The GEMMs' precision in words: the granularity of their FP8 scales, then the
-        GEMMs in high precision, e.g. "block, wgrad high"."""
+        GEMMs in high precision, e.g. "block, wgrad high" or "block, wgrad outliers
+        high"."""
         high = [gemm.name.lower() for gemm, flag in zip(Gemm, self.high_precision_gemms) if flag]
+        if self.splits_wgrad_outliers:
+            high.append("wgrad outliers")
         text = self.gemm_granularity.value
         return f"{text}, {'+'.join(high)} high" if high else text
 
@@ -309,22 +325,25 @@ def _loaded_gemm_recipe(
 
     Raises:
         ValueError: ``saved`` is not four integers (a granularity index, then three 0/1
-            flags); the message names ``key``.
+            flags, wgrad's also ``OUTLIER_SPLIT``); the message names ``key``.
     """
     values = saved.tolist() if saved.shape == (4,) and not saved.is_floating_point() else None
-    if values is None or not 0 <= values[0] < len(GRANULARITY_LADDER) or any(v not in (0, 1) for v in values[1:]):
+    if values is None or not 0 <= values[0] < len(GRANULARITY_LADDER) or any(
+        v not in (0, 1) for v in values[1:3]
+    ) or values[3] not in (0, 1, OUTLIER_SPLIT):
         raise ValueError(
             f"checkpoint entry {key} = {saved.tolist()} is not a GEMM precision: expected four integers, a "
-            f"granularity index below {len(GRANULARITY_LADDER)} and three 0/1 flags; the checkpoint is corrupt "
-            "or not from amp8"
+            f"granularity index below {len(GRANULARITY_LADDER)}, two 0/1 flags and a wgrad entry of 0, 1 or "
+            f"{OUTLIER_SPLIT}; the checkpoint is corrupt or not from amp8"
         )
-    granularity, high = GRANULARITY_LADDER[values[0]], tuple(bool(v) for v in values[1:])
+    granularity = GRANULARITY_LADDER[values[0]]
+    high, split = (bool(values[1]), bool(values[2]), values[3] == 1), values[3] == OUTLIER_SPLIT
     reason = None
     if saved_under is not None and saved_under != recipe_record(recipe):
         reason = f"it was made under another recipe ({saved_under})"
     else:
         try:
-            return recipe.for_gemms(granularity, high)
+            return recipe.for_gemms(granularity, high, split)
         except ValueError as error:
             reason = f"this layer's recipe cannot take it ({error})"
     warnings.warn(
