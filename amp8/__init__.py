@@ -2,64 +2,71 @@
 
     model, optimizer = amp8.initialize(model, optimizer, opt_level="O1")
     amp8.report(model, optimizer).print()
+
+The names below are amp8's public, stable API. Everything else lives in its layer's
+subpackage (``amp8.config``, ``amp8.nn``, ``amp8.optim``, ``amp8.distributed``,
+``amp8.monitor``, ...), importable but free to change between minor releases.
 """
 
+import importlib
+import warnings
 from typing import Any
 
-from .controller import Controller
-from .controller_config import ControllerConfig, HealthThresholds, Move, PrecisionPhase
-from .export import export
-from .formats import Fp8Format
-from .frontend import initialize
-from .levels import LEVELS, OptLevel, Precision
-from .optim.clip import clip_grad_norm_
-from .memory import SavedBytes, count_saved_bytes
-from .recipe import ActivationFormat, AmaxAlgo, Granularity, Microscaling, Recipe, RecipeName, Scaling
-from .report import PrecisionReport, report
-from .selection import SpeedRule
-from .stored_weight import StoredWeight, stored_weight
-from .weight_grad import WeightGrad
+from amp8._version import __version__
+from amp8.config.controller import ControllerConfig
+from amp8.config.levels import LEVELS, OptLevel
+from amp8.config.recipe import Recipe
+from amp8.export import export
+from amp8.frontend import initialize
+from amp8.monitor.controller import Controller
+from amp8.monitor.report import report
+from amp8.nn.memory import count_saved_bytes
+from amp8.optim.clip import clip_grad_norm_
 
-__version__ = "0.1.0"
+
+MOVED = {
+    **dict.fromkeys(
+        ("ActivationFormat", "AmaxAlgo", "Fp8Format", "Granularity", "HealthThresholds", "Microscaling", "Move",
+         "Precision", "PrecisionPhase", "RecipeName", "Scaling"), "amp8.config"),
+    "PrecisionReport": "amp8.monitor",
+    "SavedBytes": "amp8.nn.memory",
+    "SpeedRule": "amp8.nn.selection",
+    "StoredWeight": "amp8.tensor",
+    "WeightGrad": "amp8.tensor",
+    "stored_weight": "amp8.tensor",
+}
+"""Names the top level held before 0.2, and the subpackage that holds each now."""
 
 
 def compare(*args: Any, **kwargs: Any) -> Any:
-    """Train the same GPT at every opt level and compare them; see
-    ``amp8.experiments.compare.compare`` (loaded on first use, so ``import amp8`` stays light).
-    """
-    from .experiments.compare import compare as run
+    """Train the same model at every opt level and compare them; see
+    ``amp8.tools.experiments.compare.compare`` (loaded on first use, so ``import amp8``
+    stays light)."""
+    from amp8.tools.experiments.compare import compare as run
 
     return run(*args, **kwargs)
 
 
+def __getattr__(name: str) -> Any:
+    """A name that moved to a subpackage, with a ``DeprecationWarning`` (for one release)."""
+    if name in MOVED:
+        warnings.warn(f"amp8.{name} moved to {MOVED[name]}.{name}; the top-level name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(MOVED[name]), name)
+    raise AttributeError(f"module 'amp8' has no attribute {name!r}")
+
+
 __all__ = [
     "LEVELS",
-    "ActivationFormat",
-    "AmaxAlgo",
     "Controller",
     "ControllerConfig",
-    "Fp8Format",
-    "Granularity",
-    "HealthThresholds",
-    "Move",
-    "Microscaling",
     "OptLevel",
-    "Precision",
-    "PrecisionPhase",
-    "PrecisionReport",
     "Recipe",
-    "RecipeName",
-    "SavedBytes",
-    "Scaling",
-    "SpeedRule",
-    "StoredWeight",
-    "WeightGrad",
     "__version__",
     "clip_grad_norm_",
-    "export",
     "compare",
     "count_saved_bytes",
+    "export",
     "initialize",
     "report",
-    "stored_weight",
 ]

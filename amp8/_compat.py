@@ -77,7 +77,7 @@ class TorchFeature:
 
 CPU_ROWWISE_SCALED_MM = TorchFeature("row-wise scales in torch._scaled_mm on the CPU", (2, 12))
 """``torch._scaled_mm`` with (M, 1) and (1, N) scales on the CPU (CUDA has them in every
-supported release). Without it ``amp8.gemm`` emulates the call exactly: dequantize each
+supported release). Without it ``amp8.ops.gemm`` emulates the call exactly: dequantize each
 operand to float32 with its scales, one float32 matmul, one rounding to the output dtype,
 which is what the CPU kernel computes."""
 

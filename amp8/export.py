@@ -7,12 +7,12 @@ import copy
 import torch
 from torch import nn
 
-from .activations import detach_activation_storage
-from .comm.ddp import amp8_names, stop_watching
-from .nn.embedding import LowBitEmbedding
-from .nn.linear import Fp8Linear
-from .tensor import is_sharded
-from .validation import check_model_and_optimizer
+from amp8.config.validation import check_model_and_optimizer
+from amp8.distributed.ddp import amp8_names, stop_watching
+from amp8.nn.activations import detach_activation_storage
+from amp8.nn.embedding import LowBitEmbedding
+from amp8.nn.linear import Fp8Linear
+from amp8.tensor.scaled import is_sharded
 
 EXPORT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes ``export`` casts to: those an ``nn.Linear`` computes in."""

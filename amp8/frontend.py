@@ -6,23 +6,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._compat import fsdp_module_types
-from .controller import Controller
-from .comm.agreement import check_ranks_agree
-from .comm.data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from .comm.ddp import leave_to_amp8, watch_for_ddp
-from .gemm import check_fp8_device
-from .levels import OptLevel, Precision, resolve_level
-from .nn.embedding import LowBitEmbedding
-from .nn.linear import Fp8Linear
-from .nn.stored_module import StoredWeightModule
-from .nn.swap import ModuleFilter, swap_embeddings, swap_linear_layers
-from .comm.reduction import GradientReduction
-from .optim.adam import LowBitAdam
-from .optim.support import check_state_precision, check_supported
-from .activations import attach_activation_storage
-from .recipe import ActivationFormat, Granularity, Microscaling, OutputHead, Recipe
-from .selection import LayerSelection, resolve_selection
+from amp8._compat import fsdp_module_types
+from amp8.config.levels import OptLevel, Precision, resolve_level
+from amp8.config.recipe import ActivationFormat, Granularity, Microscaling, OutputHead, Recipe
+from amp8.distributed.agreement import check_ranks_agree
+from amp8.distributed.data_parallel import DataParallelGroup, broadcast_module, process_group_size
+from amp8.distributed.ddp import leave_to_amp8, watch_for_ddp
+from amp8.distributed.reduction import GradientReduction
+from amp8.monitor.controller import Controller
+from amp8.nn.activations import attach_activation_storage
+from amp8.nn.embedding import LowBitEmbedding
+from amp8.nn.linear import Fp8Linear
+from amp8.nn.selection import LayerSelection, resolve_selection
+from amp8.nn.stored_module import StoredWeightModule
+from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_linear_layers
+from amp8.ops.gemm import check_fp8_device
+from amp8.optim.adam import LowBitAdam
+from amp8.optim.support import check_state_precision, check_supported
 
 
 def _wrapped(model: nn.Module) -> str | None:
@@ -98,14 +98,14 @@ def initialize(
     is its own, that ``module_filter(module, fqn)`` accepts (all, by default) and that
     ``layer_selection`` expects to be faster in FP8 becomes an ``Fp8Linear`` that reuses
     its Parameters. ``layer_selection="auto"`` applies the speed rule of the device the
-    layer is on (``amp8.selection.DEFAULT_RULES``: every layer on the CPU, where FP8 is
+    layer is on (``amp8.nn.selection.DEFAULT_RULES``: every layer on the CPU, where FP8 is
     emulated for its numerics; large enough layers on CUDA), ``"all"`` takes every
-    eligible layer, and an ``amp8.SpeedRule`` (e.g. one measured with ``bench/linear.py
+    eligible layer, and an ``amp8.nn.selection.SpeedRule`` (e.g. one measured with ``bench/linear.py
     --sweep``) applies that rule; the optimizer (``torch.optim.Adam`` or
     ``AdamW``) is replaced by a ``LowBitAdam`` with the same param groups. O0 returns
     both unchanged (unless ``recipe.activations`` is "fp8": at every level, a forward
     pre-hook and a forward hook on ``model`` then store the tensors autograd saves for
-    backward in FP8, see ``amp8.activations``), and ``amp8.levels.FP8_COMPUTE_ONLY`` ("O1-compute") swaps the layers
+    backward in FP8, see ``amp8.nn.activations``), and ``amp8.config.levels.FP8_COMPUTE_ONLY`` ("O1-compute") swaps the layers
     but keeps weights, gradients and the optimizer as they are (any optimizer). Use the
     returned objects from here on, and build LR schedulers after this call.
 
@@ -114,7 +114,7 @@ def initialize(
     buffers to all ranks, and the returned optimizer averages every gradient over the
     ranks in FP8 before each step. At O1 and O2 the model may then be wrapped in
     ``DistributedDataParallel`` (apex's order): DDP averages the other gradients, through
-    ``amp8.comm.fp8_compress_hook``, and amp8 the FP8 weights' (see ``amp8.comm.ddp``).
+    ``amp8.distributed.fp8_compress_hook``, and amp8 the FP8 weights' (see ``amp8.distributed.ddp``).
     At O3 it also applies FSDP2's ``fully_shard`` to every FP8 layer (for its weight) and
     to the model (for nothing, as FSDP2's root): each rank keeps its rows of the FP8
     weights, their master weights and moments, and FSDP2 all-gathers the FP8 weights
@@ -124,7 +124,7 @@ def initialize(
     ``controller`` (an ``amp8.Controller``) watches the FP8 layers' casts and moves a
     layer's GEMMs to finer scales or high precision when they lose too much, and applies
     its precision schedule; it acts after each step of the returned optimizer (needed
-    then) and is saved with its ``state_dict`` (see ``amp8.controller``).
+    then) and is saved with its ``state_dict`` (see ``amp8.monitor.controller``).
 
     Raises:
         ValueError: unknown opt level (or an override amp8 cannot store), a model amp8
@@ -225,7 +225,7 @@ def _initialize(
         for layer in layers.values():
             layer.set_weight_storage(level.weight)
     if distributed and level.shard_optimizer:
-        from .comm.fsdp import shard_weights  # FSDP2 is missing from torch builds without distributed
+        from amp8.distributed.fsdp import shard_weights
 
         shard_weights(model, layers.values(), data_parallel)  # new weight Parameters
         for layer in layers.values():

@@ -7,7 +7,7 @@ amp8 (FP8 gradient averaging at O1/O2; at O3 also FSDP2's FP8 weight all-gathers
 Each mode trains the same MLP for a few steps on two processes. Bytes per step and rank
 are counted from the tensors each rank hands to collectives, as the collectives'
 algorithms move them (ring all-reduce: 2 (W-1)/W of the buffer; ring reduce-scatter:
-(W-1)/W; all-gather: the shard to each other rank; amp8: see amp8.comm.WireStats), and,
+(W-1)/W; all-gather: the shard to each other rank; amp8: see amp8.distributed.WireStats), and,
 as a cross-check, read from the loopback interface's transmit counter (TCP headers
 included, both ranks together, and any other loopback traffic on the machine). Step time
 is the median over the timed steps; the reduction alone (FP32 and BF16 all-reduce against
@@ -36,10 +36,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import amp8
-from amp8.comm import WireStats, fp8_all_reduce_mean
-from amp8.comm.fsdp import ByteAllGather
-from amp8.console import default_console
-from amp8.scaling import sqnr
+from amp8.distributed import WireStats, fp8_all_reduce_mean
+from amp8.distributed.fsdp import ByteAllGather
+from amp8.monitor.console import default_console
+from amp8.quant.scaling import sqnr
 from common import write_result
 
 LOOPBACK_TX = Path("/sys/class/net/lo/statistics/tx_bytes")

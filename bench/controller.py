@@ -28,9 +28,9 @@ import torch
 from rich.table import Table
 
 import amp8
-from amp8.console import default_console
-from amp8.experiments.corpus import CorpusConfig, load_corpus, sample_batch
-from amp8.experiments.gpt import GPT, PRESETS
+from amp8.monitor.console import default_console
+from amp8.tools.experiments.corpus import CorpusConfig, load_corpus, sample_batch
+from amp8.tools.experiments.gpt import GPT, PRESETS
 from common import RESULTS, synchronize, write_result
 
 VARIANTS: dict[str, amp8.ControllerConfig | None] = {

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp8.experiments.gpt import PRESETS
-from amp8.experiments.llama import LlamaSpec
 from amp8.nn.swap import high_precision_reason, output_heads, shared_weight_names
+from amp8.tools.experiments.gpt import PRESETS
+from amp8.tools.experiments.llama import LlamaSpec
 from common import write_result
 
 PUBLISHED = {"tensorwise": 1.25, "rowwise": 1.10}

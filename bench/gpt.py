@@ -6,7 +6,7 @@ and O2 and torchao's float8, each under torch.compile.
     python bench/gpt.py --preset gpt-125m --batch-size 16 --no-compile --out /tmp/results
 
 Runs, in one process on the same batches and the same initial weights (amp8's byte-level
-GPT from amp8/experiments/gpt.py, tied head):
+GPT from amp8/tools/experiments/gpt.py, tied head):
 - baseline: torch AdamW (fused on CUDA, foreach on the CPU) under BF16 autocast on CUDA,
   in FP32 on the CPU, where there is no fast BF16 path;
 - amp8 O1 and O2: ``amp8.initialize(model, AdamW, level)``, the rest of the model under the
@@ -37,8 +37,8 @@ from rich.table import Table
 from torch import nn
 
 import amp8
-from amp8.console import default_console
-from amp8.experiments.gpt import GPT, PRESETS, GPTConfig
+from amp8.monitor.console import default_console
+from amp8.tools.experiments.gpt import GPT, PRESETS, GPTConfig
 from common import (
     RESULTS, device_name, error_text, graph_break_count, reset_compiler, synchronize, torchao_float8, write_result,
 )

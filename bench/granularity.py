@@ -25,10 +25,11 @@ from rich.table import Table
 from torch import nn
 
 from amp8 import Recipe
-from amp8.console import default_console
-from amp8.gemm import GemmRole, fp8_gemm
+from amp8.config.gemms import Gemm
+from amp8.monitor.console import default_console
 from amp8.nn import Fp8Linear, TensorRole
-from amp8.scaling import sqnr
+from amp8.ops.gemm import fp8_gemm
+from amp8.quant.scaling import sqnr
 from common import device_name, write_result
 
 GRANULARITIES = ("tensorwise", "rowwise", "block")
@@ -90,13 +91,13 @@ def measure(recipe: Recipe, tensors: dict[str, torch.Tensor]) -> dict[str, tuple
     results = {}
     gemms = {
         "fprop": (x @ weight.t(), lambda: fp8_gemm(
-            operand(TensorRole.INPUT, x, 1), operand(TensorRole.WEIGHT, weight, 1).t(), torch.float32, GemmRole.FPROP)),
+            operand(TensorRole.INPUT, x, 1), operand(TensorRole.WEIGHT, weight, 1).t(), torch.float32, Gemm.FPROP)),
         "dgrad": (grad @ weight, lambda: fp8_gemm(
             operand(TensorRole.GRAD_OUTPUT, grad, 1), column_major(operand(TensorRole.WEIGHT, weight, 0)),
-            torch.float32, GemmRole.DGRAD)),
+            torch.float32, Gemm.DGRAD)),
         "wgrad": (grad.t() @ x, lambda: fp8_gemm(
             row_major(operand(TensorRole.GRAD_OUTPUT, grad, 0).t()), column_major(operand(TensorRole.INPUT, x, 0)),
-            torch.float32, GemmRole.WGRAD)),
+            torch.float32, Gemm.WGRAD)),
     }
     for name, (reference, run) in gemms.items():
         out = run()

@@ -15,7 +15,7 @@ fails (a compile error, say) is recorded in the JSON with its error and the run 
 
 ``--sweep`` adds, for each (K, N) of the grid at M = ``--sweep-m``, the speedups of eager
 and compiled Fp8Linear, and the K and N thresholds of the rule "FP8 where faster"
-(``amp8.SpeedRule.fit``; ``amp8.SpeedRule.from_json(path)`` reads it). Results go to ``--out`` (bench/results/):
+(``amp8.nn.selection.SpeedRule.fit``; ``amp8.nn.selection.SpeedRule.from_json(path)`` reads it). Results go to ``--out`` (bench/results/):
 linear-<device>.json, or linear-sweep-<device>.json with ``--sweep``; the file is
 rewritten after each shape, so a run cut short keeps what it measured.
 """
@@ -33,9 +33,10 @@ from torch import nn
 
 from dataclasses import asdict
 
-from amp8 import Recipe, SpeedRule
-from amp8.console import default_console
+from amp8 import Recipe
+from amp8.monitor.console import default_console
 from amp8.nn import Fp8Linear
+from amp8.nn.selection import SpeedRule
 from common import (
     RESULTS, device_name, error_text, graph_break_count, measure, reset_compiler, torchao_float8,
     write_result,
@@ -141,9 +142,9 @@ def run_shape(shape: Shape, device: torch.device, to_torchao: Callable[..., Any]
 
 
 def layer_selection(rows: list[dict[str, Any]], m: int, grid: tuple[int, ...], device: str) -> dict[str, Any]:
-    """The grid's speedups at M = ``m`` and the ``amp8.SpeedRule`` fitted to them (None
+    """The grid's speedups at M = ``m`` and the ``amp8.nn.selection.SpeedRule`` fitted to them (None
     where no cell was measured); ``speed_rule`` (compiled, else eager) is what
-    ``amp8.SpeedRule.from_json`` reads from the JSON file."""
+    ``amp8.nn.selection.SpeedRule.from_json`` reads from the JSON file."""
     cells = [
         {"k": r["k"], "n": r["n"], "speedup_eager": r["speedup"]["Fp8Linear"],
          "speedup_compiled": r["speedup"]["Fp8Linear compiled"]}

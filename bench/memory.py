@@ -30,8 +30,8 @@ from rich.table import Table
 from torch import nn
 
 import amp8
-from amp8.console import default_console
-from amp8.experiments.gpt import GPT, PRESETS
+from amp8.monitor.console import default_console
+from amp8.tools.experiments.gpt import GPT, PRESETS
 from common import write_result
 
 LLAMA = "llama"

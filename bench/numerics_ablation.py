@@ -32,19 +32,20 @@ from typing import Any, Mapping
 import torch
 
 from amp8 import Recipe, initialize
-from amp8.scaling import sqnr
-from amp8.stored_weight import stored_weight
-from amp8.experiments.compare import _param_groups
-from amp8.experiments.corpus import load_corpus, sample_batch
-from amp8.experiments.gpt import GPT
-from amp8.console import default_console
-from amp8.experiments.compare import CompareConfig
-from amp8.experiments.corpus import CorpusConfig
-from amp8.experiments.gpt import PRESETS, GPTConfig
-from amp8.experiments.llama import LlamaSpec
-from amp8.experiments.paired import (BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs,
-                                    standard_error)
-from amp8.levels import FP8_COMPUTE_ONLY, override
+from amp8.config.levels import FP8_COMPUTE_ONLY, override
+from amp8.monitor.console import default_console
+from amp8.quant.scaling import sqnr
+from amp8.tensor.stored import stored_weight
+from amp8.tools.experiments.compare import _param_groups
+from amp8.tools.experiments.compare import CompareConfig
+from amp8.tools.experiments.corpus import load_corpus, sample_batch
+from amp8.tools.experiments.corpus import CorpusConfig
+from amp8.tools.experiments.gpt import GPT
+from amp8.tools.experiments.gpt import PRESETS, GPTConfig
+from amp8.tools.experiments.llama import LlamaSpec
+from amp8.tools.experiments.paired import (
+    BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs, standard_error,
+)
 from common import RESULTS, write_result
 
 NAME = "numerics_ablation"

@@ -24,7 +24,7 @@ from rich.table import Table
 from torch import nn
 
 import amp8
-from amp8.console import default_console
+from amp8.monitor.console import default_console
 from amp8.optim import LowBitAdam
 from common import time_call, write_result
 
@@ -88,7 +88,7 @@ class GptStack(nn.Module):
 
 
 def _byte_gpt(preset: str) -> nn.Module:
-    from amp8.experiments.gpt import GPT, PRESETS
+    from amp8.tools.experiments.gpt import GPT, PRESETS
 
     class Logits(nn.Module):  # the GPT returns (logits, loss); keep the logits
         def __init__(self) -> None:

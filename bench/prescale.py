@@ -12,7 +12,7 @@ Student-t with 3 degrees of freedom) or ``loud-rank`` (Gaussian, one rank drawn 
 each step 100x larger). Every scheme's mean over ranks is compared with the exact mean
 (float64 over the float32 gradients):
 
-- ``amp8``: amp8's all-reduce (amp8/comm/fp8_collectives.py, its own functions): every
+- ``amp8``: amp8's all-reduce (amp8/distributed/fp8_collectives.py, its own functions): every
   (chunk, tensor) piece cast to E4M3 with its own scale, all-to-all, float32 sum in rank
   order, divide by N, requantize with fresh per-piece scales, all-gather.
 - ``amp8 + mu``: the same, on ``mu * g`` with the factor undone after; ``mu`` is the
@@ -51,11 +51,11 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from amp8 import scaling
-from amp8.comm.fp8_collectives import WIRE_DTYPE, _dequantize_pieces, _quantize_pieces
-from amp8.comm.layout import ShardLayout
-from amp8.console import default_console
-from amp8.formats import max_value
+from amp8.config.formats import max_value
+from amp8.distributed.fp8_collectives import WIRE_DTYPE, _dequantize_pieces, _quantize_pieces
+from amp8.distributed.layout import ShardLayout
+from amp8.monitor.console import default_console
+from amp8.quant import scaling
 from common import RESULTS, write_result
 
 REGIMES = ("gaussian", "student-t3", "loud-rank")

@@ -8,7 +8,7 @@
 
 Every variant trains the byte GPT of ``amp8 compare`` (``CompareConfig()``: "small"
 preset, 300 steps of 16 x 64 bytes, lr 1e-3, stdlib corpus) under the default
-``OutlierStress`` (``amp8.experiments.stress``): the input of the last block's MLP
+``OutlierStress`` (``amp8.tools.experiments.stress``): the input of the last block's MLP
 down-projection has its position-0 row multiplied by a gain that ramps from 1 to 2**24
 over the first 30 % of the steps, and position 0 is left out of the loss. O0 is
 unchanged by it in exact arithmetic. Each run records its final validation loss, its gap
@@ -35,10 +35,10 @@ from typing import Any, Sequence
 import torch
 
 from amp8 import ControllerConfig, Recipe
-from amp8.experiments.compare import CompareConfig, RunSpec, _recipe_dict, train_run, validation_batches
-from amp8.experiments.corpus import load_corpus
-from amp8.experiments.gpt import PRESETS
-from amp8.experiments.stress import CASTS, OutlierStress, UnderflowProbe
+from amp8.tools.experiments.compare import CompareConfig, RunSpec, _recipe_dict, train_run, validation_batches
+from amp8.tools.experiments.corpus import load_corpus
+from amp8.tools.experiments.gpt import PRESETS
+from amp8.tools.experiments.stress import CASTS, OutlierStress, UnderflowProbe
 from common import RESULTS, write_result
 
 NAME = "stress"

@@ -41,10 +41,10 @@ from torch.nn import functional as F
 
 import amp8
 from amp8 import ControllerConfig, Recipe
-from amp8.experiments.corpus import CorpusConfig, load_corpus, sample_batch
-from amp8.experiments.stress import IGNORE_INDEX, mask_position
-from amp8.experiments.train import evaluate
 from amp8.frontend import default_recipe
+from amp8.tools.experiments.corpus import CorpusConfig, load_corpus, sample_batch
+from amp8.tools.experiments.stress import IGNORE_INDEX, mask_position
+from amp8.tools.experiments.train import evaluate
 from common import write_result
 
 NAME = "stress-layers"
@@ -153,7 +153,7 @@ class Variant:
     stressed: bool = True
 
 
-DEFAULT = default_recipe(amp8.levels.O1)
+DEFAULT = default_recipe(amp8.config.levels.O1)
 """What ``initialize`` runs at O1 with no recipe: rowwise scales, the head high."""
 WGRAD_HIGH = DEFAULT.replace(override_linear_precision=(False, False, True))
 VARIANTS: dict[str, Variant] = {

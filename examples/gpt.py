@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 import torch
 
 import amp8
-from amp8.experiments.corpus import load_corpus, sample_batch
-from amp8.experiments.gpt import GPT, GPTConfig
+from amp8.tools.experiments.corpus import load_corpus, sample_batch
+from amp8.tools.experiments.gpt import GPT, GPTConfig
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import amp8
-from amp8.experiments.corpus import CorpusConfig, load_corpus, sample_batch
+from amp8.tools.experiments.corpus import CorpusConfig, load_corpus, sample_batch
 
 
 @dataclass(frozen=True)

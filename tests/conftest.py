@@ -15,7 +15,7 @@ from torch import nn
 
 from amp8 import Recipe
 from amp8.nn import Fp8Linear
-from amp8.scaling import sqnr
+from amp8.quant.scaling import sqnr
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BENCH = Path(__file__).resolve().parents[1] / "bench"

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.activations import ActivationPolicy, attach_activation_storage, attached_storage
-from amp8.experiments.gpt import GPT, PRESETS
-from amp8.memory import count_saved_bytes
-from amp8.scaling import sqnr
+from amp8.nn.activations import ActivationPolicy, attach_activation_storage, attached_storage
+from amp8.nn.memory import count_saved_bytes
+from amp8.quant.scaling import sqnr
+from amp8.tools.experiments.gpt import GPT, PRESETS
 
 BATCH = 8
 GRAD_SQNR_FLOOR_DB = {"O0": 28.0, "O1": 16.0, "O2": 16.0, "O3": 16.0}

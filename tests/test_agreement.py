@@ -11,8 +11,8 @@ from torch import nn
 
 import amp8
 import multiprocess
-from amp8.comm.agreement import describe_setup
-from amp8.levels import O1
+from amp8.config.levels import O1
+from amp8.distributed.agreement import describe_setup
 
 # Each case: what rank 0 and rank 1 pass to initialize, and the message both must get.
 CASES = {

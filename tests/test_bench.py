@@ -75,8 +75,8 @@ def test_linear_sweep_reports_speedups_per_cell() -> None:
     assert [(c["k"], c["n"]) for c in selection["cells"]] == [(32, 32), (32, 64), (64, 32), (64, 64)]
     assert all(c["speedup_eager"] > 0 and c["speedup_compiled"] is None for c in selection["cells"])
     assert selection["speed_rule_compiled"] is None
-    rule = amp8.SpeedRule.from_json(json.dumps({"speed_rule": selection["speed_rule"]}))
-    assert rule == amp8.SpeedRule(**selection["speed_rule_eager"])
+    rule = amp8.nn.selection.SpeedRule.from_json(json.dumps({"speed_rule": selection["speed_rule"]}))
+    assert rule == amp8.nn.selection.SpeedRule(**selection["speed_rule_eager"])
     for cell in selection["cells"]:  # the rule takes no cell that was slower
         if rule.selects(cell["k"], cell["n"]):
             assert cell["speedup_eager"] >= 1.0, cell

@@ -6,12 +6,14 @@ import torch
 from torch import nn
 
 import amp8
-from amp8 import Microscaling, Recipe
-from amp8.gemm import GemmRole, fp8_gemm
-from amp8.hadamard import random_hadamard, rotate_rows
-from amp8.microscaling import BlockScaledTensor
+from amp8 import Recipe
+from amp8.config import Microscaling
+from amp8.config.gemms import Gemm
 from amp8.nn import Fp8Linear, TensorRole
-from amp8.experiments.compare import KNOB_ABLATIONS, CompareConfig, run_specs
+from amp8.ops.gemm import fp8_gemm
+from amp8.quant.hadamard import random_hadamard, rotate_rows
+from amp8.tensor.block_scaled import BlockScaledTensor
+from amp8.tools.experiments.compare import KNOB_ABLATIONS, CompareConfig, run_specs
 from conftest import assert_bitwise_equal, assert_checkpoint_round_trips, assert_sqnr_at_least, train_steps
 from conftest import linear_pair as _pair
 
@@ -40,7 +42,7 @@ def _gemm_operands(recipe: Recipe, m: int, k: int, n: int):
 def test_microscaled_gemm_against_fp32(name, m, k, n) -> None:
     a, b, qa, qb = _gemm_operands(Recipe.preset(name), m, k, n)
     assert isinstance(qa, BlockScaledTensor) and isinstance(qb, BlockScaledTensor)
-    out = fp8_gemm(qa, qb.t(), torch.float32, GemmRole.FPROP)
+    out = fp8_gemm(qa, qb.t(), torch.float32, Gemm.FPROP)
     assert out.shape == (m, n) and out.dtype == torch.float32
     assert_sqnr_at_least(a @ b.t(), out, GEMM_FLOORS[name])
     # the emulation is exact: the block-dequantized product, rounded to bfloat16 as cuBLAS writes it
@@ -53,7 +55,7 @@ def test_mxfp8_gemm_is_within_a_db_of_the_128_block_recipe() -> None:
     for name in ("deepseek", "mxfp8"):
         torch.manual_seed(0)
         a, b, qa, qb = _gemm_operands(Recipe.preset(name), 256, 512, 192)
-        measured[name] = assert_sqnr_at_least(a @ b.t(), fp8_gemm(qa, qb.t(), torch.float32, GemmRole.FPROP), 24.0)
+        measured[name] = assert_sqnr_at_least(a @ b.t(), fp8_gemm(qa, qb.t(), torch.float32, Gemm.FPROP), 24.0)
     assert measured["mxfp8"] >= measured["deepseek"] - 1.0, measured
 
 
@@ -81,7 +83,7 @@ def test_fp8_linear_against_fp32(name, shape, n) -> None:
 def test_presets(name, block, two_d, hadamard, stochastic) -> None:
     recipe = Recipe.preset(name)
     assert recipe.microscaling is Microscaling(name) and recipe.block_size == block
-    assert recipe.granularity is amp8.Granularity.BLOCK and recipe.scaling is amp8.Scaling.CURRENT
+    assert recipe.granularity is amp8.config.Granularity.BLOCK and recipe.scaling is amp8.config.Scaling.CURRENT
     assert (recipe.weight_block_2d, recipe.wgrad_hadamard, recipe.stochastic_grad_rounding) == (
         two_d, hadamard, stochastic)
     assert recipe.power_of_2_scales is (name == "mxfp8")
@@ -258,9 +260,9 @@ def test_checkpoint_round_trips_bit_for_bit(level, name) -> None:
 def test_e8m0_state_scales_store_the_power_of_two_scales_exactly(tile, shape) -> None:
     """A first moment stored with one-byte E8M0 scales loads back bit for bit as the
     same FP8 data with float32 power-of-two scales."""
-    from amp8 import scaling
-    from amp8.formats import E4M3, E8M0
-    from amp8.levels import Precision
+    from amp8.quant import scaling
+    from amp8.config.formats import E4M3, E8M0
+    from amp8.config.levels import Precision
     from amp8.optim import state as state_storage
 
     value = torch.randn(shape) * torch.logspace(-6, 3, shape[1])  # nine decades across columns

@@ -7,7 +7,7 @@ from typing import Callable
 import pytest
 import torch
 
-from amp8.checks import check_loaded_history, check_loaded_scales
+from amp8.quant.checks import check_loaded_history, check_loaded_scales
 
 NAN, INF = float("nan"), float("inf")
 

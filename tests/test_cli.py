@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from amp8.cli import main
+from amp8.tools.cli import main
 
 
 def test_levels_prints_the_table(capsys) -> None:
@@ -16,7 +16,7 @@ def test_levels_prints_the_table(capsys) -> None:
 
 
 def test_console_script_module_runs() -> None:
-    result = subprocess.run([sys.executable, "-m", "amp8.cli", "levels"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "amp8.tools.cli", "levels"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "amp8 opt levels" in result.stdout
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from amp8.comm.fp8_collectives import WireStats, fp8_all_reduce_mean, fp8_reduce_scatter_mean
-from amp8.comm.layout import ShardLayout
-from amp8.scaling import sqnr
+from amp8.distributed.fp8_collectives import WireStats, fp8_all_reduce_mean, fp8_reduce_scatter_mean
+from amp8.distributed.layout import ShardLayout
+from amp8.quant.scaling import sqnr
 import multiprocess
 
 

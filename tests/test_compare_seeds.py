@@ -9,14 +9,14 @@ import pytest
 from rich.console import Console
 
 import amp8
-from amp8.cli import main
-from amp8.experiments import compare as runner
-from amp8.experiments import llama
-from amp8.experiments.compare import MODELS, CompareConfig, CompareResult, RunResult, model_config
-from amp8.experiments.compare_plot import gap_curve, mean_val_curve
-from amp8.experiments.gpt import PRESETS, GPTConfig
-from amp8.experiments.llama import LlamaSpec
-from amp8.experiments.paired import NULL
+from amp8.tools.cli import main
+from amp8.tools.experiments import compare as runner
+from amp8.tools.experiments import llama
+from amp8.tools.experiments.compare import MODELS, CompareConfig, CompareResult, RunResult, model_config
+from amp8.tools.experiments.compare_plot import gap_curve, mean_val_curve
+from amp8.tools.experiments.gpt import PRESETS, GPTConfig
+from amp8.tools.experiments.llama import LlamaSpec
+from amp8.tools.experiments.paired import NULL
 
 CONFIG = CompareConfig(model=PRESETS["tiny"], steps=4, eval_interval=2, train_loss_window=2, torchao=False)
 VAL = {  # name -> one validation curve per seed, at steps 2 and 4
@@ -95,7 +95,7 @@ def test_png_has_a_gap_panel_with_a_zero_line() -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from amp8.experiments.compare_plot import loss_figure
+    from amp8.tools.experiments.compare_plot import loss_figure
 
     figure = loss_figure(_result(3))
     try:

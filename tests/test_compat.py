@@ -10,9 +10,11 @@ from typing import Callable
 import pytest
 import torch
 
-from amp8 import _compat, scaling
-from amp8.formats import E4M3, E5M2
-from amp8.gemm import GemmRole, emulated_scaled_mm, fp8_mm
+from amp8 import _compat
+from amp8.config.formats import E4M3, E5M2
+from amp8.config.gemms import Gemm
+from amp8.ops.gemm import emulated_scaled_mm, fp8_mm
+from amp8.quant import scaling
 from conftest import assert_bitwise_equal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,11 +208,11 @@ def test_the_emulation_equals_the_cpu_kernel(
     assert_bitwise_equal(emulated_scaled_mm(a8, b8, inverse_a, inverse_b, out_dtype), native)
 
 
-@pytest.mark.parametrize("role", list(GemmRole))
+@pytest.mark.parametrize("role", list(Gemm))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 37])  # one row: a (1, 1) scale_a, still rowwise
 def test_fp8_mm_emulates_rowwise_scales_where_the_cpu_kernel_lacks_them(
-    monkeypatch: pytest.MonkeyPatch, role: GemmRole, out_dtype: torch.dtype, m: int
+    monkeypatch: pytest.MonkeyPatch, role: Gemm, out_dtype: torch.dtype, m: int
 ) -> None:
     a8, b8, scale_a, scale_b = _rowwise_operands(m, 64, 48, E4M3, rowwise=True)
     expected = emulated_scaled_mm(a8, b8, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype)

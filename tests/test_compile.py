@@ -21,7 +21,7 @@ import amp8
 import multiprocess
 from amp8 import _compat
 from amp8.nn import Fp8Linear
-from amp8.weight_grad import WeightGrad
+from amp8.tensor.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 @pytest.fixture(autouse=True)
@@ -121,7 +121,7 @@ def test_inductor_matches_eager(case: str) -> None:
 
 
 def test_inductor_runs_the_emulated_rowwise_gemm_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the CPU's ``torch._scaled_mm`` lacks rowwise scales, ``amp8.gemm`` emulates
+    """Where the CPU's ``torch._scaled_mm`` lacks rowwise scales, ``amp8.ops.gemm`` emulates
     it with an operator of its own, which Inductor runs as it is: compiled and eager
     training agree bit for bit (Inductor would otherwise lay the dequantized operand out
     column-major and sum the matmul in another order)."""

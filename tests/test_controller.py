@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import amp8
-from amp8.controller import STATE_DICT_KEY
-from amp8.controller_config import ControllerConfig, HealthThresholds, PrecisionPhase
+from amp8.config.controller import ControllerConfig, HealthThresholds, PrecisionPhase
+from amp8.monitor.controller import STATE_DICT_KEY
 
 OUTLIER = 2.0**22
 
@@ -65,7 +65,7 @@ def test_a_token_outlier_walks_the_ladder_to_wgrads_outlier_split(level) -> None
     assert first[1].reason.startswith("wgrad input"), "per-row scales fix fprop, not wgrad"
     assert first[2].reason.endswith("wgrad's outlier tokens in high precision")
     assert controller.peak_signals()["0"]["underflow"] > 0.9
-    assert model[0].gemm_granularity is amp8.Granularity.BLOCK
+    assert model[0].gemm_granularity is amp8.config.Granularity.BLOCK
     assert model[0].high_precision_gemms == (False, False, False) and model[0].splits_wgrad_outliers
     assert model[0].gemm_precision.tolist() == [2, 0, 0, 2]
     share = model[0].recipe.wgrad_outlier_share
@@ -230,13 +230,13 @@ def test_a_model_checkpoint_keeps_the_gemm_precision_and_loads_old_ones() -> Non
     state = model.state_dict()
     fresh, _ = amp8.initialize(_model(), None, "O2", recipe=amp8.Recipe())
     fresh.load_state_dict(state)
-    assert fresh[0].gemm_granularity is amp8.Granularity.BLOCK
+    assert fresh[0].gemm_granularity is amp8.config.Granularity.BLOCK
     x = torch.randn(8, 32)
     assert torch.equal(fresh(x), model(x))
     old = {k: v for k, v in state.items() if not k.endswith("gemm_precision")}
     older, _ = amp8.initialize(_model(), None, "O2", recipe=amp8.Recipe())
     older.load_state_dict(old)
-    assert older[0].gemm_granularity is amp8.Granularity.TENSORWISE
+    assert older[0].gemm_granularity is amp8.config.Granularity.TENSORWISE
 
 
 @pytest.mark.slow
@@ -296,7 +296,7 @@ def test_the_report_shows_each_layers_gemms_and_moves() -> None:
     precision.print(console)
     text = console.export_text()
     assert "GEMMs" in text and "step 2: 0 tensorwise -> rowwise (fprop input" in text
-    assert amp8.PrecisionReport.from_dict(precision.to_dict()).moves() == precision.moves()
+    assert amp8.monitor.PrecisionReport.from_dict(precision.to_dict()).moves() == precision.moves()
 
 
 def test_accelerate_steps_and_checkpoints_the_controller() -> None:

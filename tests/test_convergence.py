@@ -42,10 +42,10 @@ from typing import Callable, Mapping
 import pytest
 
 from amp8 import Recipe
-from amp8.experiments.compare import CompareConfig
-from amp8.experiments.corpus import CorpusConfig
-from amp8.experiments.gpt import PRESETS
-from amp8.experiments.paired import BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs
+from amp8.tools.experiments.compare import CompareConfig
+from amp8.tools.experiments.corpus import CorpusConfig
+from amp8.tools.experiments.gpt import PRESETS
+from amp8.tools.experiments.paired import BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs
 
 pytestmark = [pytest.mark.convergence, pytest.mark.slow]
 

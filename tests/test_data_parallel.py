@@ -9,7 +9,7 @@ import amp8
 import multiprocess
 from conftest import assert_bitwise_equal
 from torch.distributed.fsdp import fully_shard
-from amp8.scaling import sqnr
+from amp8.quant.scaling import sqnr
 
 pytestmark = pytest.mark.slow  # every test here runs on two processes (or reads what they gave)
 

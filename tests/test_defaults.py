@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.experiments.gpt import PRESETS
-from amp8.experiments.llama import LlamaSpec, transformers_available
+from amp8.config.levels import resolve_level
 from amp8.frontend import default_recipe
-from amp8.levels import resolve_level
 from amp8.nn import Fp8Linear
 from amp8.nn.swap import output_heads
+from amp8.tools.experiments.gpt import PRESETS
+from amp8.tools.experiments.llama import LlamaSpec, transformers_available
 
 RECIPE_DEFAULT = amp8.Recipe.preset("rowwise").replace(output_head="high")
 needs_transformers = pytest.mark.skipif(not transformers_available(), reason="needs transformers")
@@ -51,14 +51,14 @@ def _untied_gpt() -> nn.Module:
     return dataclasses.replace(PRESETS["tiny"], tie_head=False).build(torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("level", ["O1", amp8.levels.FP8_COMPUTE_ONLY, "O2", "O3"])
+@pytest.mark.parametrize("level", ["O1", amp8.config.levels.FP8_COMPUTE_ONLY, "O2", "O3"])
 def test_no_recipe_means_rowwise_with_the_head_in_high_precision(level: str) -> None:
     model = _untied_gpt()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
     assert type(model.head) is nn.Linear, "the untied head must stay in high precision"
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert layers and all(m.recipe == RECIPE_DEFAULT for m in layers)
-    assert all(m.gemm_granularity is amp8.Granularity.ROWWISE for m in layers)
+    assert all(m.gemm_granularity is amp8.config.Granularity.ROWWISE for m in layers)
     notes = {row["name"]: row["note"] for row in amp8.report(model, optimizer).rows}
     assert notes["head.weight"].startswith("output head (maps the width to the vocabulary of embedding 'tok_emb')")
 
@@ -75,7 +75,7 @@ def test_an_explicit_recipe_is_used_as_given() -> None:
     recipe = amp8.Recipe(output_head="high")
     model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=recipe)
     granularities = {m.gemm_granularity for m in model.modules() if isinstance(m, Fp8Linear)}
-    assert granularities == {amp8.Granularity.TENSORWISE}
+    assert granularities == {amp8.config.Granularity.TENSORWISE}
     assert type(model.head) is nn.Linear
 
 
@@ -142,7 +142,7 @@ def test_default_recipe_per_level(level: str, distributed: bool, expected: amp8.
 def test_default_is_rowwise_e4m3_with_the_head_high() -> None:
     recipe = default_recipe(resolve_level("O1"))
     assert (recipe.granularity, recipe.fp8_format, recipe.power_of_2_scales, recipe.output_head) == (
-        amp8.Granularity.ROWWISE, amp8.Fp8Format.E4M3, True, amp8.recipe.OutputHead.HIGH)
+        amp8.config.Granularity.ROWWISE, amp8.config.Fp8Format.E4M3, True, amp8.config.recipe.OutputHead.HIGH)
     assert recipe.replace(granularity="tensorwise", fp8_format="HYBRID", power_of_2_scales=False,
                           output_head="fp8") == amp8.Recipe()
 

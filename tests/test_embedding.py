@@ -10,7 +10,7 @@ from torch import nn
 
 import amp8
 from amp8.nn import LowBitEmbedding, StoredWeightModule
-from amp8.scaling import sqnr
+from amp8.quant.scaling import sqnr
 from conftest import assert_bitwise_equal, assert_sqnr_at_least, resume_from_checkpoint, train_steps
 
 GRAD_SQNR_FLOOR_DB = {"E4M3": 28.0, "gradient": 22.0}
@@ -109,7 +109,7 @@ def test_initialize_stores_untied_tables_and_keeps_the_others(level: str) -> Non
 
 
 def test_compute_only_and_o0_leave_embeddings_alone() -> None:
-    for level in ("O0", amp8.levels.FP8_COMPUTE_ONLY):
+    for level in ("O0", amp8.config.levels.FP8_COMPUTE_ONLY):
         model, _ = amp8.initialize(_Lookup(), None, level, layer_selection="all", recipe=amp8.Recipe())
         assert type(model.embedding) is nn.Embedding
 

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 import amp8
-from amp8 import scaling
-from amp8.formats import E4M3, E5M2
-from amp8.gemm import GemmRole, fp8_gemm
+from amp8.config.formats import E4M3, E5M2
+from amp8.config.gemms import Gemm
 from amp8.nn import Fp8Linear
-from amp8.tensor import ScaledTensor
+from amp8.ops.gemm import fp8_gemm
+from amp8.quant import scaling
+from amp8.tensor.scaled import ScaledTensor
 from conftest import assert_bitwise_equal
 
 RECIPES = {
@@ -111,5 +112,5 @@ def test_fp8_gemm_of_empty_operands(m: int, k: int, granularity: str) -> None:
     recipe = amp8.Recipe(granularity=granularity, block_size=16)
     a = ScaledTensor.from_float(torch.empty(m, k), E4M3, tile=recipe.tile((m, k), 1))
     b = ScaledTensor.from_float(torch.empty(n, k), E5M2, tile=recipe.tile((n, k), 1, weight=True))
-    got = fp8_gemm(a, b.t(), torch.float32, GemmRole.WGRAD)
+    got = fp8_gemm(a, b.t(), torch.float32, Gemm.WGRAD)
     assert_bitwise_equal(got, torch.zeros(m, k) @ torch.zeros(k, n))

@@ -10,14 +10,17 @@ import torch
 from rich.console import Console
 
 import amp8
-from amp8.cli import main
-from amp8.experiments.compare import (ABLATION, JSON_NAME, TORCHAO_RUNS, CompareConfig, CompareResult, RunResult,
-                                     compare, load_report, missing_peer_note, run_specs)
-from amp8.experiments.corpus import (CorpusConfig, docs_documents, load_corpus, sample_batch,
-                                    source_files, stdlib_root)
-from amp8.experiments.gpt import GPT, PRESETS, GPTConfig
-from amp8.experiments.paired import NULL, NULL_PERTURBATION
 from amp8.nn import Fp8Linear
+from amp8.tools.cli import main
+from amp8.tools.experiments.compare import (
+    ABLATION, JSON_NAME, TORCHAO_RUNS, CompareConfig, CompareResult, RunResult, compare, load_report,
+    missing_peer_note, run_specs,
+)
+from amp8.tools.experiments.corpus import (
+    CorpusConfig, docs_documents, load_corpus, sample_batch, source_files, stdlib_root,
+)
+from amp8.tools.experiments.gpt import GPT, PRESETS, GPTConfig
+from amp8.tools.experiments.paired import NULL, NULL_PERTURBATION
 
 TINY = CompareConfig(
     model=PRESETS["tiny"], steps=6, batch_size=4, eval_interval=3, eval_batches=2,
@@ -161,9 +164,9 @@ def test_compare_config_rejects_wrong_types(field: str) -> None:
 
 
 def test_compare_refuses_what_is_not_a_config() -> None:
-    from amp8.experiments.compare import compare
+    from amp8.tools.experiments.compare import compare
 
-    with pytest.raises(TypeError, match="compare takes an amp8.experiments.compare.CompareConfig, got dict"):
+    with pytest.raises(TypeError, match="compare takes an amp8.tools.experiments.compare.CompareConfig, got dict"):
         compare({"steps": 2})  # type: ignore[arg-type]
 
 
@@ -198,8 +201,8 @@ def test_recipe_reaches_the_fp8_runs_and_the_ablation() -> None:
 def test_fp8_activations_reach_the_fp8_runs_but_not_the_baseline() -> None:
     recipe = amp8.Recipe(activations="fp8")
     specs = {spec.name: spec for spec in run_specs(TINY.replace(recipe=recipe))}
-    assert specs["O1"].recipe == recipe and specs[ABLATION].recipe.activations is amp8.ActivationFormat.FP8
-    assert specs["O0"].recipe.activations is amp8.ActivationFormat.HIGH
+    assert specs["O1"].recipe == recipe and specs[ABLATION].recipe.activations is amp8.config.ActivationFormat.FP8
+    assert specs["O0"].recipe.activations is amp8.config.ActivationFormat.HIGH
 
 
 def test_learning_rate_warms_up_then_decays() -> None:
@@ -357,14 +360,14 @@ def test_import_amp8_stays_light() -> None:
     import subprocess
     import sys
 
-    code = "import sys, amp8; print('matplotlib' in sys.modules, 'amp8.experiments' in sys.modules)"
+    code = "import sys, amp8; print('matplotlib' in sys.modules, 'amp8.tools.experiments' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.split() == ["False", "False"], result.stderr
 
 
 def test_torchao_peer_runs_only_when_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from amp8.experiments import compare as runner
+    from amp8.tools.experiments import compare as runner
 
     monkeypatch.setattr(runner, "torchao_available", lambda: False)
     assert "torchao" not in [spec.name for spec in run_specs(TINY.replace(torchao=True))]
@@ -377,7 +380,7 @@ def test_torchao_peer_runs_only_when_importable(monkeypatch: pytest.MonkeyPatch)
 def test_a_missing_torchao_peer_is_said_once(
     installed: bool, asked: bool, said: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from amp8.experiments import compare as runner
+    from amp8.tools.experiments import compare as runner
 
     monkeypatch.setattr(runner, "torchao_available", lambda: installed)
     note = missing_peer_note(TINY.replace(torchao=asked))
@@ -411,7 +414,7 @@ def _header_cells(text: str) -> list[str]:
 
 # -- paired runs ---------------------------------------------------------------------------
 def test_paired_runs_pair_each_level_with_o0_by_seed() -> None:
-    from amp8.experiments.paired import Variant, paired_runs
+    from amp8.tools.experiments.paired import Variant, paired_runs
 
     result = paired_runs(TINY, [Variant("O1", "O1")], seeds=(0, 1))
     assert set(result.losses) == {"O0", "O1"} and all(len(v) == 2 for v in result.losses.values())
@@ -430,7 +433,7 @@ def test_paired_runs_pair_each_level_with_o0_by_seed() -> None:
     [(["O0"], (0,), None), (["O1", "O1"], (0,), None), (["O1"], (), None), (["O1"], (0, 1), [1.0])],
 )
 def test_paired_runs_reject_bad_requests(variants: list[str], seeds: tuple[int, ...], baseline: list[float] | None) -> None:
-    from amp8.experiments.paired import Variant, paired_runs
+    from amp8.tools.experiments.paired import Variant, paired_runs
 
     with pytest.raises(ValueError, match="seed|variants|baseline"):
         paired_runs(TINY, [Variant(name, "O1") for name in variants], seeds, baseline=baseline)

@@ -56,7 +56,7 @@ def test_export_drops_amp8s_hooks(level: str) -> None:
     x = torch.randn(32, 64)
     assert "float8_e4m3fn" in _saved_by(model, x)
     plain = amp8.export(model)
-    assert amp8.activations.attached_storage(plain) is None
+    assert amp8.nn.activations.attached_storage(plain) is None
     assert not plain._forward_pre_hooks and not plain._forward_hooks
     assert set(_saved_by(plain, x)) == {"float32"}
     assert plain._ddp_params_and_buffers_to_ignore == ["user.name"]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from amp8.formats import E4M3, E5M2, Fp8Format, forward_dtype, gradient_dtype, max_value, short_name
+from amp8.config.formats import E4M3, E5M2, Fp8Format, forward_dtype, gradient_dtype, max_value, short_name
 
 
 @pytest.mark.parametrize(("dtype", "largest"), [(E4M3, 448.0), (E5M2, 57344.0), (torch.float16, 65504.0)])

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.levels import Precision
+from amp8.config.levels import Precision
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
 
@@ -163,8 +163,8 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
 @pytest.mark.parametrize(
     ("use", "error", "replacement"),
     [
-        (lambda: amp8.comm.DataParallel, ImportError, "DataParallelGroup"),
-        (lambda: exec("from amp8.comm import DataParallel"), ImportError, "DataParallelGroup"),
+        (lambda: amp8.distributed.DataParallel, ImportError, "DataParallelGroup"),
+        (lambda: exec("from amp8.distributed import DataParallel"), ImportError, "DataParallelGroup"),
         (lambda: amp8.nn.Slot, ImportError, "TensorRole"),
         (lambda: exec("from amp8.nn import Slot"), ImportError, "TensorRole"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).read_weight, AttributeError, "master_weight"),
@@ -180,7 +180,7 @@ def test_removed_names_name_their_replacement(use, error: type, replacement: str
 
 
 def test_unknown_names_fail_as_python_says() -> None:
-    assert not hasattr(amp8.comm, "Nothing") and not hasattr(amp8.nn, "Nothing")
+    assert not hasattr(amp8.distributed, "Nothing") and not hasattr(amp8.nn, "Nothing")
     assert not hasattr(amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()), "nothing")
     with pytest.raises(TypeError, match="unexpected keyword argument 'betas2'"):
         amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), betas2=0.9)

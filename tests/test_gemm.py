@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from amp8 import scaling
-from amp8.formats import E4M3, E5M2
-from amp8.gemm import GemmRole, check_fp8_device, check_operands, fp8_mm
+from amp8.config.formats import E4M3, E5M2
+from amp8.config.gemms import Gemm
+from amp8.ops.gemm import check_fp8_device, check_operands, fp8_mm
+from amp8.quant import scaling
 from conftest import assert_bitwise_equal, assert_sqnr_at_least, cuda_fp8
 
 SHAPES = [(16, 32, 16), (37, 64, 48), (128, 256, 96)]
@@ -25,13 +26,13 @@ def _operands(m: int, k: int, n: int, a_dtype=E4M3, b_dtype=E4M3, power_of_2=Fal
 )
 def test_fp8_gemm_sqnr_against_fp32(m, k, n, a_dtype, b_dtype, floor_db) -> None:
     a, b, a8, b8, sa, sb = _operands(m, k, n, a_dtype, b_dtype)
-    out = fp8_mm(a8, b8.t(), sa, sb, torch.float32, GemmRole.WGRAD)
+    out = fp8_mm(a8, b8.t(), sa, sb, torch.float32, Gemm.WGRAD)
     assert out.shape == (m, n)
     assert_sqnr_at_least(a @ b.t(), out, floor_db)
 
 
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-@pytest.mark.parametrize("role", list(GemmRole))
+@pytest.mark.parametrize("role", list(Gemm))
 def test_equals_dequantize_then_matmul_with_power_of_2_scales(m, k, n, role) -> None:
     _, _, a8, b8, sa, sb = _operands(m, k, n, power_of_2=True)
     out = fp8_mm(a8, b8.t(), sa, sb, torch.float32, role)
@@ -42,7 +43,7 @@ def test_equals_dequantize_then_matmul_with_power_of_2_scales(m, k, n, role) -> 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_out_dtype(out_dtype: torch.dtype) -> None:
     _, _, a8, b8, sa, sb = _operands(16, 32, 16)
-    assert fp8_mm(a8, b8.t(), sa, sb, out_dtype, GemmRole.FPROP).dtype == out_dtype
+    assert fp8_mm(a8, b8.t(), sa, sb, out_dtype, Gemm.FPROP).dtype == out_dtype
 
 
 def _contract_case(case: str):
@@ -72,7 +73,7 @@ CONTRACT_CASES = [
 def test_cuda_contract_is_enforced_on_the_cpu(case: str) -> None:
     a, b, sa, sb, message = _contract_case(case)
     with pytest.raises(ValueError, match=message):
-        fp8_mm(a, b, sa, sb, torch.float32, GemmRole.FPROP)
+        fp8_mm(a, b, sa, sb, torch.float32, Gemm.FPROP)
 
 
 def test_bad_out_dtype() -> None:
@@ -101,6 +102,6 @@ def test_old_cuda_gpu_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_cuda_gemm_matches_cpu(m, k, n) -> None:
     _, _, a8, b8, sa, sb = _operands(m, k, n, power_of_2=True)
-    cpu = fp8_mm(a8, b8.t(), sa, sb, torch.float32, GemmRole.WGRAD)
-    gpu = fp8_mm(a8.cuda(), b8.cuda().t(), sa.cuda(), sb.cuda(), torch.float32, GemmRole.WGRAD)
+    cpu = fp8_mm(a8, b8.t(), sa, sb, torch.float32, Gemm.WGRAD)
+    gpu = fp8_mm(a8.cuda(), b8.cuda().t(), sa.cuda(), sb.cuda(), torch.float32, Gemm.WGRAD)
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=1e-5)

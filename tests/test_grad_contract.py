@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.weight_grad import WeightGrad
+from amp8.tensor.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 FP8_LEVELS = ["O1", "O2", "O3"]
@@ -26,7 +26,7 @@ def _model(level: str, preset: str = "tensorwise") -> tuple[nn.Module, torch.opt
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     recipe = amp8.Recipe.preset(preset)
     if level == "O1-compute":
-        return amp8.initialize(model, optimizer, amp8.levels.FP8_COMPUTE_ONLY, recipe=recipe)
+        return amp8.initialize(model, optimizer, amp8.config.levels.FP8_COMPUTE_ONLY, recipe=recipe)
     return amp8.initialize(model, optimizer, level, recipe=recipe)
 
 

@@ -5,11 +5,14 @@ import torch
 from torch import nn
 
 import amp8
-from amp8 import Granularity, Recipe, RecipeName, _compat, scaling
-from amp8.formats import E4M3, E5M2
-from amp8.gemm import GemmRole, check_operands, fp8_gemm, fp8_mm, fp8_mm_blockwise
+from amp8 import Recipe, _compat
+from amp8.config import Granularity, RecipeName
+from amp8.config.formats import E4M3, E5M2
+from amp8.config.gemms import Gemm
 from amp8.nn import Fp8Linear, TensorRole
-from amp8.tensor import ScaledTensor
+from amp8.ops.gemm import check_operands, fp8_gemm, fp8_mm, fp8_mm_blockwise
+from amp8.quant import scaling
+from amp8.tensor.scaled import ScaledTensor
 from conftest import assert_bitwise_equal, assert_checkpoint_round_trips, assert_sqnr_at_least
 from conftest import linear_pair as _pair
 
@@ -103,7 +106,7 @@ def test_cpu_rowwise_scaled_mm_accepts_float32_and_equals_dequantize_then_matmul
 def test_rowwise_gemm_is_the_bf16_rounding_of_the_exact_product(m, k, n, out_dtype) -> None:
     a = _operand(torch.randn(m, k), (1, k), 0)
     b = _operand(torch.randn(n, k), (1, k), 0, E5M2).t()
-    out = fp8_gemm(a, b, out_dtype, GemmRole.FPROP)
+    out = fp8_gemm(a, b, out_dtype, Gemm.FPROP)
     assert out.dtype == out_dtype
     exact = a.dequantize() @ b.dequantize()
     assert_bitwise_equal(out, exact.bfloat16().to(out_dtype))
@@ -138,7 +141,7 @@ def test_block_gemm_equals_a_plain_sum_over_k_blocks(m, k, n) -> None:
     x, w = torch.randn(m, k), torch.randn(n, k)
     a = _operand(x, (1, 128), 128)
     b = _operand(w, (128, 128), 128).t()  # (K, N) column-major: a contiguous (N, K) transposed
-    out = fp8_gemm(a, b, torch.float32, GemmRole.FPROP)
+    out = fp8_gemm(a, b, torch.float32, Gemm.FPROP)
     assert_bitwise_equal(out, _plain_block_gemm(a, b, 128))
     assert_sqnr_at_least(x @ w.t(), out, 25.0)
     torch.testing.assert_close(out, a.dequantize() @ b.dequantize(), atol=1e-4, rtol=1e-5)
@@ -148,10 +151,10 @@ def test_block_gemm_rejects_scales_that_do_not_pair_up() -> None:
     a8 = torch.randn(32, 256).to(E4M3)
     b8 = torch.randn(48, 256).to(E4M3).t()
     with pytest.raises(ValueError, match=r"needs scales of shapes \(32, 2\) and \(2, 48\)"):
-        fp8_mm_blockwise(a8, b8, torch.ones(32, 3), torch.ones(2, 48), 128, torch.float32, GemmRole.FPROP)
+        fp8_mm_blockwise(a8, b8, torch.ones(32, 3), torch.ones(2, 48), 128, torch.float32, Gemm.FPROP)
     with pytest.raises(ValueError, match="do not pair up along K"):
         fp8_gemm(ScaledTensor(a8, torch.ones(32, 2), 128), ScaledTensor(b8, torch.ones(3, 48), 128),
-                 torch.float32, GemmRole.FPROP)
+                 torch.float32, Gemm.FPROP)
 
 
 def test_block_path_keeps_the_cuda_contract_per_k_block() -> None:
@@ -159,8 +162,8 @@ def test_block_path_keeps_the_cuda_contract_per_k_block() -> None:
     b8 = torch.randn(48, 256).to(E4M3)  # row-major (K, N) after .t(): the wrong layout
     with pytest.raises(ValueError, match="column-major"):
         fp8_mm_blockwise(a8, b8.t().contiguous(), torch.ones(32, 2), torch.ones(2, 48), 128,
-                         torch.float32, GemmRole.FPROP)
-    assert fp8_mm(a8, b8.t(), torch.ones(()), torch.ones(()), torch.float32, GemmRole.FPROP).shape == (32, 48)
+                         torch.float32, Gemm.FPROP)
+    assert fp8_mm(a8, b8.t(), torch.ones(()), torch.ones(()), torch.float32, Gemm.FPROP).shape == (32, 48)
 
 
 # -- Fp8Linear ----------------------------------------------------------------------------

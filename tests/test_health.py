@@ -1,4 +1,4 @@
-"""Health signals of FP8 casts (amp8.health): exact counts on built tensors, and which
+"""Health signals of FP8 casts (amp8.quant.health): exact counts on built tensors, and which
 GEMM operands an Fp8Linear watches at every granularity and override."""
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.formats import E4M3, E5M2, max_value
-from amp8.health import GemmOperand, Signal, block_cast_health, cast_health, clip_limit, new_health, record_health
+from amp8.config.formats import E4M3, E5M2, max_value
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import CastRule, Quantizer, TensorRole
-from amp8 import microscaling, scaling
+from amp8.quant import scaling
+from amp8.quant.health import (
+    GemmOperand, Signal, block_cast_health, cast_health, clip_limit, new_health, record_health,
+)
+from amp8.tensor import block_scaled as microscaling
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])

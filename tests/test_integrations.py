@@ -19,8 +19,8 @@ from torch import nn
 
 import amp8
 import multiprocess
-from amp8.stored_weight import is_fp8_weight
-from amp8.weight_grad import WeightGrad
+from amp8.tensor.stored import is_fp8_weight
+from amp8.tensor.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal
 
 LEVELS = ["O1", "O2"]

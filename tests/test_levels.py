@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 import amp8
-from amp8.levels import O0, O1, O2, O3, Precision, override, resolve_level
+from amp8.config.levels import O0, O1, O2, O3, Precision, override, resolve_level
 
 
 def test_levels_map_names_to_frozen_rows() -> None:

@@ -2,11 +2,12 @@ import pytest
 import torch
 from torch import nn
 
-from amp8 import Recipe, scaling
-from amp8.formats import E4M3, E5M2, max_value
-from amp8.levels import Precision
+from amp8 import Recipe
+from amp8.config.formats import E4M3, E5M2, max_value
+from amp8.config.levels import Precision
 from amp8.nn import Fp8Linear, TensorRole
-from amp8.weight_grad import WeightGrad
+from amp8.quant import scaling
+from amp8.tensor.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 from conftest import linear_pair as _pair
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.memory import count_saved_bytes, is_parameter_copy, persistent_storages
 from amp8.nn import Fp8Linear
+from amp8.nn.memory import count_saved_bytes, is_parameter_copy, persistent_storages
 
 SHAPES = [(8, 32, 64), (16, 64, 128)]  # (tokens, in, hidden)
 

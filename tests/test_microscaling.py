@@ -1,10 +1,12 @@
-"""MXFP8 and NVFP4 quantize/dequantize, E8M0 scales and FP4 packing (amp8.microscaling)."""
+"""MXFP8 and NVFP4 quantize/dequantize, E8M0 scales and FP4 packing (amp8.tensor.block_scaled)."""
 
 import pytest
 import torch
 
-from amp8 import formats, microscaling, noise, scaling
-from amp8.formats import E4M3, E5M2, E8M0, FP4_MAX
+from amp8.config import formats
+from amp8.config.formats import E4M3, E5M2, E8M0, FP4_MAX
+from amp8.quant import noise, scaling
+from amp8.tensor import block_scaled as microscaling
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

@@ -4,7 +4,7 @@ the same bits, equal to the hash computed on Python ints."""
 import pytest
 import torch
 
-from amp8 import noise
+from amp8.quant import noise
 
 
 def _int64_uniform(numel: int, key: int) -> torch.Tensor:

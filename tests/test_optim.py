@@ -4,11 +4,11 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.formats import E4M3
+from amp8.config.formats import E4M3
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
-from amp8.scaling import sqnr
-from amp8.tensor import ScaledTensor
+from amp8.quant.scaling import sqnr
+from amp8.tensor.scaled import ScaledTensor
 from conftest import assert_bitwise_equal, resume_from_checkpoint, train_steps
 
 HYPERPARAMETERS = {

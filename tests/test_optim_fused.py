@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 import amp8
-from amp8 import noise, scaling
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
 from amp8.optim import state as state_storage
 from amp8.optim.fused import COMPILE_OPTIONS
-from amp8.scaling import sqnr
+from amp8.quant import noise, scaling
+from amp8.quant.scaling import sqnr
 from conftest import assert_bitwise_equal, resume_from_checkpoint, train_steps
 
 STEPS = 4
@@ -207,7 +207,7 @@ def test_rounding_key_needs_non_negative_arguments() -> None:
 
 
 def test_quantize_stochastic_rejects_a_generator() -> None:
-    with pytest.raises(TypeError, match="counter-based: pass amp8.noise.rounding_key"):
+    with pytest.raises(TypeError, match="counter-based: pass amp8.quant.noise.rounding_key"):
         scaling.quantize_stochastic(torch.ones(4), torch.ones(()), torch.float16, torch.Generator())
 
 

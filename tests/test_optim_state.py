@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from amp8.levels import Precision
+from amp8.config.levels import Precision
 from amp8.optim import state as storage
-from amp8 import noise, scaling
+from amp8.quant import noise, scaling
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 

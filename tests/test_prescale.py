@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import multiprocess
-from amp8 import scaling
-from amp8.comm import fp8_all_reduce_mean
-from amp8.comm.fp8_collectives import _quantize_pieces
-from amp8.comm.layout import ShardLayout
-from amp8.formats import E4M3, E5M2
+from amp8.config.formats import E4M3, E5M2
+from amp8.distributed import fp8_all_reduce_mean
+from amp8.distributed.fp8_collectives import _quantize_pieces
+from amp8.distributed.layout import ShardLayout
+from amp8.quant import scaling
 from conftest import assert_bitwise_equal, load_bench
 
 prescale = load_bench("prescale")

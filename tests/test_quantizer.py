@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from amp8 import Recipe, scaling
-from amp8.formats import E4M3, E5M2
-from amp8.levels import Precision
+from amp8 import Recipe
+from amp8.config.formats import E4M3, E5M2
+from amp8.config.levels import Precision
 from amp8.nn import CastRule, Fp8Linear, LinearQuantizers, Quantizer, TensorRole
 from amp8.nn.function import LinearGemmConfig, _Fp8LinearFunction
-from amp8.tensor import ScaledTensor
+from amp8.quant import scaling
+from amp8.tensor.scaled import ScaledTensor
 from conftest import assert_bitwise_equal
 
 FORMATS = ["HYBRID", "E4M3"]

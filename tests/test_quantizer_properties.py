@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from amp8 import scaling
-from amp8.formats import E4M3, E5M2
+from amp8.config.formats import E4M3, E5M2
+from amp8.quant import scaling
 
 FORMATS = [E4M3, E5M2, torch.float16]
 # Each granularity: ("tiles", tile of quantize_tiles: None, "row" or (rows, columns))

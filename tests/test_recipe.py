@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from amp8 import AmaxAlgo, Fp8Format, Recipe, Scaling
-from amp8.formats import forward_dtype, gradient_dtype, max_margin, max_value
+from amp8 import Recipe
+from amp8.config import AmaxAlgo, Fp8Format, Scaling
+from amp8.config.formats import forward_dtype, gradient_dtype, max_margin, max_value
 
 
 def test_defaults() -> None:

@@ -6,7 +6,7 @@ from rich.console import Console
 from torch import nn
 
 import amp8
-from amp8.formats import E4M3, max_value
+from amp8.config.formats import E4M3, max_value
 
 
 def _model() -> nn.Module:
@@ -139,7 +139,7 @@ def test_tied_weight_row_says_why_it_stays_high_precision() -> None:
 
 def test_from_dict_round_trips() -> None:
     report = amp8.report(*_trained())
-    again = amp8.PrecisionReport.from_dict(json.loads(report.to_json()))
+    again = amp8.monitor.PrecisionReport.from_dict(json.loads(report.to_json()))
     assert again.to_dict() == report.to_dict()
 
 
@@ -161,7 +161,7 @@ def test_highlights_refuses_a_bad_count(top: object) -> None:
 @pytest.mark.parametrize("data", [[], {"runs": []}, {"rows": "0.weight"}])
 def test_from_dict_refuses_what_to_dict_does_not_write(data: object) -> None:
     with pytest.raises(ValueError, match="needs a dict with a list of 'rows'"):
-        amp8.PrecisionReport.from_dict(data)  # type: ignore[arg-type]
+        amp8.monitor.PrecisionReport.from_dict(data)  # type: ignore[arg-type]
 
 
 class _Attention(nn.Module):
@@ -196,5 +196,5 @@ def test_activation_bytes_per_token_sit_beside_bytes_per_param(activations: str)
     measured = saved.per_token(x.shape[0])
     report = amp8.report(model, optimizer, activation_bytes_per_token=measured)
     assert f"{measured:,.0f} activation bytes/token" in report.summary()
-    again = amp8.PrecisionReport.from_dict(json.loads(report.to_json()))
+    again = amp8.monitor.PrecisionReport.from_dict(json.loads(report.to_json()))
     assert again.activation_bytes_per_token == measured

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from amp8 import microscaling, scale_layout
-from amp8.formats import E4M3, E5M2, E8M0, FP4
-from amp8.block_scaled_gemm import block_scaled_mm, check_block_scaled_operands
-from amp8.scaling import sqnr
+from amp8.config.formats import E4M3, E5M2, E8M0, FP4
+from amp8.ops.block_scaled import block_scaled_mm, check_block_scaled_operands
+from amp8.quant import scale_layout
+from amp8.quant.scaling import sqnr
+from amp8.tensor import block_scaled as microscaling
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 SCALE_SHAPES = [(128, 4), (200, 7), (300, 33), (1, 1), (37, 2)]

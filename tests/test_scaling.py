@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from amp8 import scaling
-from amp8.formats import E4M3, E5M2, max_value
-from amp8.recipe import AmaxAlgo
+from amp8.config.formats import E4M3, E5M2, max_value
+from amp8.config.recipe import AmaxAlgo
+from amp8.quant import scaling
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 FP8 = [E4M3, E5M2]

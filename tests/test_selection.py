@@ -7,7 +7,7 @@ from torch import nn
 
 import amp8
 from amp8.nn import Fp8Linear
-from amp8.selection import DEFAULT_RULES, SpeedRule, resolve_selection
+from amp8.nn.selection import DEFAULT_RULES, SpeedRule, resolve_selection
 
 RULE = SpeedRule(min_features=64, min_weight_elements=64 * 128, source="test")
 

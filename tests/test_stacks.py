@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.comm import DataParallelGroup, fp8_compress_hook
-from amp8.weight_grad import WeightGrad
+from amp8.distributed import DataParallelGroup, fp8_compress_hook
+from amp8.tensor.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 from multiprocess import run
 
@@ -92,7 +92,7 @@ def test_fp8_compute_only_trains_with_sgd_and_plain_gradients() -> None:
     reference = _model()
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = amp8.initialize(model, sgd, amp8.levels.FP8_COMPUTE_ONLY, recipe=amp8.Recipe())
+    model, optimizer = amp8.initialize(model, sgd, amp8.config.levels.FP8_COMPUTE_ONLY, recipe=amp8.Recipe())
     assert optimizer is sgd and isinstance(model[0], amp8.nn.Fp8Linear)
     x = torch.randn(8, 32)
     assert_sqnr_at_least(reference(x), model(x), 18.0)

@@ -14,13 +14,14 @@ from rich.console import Console
 from torch import nn
 
 import amp8
-from amp8.cli import main
-from amp8.experiments.compare import JSON_NAME, CompareConfig, RunSpec, train_run, validation_batches
-from amp8.experiments.corpus import CorpusConfig, load_corpus, sample_batch
-from amp8.experiments.gpt import GPT, PRESETS
-from amp8.experiments.stress import (IGNORE_INDEX, OutlierInjection, OutlierStress, UnderflowProbe,
-                                     mask_position, stressed_layer, underflow_share)
 from amp8.nn import Fp8Linear
+from amp8.tools.cli import main
+from amp8.tools.experiments.compare import JSON_NAME, CompareConfig, RunSpec, train_run, validation_batches
+from amp8.tools.experiments.corpus import CorpusConfig, load_corpus, sample_batch
+from amp8.tools.experiments.gpt import GPT, PRESETS
+from amp8.tools.experiments.stress import (
+    IGNORE_INDEX, OutlierInjection, OutlierStress, UnderflowProbe, mask_position, stressed_layer, underflow_share,
+)
 from conftest import load_bench
 
 TINY = PRESETS["tiny"]

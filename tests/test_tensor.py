@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from amp8.formats import E4M3, E5M2
-from amp8.tensor import ScaledTensor
+from amp8.config.formats import E4M3, E5M2
+from amp8.tensor.scaled import ScaledTensor
 from conftest import assert_sqnr_at_least
 
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from amp8.formats import E4M3, E5M2
-from amp8.weight_grad import GradLayout, WeightGrad
+from amp8.config.formats import E4M3, E5M2
+from amp8.tensor.weight_grad import GradLayout, WeightGrad
 
 Op = Callable[..., Any]
 

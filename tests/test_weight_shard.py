@@ -13,8 +13,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import amp8
 import multiprocess
-from amp8.comm.fp8_collectives import WireStats
-from amp8.comm.weight_shard import Fp8WeightShard
+from amp8.distributed.fp8_collectives import WireStats
+from amp8.distributed.weight_shard import Fp8WeightShard
 
 E4M3 = torch.float8_e4m3fn
 AMP8_SOURCES = Path(amp8.__file__).resolve().parent

@@ -1,33 +1,20 @@
-"""FP8 communication for data parallelism over stock torch.distributed."""
+"""Deprecated: ``amp8.comm`` is now ``amp8.distributed``; this alias goes in the next
+release. Importing it (or one of its modules, e.g. ``amp8.comm.fsdp``) warns once and
+gives the module under its new name."""
 
-from .data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from .ddp import fp8_compress_hook
-from .fp8_collectives import WIRE_DTYPE, WireStats, fp8_all_gather, fp8_all_reduce_mean, fp8_reduce_scatter_mean
-from .layout import ShardLayout
-from .reduction import GradientReduction
-from ..validation import removed_name
+import importlib
+import sys
+import warnings
 
-_REMOVED = {
-    "DataParallel": "use amp8.comm.DataParallelGroup (a process group and its byte counter); amp8.initialize "
-    "builds it, and the model goes into torch's DistributedDataParallel after initialize",
-}
+warnings.warn(
+    "amp8.comm is deprecated and will be removed in the next release; import amp8.distributed instead",
+    DeprecationWarning, stacklevel=2,
+)
 
+from amp8.distributed import *  # noqa: E402,F401,F403  (the old namespace, unchanged)
+from amp8.distributed import __all__  # noqa: E402,F401
 
-def __getattr__(name: str) -> object:
-    """Removed names fail naming what replaces them."""
-    raise removed_name("amp8.comm", name, _REMOVED, module=True)
-
-
-__all__ = [
-    "DataParallelGroup",
-    "GradientReduction",
-    "ShardLayout",
-    "WIRE_DTYPE",
-    "WireStats",
-    "broadcast_module",
-    "fp8_compress_hook",
-    "fp8_all_gather",
-    "fp8_all_reduce_mean",
-    "fp8_reduce_scatter_mean",
-    "process_group_size",
-]
+_MODULES = ("agreement", "buckets", "data_parallel", "ddp", "fp8_collectives", "fsdp", "layout", "reduction")
+_TARGETS = {**{name: f"amp8.distributed.{name}" for name in _MODULES}, "weight_shard": "amp8.distributed.weight_shard"}
+for _name, _target in _TARGETS.items():
+    globals()[_name] = sys.modules[f"{__name__}.{_name}"] = importlib.import_module(_target)

@@ -1,13 +1,14 @@
 """FP8 layers and the module swap that installs them."""
 
-from .embedding import LowBitEmbedding
-from .linear import Fp8Linear
-from .quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
-from .stored_module import StoredWeightModule
-from .swap import (
-    ModuleFilter, embedding_reason, high_precision_reason, shared_weight_names, swap_embeddings, swap_linear_layers,
+from amp8.config.validation import removed_name
+from amp8.nn.embedding import LowBitEmbedding
+from amp8.nn.linear import Fp8Linear
+from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
+from amp8.nn.stored_module import StoredWeightModule
+from amp8.nn.swap import (
+    ModuleFilter, embedding_reason, high_precision_reason, shared_weight_names, swap_embeddings,
+    swap_linear_layers,
 )
-from ..validation import removed_name
 
 _REMOVED = {"Slot": "use amp8.nn.TensorRole (INPUT, WEIGHT, GRAD_OUTPUT), which Fp8Linear.cast and friends take"}
 

@@ -17,12 +17,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..levels import Precision
-from ..recipe import Recipe, WeightGradScaling
-from ..tensor import ScaledTensor
-from ..weight_grad import GradLayout, WeightGrad, WeightGradInFlight
-from .stored_module import StoredWeightModule
-from .swap import embedding_reason
+from amp8.config.levels import Precision
+from amp8.config.recipe import Recipe, WeightGradScaling
+from amp8.nn.stored_module import StoredWeightModule
+from amp8.nn.swap import embedding_reason
+from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.weight_grad import GradLayout, WeightGrad, WeightGradInFlight
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from ..gemm import GemmRole, fp8_gemm
-from ..health import GemmOperand
-from ..recipe import ActivationFormat, Granularity, Recipe
-from ..tensor import ScaledTensor
-from ..weight_grad import GradLayout, WeightGrad, WeightGradInFlight
-from .quantizer import LinearQuantizers
+from amp8.config.gemms import Gemm
+from amp8.config.recipe import ActivationFormat, Granularity, Recipe
+from amp8.nn.quantizer import LinearQuantizers
+from amp8.ops.gemm import fp8_gemm
+from amp8.quant.health import GemmOperand
+from amp8.quant.scale_layout import GEMM_ALIGNMENT
+from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.weight_grad import GradLayout, WeightGrad, WeightGradInFlight
 
-_GEMM_ALIGNMENT = 16
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class LinearGemmConfig:
             (the layer is training).
         out_dtype: the dtype of the output.
         watch_health: every GEMM operand's cast (or, for a GEMM in high precision, the
-            cast it would get) writes its health signals (see ``amp8.health``).
+            cast it would get) writes its health signals (see ``amp8.quant.health``).
         grad_layout: how the FP8 weight gradient is stored (the stored weight's
             ``grad_layout``); None where it is not FP8.
         wgrad_outlier_share: the share of tokens whose wgrad contribution runs in
@@ -168,7 +169,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x8 = quantizers.input.cast(
                 x2, record=True, update_history=config.update_history, watch=config.input_operands
             )
-            y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, GemmRole.FPROP)  # type: ignore[union-attr]
+            y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, Gemm.FPROP)  # type: ignore[union-attr]
         y = y.view(*x.shape[:-1], config.out_features)
         if bias is not None:  # the sum is a new tensor, not a view (FSDP2 warns of views)
             y = y + bias.to(config.out_dtype)
@@ -216,7 +217,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 w8: ScaledTensor = ctx.w8_dgrad
                 grad_x = fp8_gemm(
                     g8.with_data(g8.data.contiguous()), w8.with_data(_column_major(w8.data)),  # type: ignore[union-attr]
-                    ctx.x_dtype, GemmRole.DGRAD,
+                    ctx.x_dtype, Gemm.DGRAD,
                 )
             grad_x = grad_x.reshape(ctx.x_shape)
 
@@ -259,28 +260,28 @@ def _weight_grad(
     if config.high_wgrad:
         if config.watch_health and not config.tensorwise:  # tensorwise: watched with the first casts
             # The casts the FP8 path below would make, padded alike.
-            quantizers.grad_output.watch(_pad_rows(g2, _GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
-            quantizers.input.watch(_pad_rows(_real(wgrad_input), _GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
+            quantizers.grad_output.watch(_pad_rows(g2, GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
+            quantizers.input.watch(_pad_rows(_real(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
         return g2.float().t() @ _real(wgrad_input)
     outliers = None
     if config.tensorwise:
         x8: ScaledTensor = wgrad_input  # type: ignore[assignment]
-        g_rows = g8.with_data(_pad_rows(g8.data, _GEMM_ALIGNMENT))  # type: ignore[union-attr]
-        x_rows = x8.with_data(_pad_rows(x8.data, _GEMM_ALIGNMENT))
+        g_rows = g8.with_data(_pad_rows(g8.data, GEMM_ALIGNMENT))  # type: ignore[union-attr]
+        x_rows = x8.with_data(_pad_rows(x8.data, GEMM_ALIGNMENT))
     else:  # scales along the token dim M, which wgrad contracts
         x2 = _real(wgrad_input)  # the forward's FP8 input is re-cast from its values
         if config.wgrad_outlier_share:
             outliers, x2, g2 = split_outlier_tokens(x2, g2, config.wgrad_outlier_share)
         g_rows = quantizers.grad_output.cast(
-            _pad_rows(g2, _GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_GRAD_OUTPUT)
+            _pad_rows(g2, GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_GRAD_OUTPUT)
         )
         x_rows = quantizers.input.cast(
-            _pad_rows(x2, _GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_INPUT)
+            _pad_rows(x2, GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_INPUT)
         )
     g_t = g_rows.t()  # (N, M)
     grad_w = fp8_gemm(
         g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
-        torch.float32, GemmRole.WGRAD,
+        torch.float32, Gemm.WGRAD,
     )
     return grad_w if outliers is None else grad_w + outliers
 

@@ -2,7 +2,7 @@
 
 The layer reuses the caller's ``weight`` and ``bias`` Parameters. The weight's data is
 stored as FP16 (O1, O2) or FP8 (O3) holding ``w * weight_scale``; ``weight_scale`` is a
-buffer beside it. ``layer.stored_weight`` (an ``amp8.StoredWeight``) is the one place that
+buffer beside it. ``layer.stored_weight`` (an ``amp8.tensor.StoredWeight``) is the one place that
 knows that storage. Backward returns the weight gradient to autograd as the weight's own
 gradient, a ``WeightGrad`` (FP8 data + scales, the gradient of the real weight): it lands
 in ``weight.grad``, where hooks, torch's ``zero_grad`` and ``clip_grad_norm_`` find it.
@@ -17,16 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _compat
-from ..checks import check_loaded_history, check_loaded_scales
-from ..health import Gemm, GemmOperand, new_health
-from ..hadamard import random_hadamard
-from ..levels import Precision
-from ..recipe import GRANULARITY_LADDER, Granularity, Recipe
-from ..tensor import ScaledTensor
-from .function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
-from .quantizer import LinearQuantizers, TensorRole
-from .stored_module import StoredWeightModule, recipe_record, saved_recipe
+from amp8 import _compat
+from amp8.config.levels import Precision
+from amp8.config.recipe import GRANULARITY_LADDER, Granularity, Recipe
+from amp8.nn.function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
+from amp8.nn.quantizer import LinearQuantizers, TensorRole
+from amp8.nn.stored_module import StoredWeightModule, recipe_record, saved_recipe
+from amp8.quant.checks import check_loaded_history, check_loaded_scales
+from amp8.quant.hadamard import random_hadamard
+from amp8.quant.health import Gemm, GemmOperand, new_health
+from amp8.tensor.scaled import ScaledTensor
 
 OUTLIER_SPLIT = 2
 """wgrad's entry in ``gemm_precision`` where only its outlier tokens run in high precision."""
@@ -54,7 +54,7 @@ class Fp8Linear(StoredWeightModule):
             under ``Recipe(wgrad_hadamard=True)``.
 
     A non-persistent ``health`` buffer (operands, signals) receives the health signals
-    of the casts while ``watch_health`` is True (see ``amp8.health``); ``gemm_moves``
+    of the casts while ``watch_health`` is True (see ``amp8.quant.health``); ``gemm_moves``
     lists the changes ``amp8.Controller`` made to ``gemm_precision``.
 
     ``quantizers`` (a ``LinearQuantizers``) casts each tensor role to FP8 and writes
@@ -81,7 +81,7 @@ class Fp8Linear(StoredWeightModule):
         self.register_buffer("health", new_health(device), persistent=False)
         self.register_buffer("gemm_precision", torch.zeros(4, dtype=torch.int64, device=device))
         self.watch_health = False
-        self.gemm_moves: list[Any] = []  # the ``amp8.controller.Move``s of this layer
+        self.gemm_moves: list[Any] = []  # the ``amp8.monitor.controller.Move``s of this layer
         self.gemm_recipe = recipe
         if recipe.wgrad_hadamard:
             self.register_buffer("hadamard", random_hadamard().to(device))

@@ -14,12 +14,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import hadamard, microscaling, scaling
-from ..formats import FP4, forward_dtype, gradient_dtype
-from ..health import GemmOperand, block_cast_health, cast_health, record_health
-from ..microscaling import BlockScaledTensor
-from ..recipe import AmaxAlgo, Granularity, Microscaling, Recipe, Scaling, operand_tile
-from ..tensor import ScaledTensor
+from amp8.config.formats import FP4, forward_dtype, gradient_dtype
+from amp8.config.recipe import AmaxAlgo, Granularity, Microscaling, Recipe, Scaling, operand_tile
+from amp8.quant import hadamard, scaling
+from amp8.quant.health import GemmOperand, block_cast_health, cast_health, record_health
+from amp8.tensor import block_scaled as microscaling
+from amp8.tensor.block_scaled import BlockScaledTensor
+from amp8.tensor.scaled import ScaledTensor
 
 
 class TensorRole(IntEnum):
@@ -37,11 +38,11 @@ class CastRule:
 
     Attributes:
         dtype: the FP8 dtype of the cast.
-        scaling: where the scale comes from (see ``amp8.Scaling``).
+        scaling: where the scale comes from (see ``amp8.config.Scaling``).
         margin: scales are divided by ``2**margin``.
         power_of_2: scales are rounded down to a power of two.
         amax_algo: how delayed scaling reduces the amax history.
-        granularity: how many scales a cast takes (see ``amp8.Granularity``).
+        granularity: how many scales a cast takes (see ``amp8.config.Granularity``).
         block_size: the recipe's tile edge under "block".
         square_blocks: the role takes ``block_size`` squares under "block" (weights).
         microscaled: casts give ``BlockScaledTensor`` in the microscaled format of
@@ -107,12 +108,12 @@ class Quantizer:
             role that records nothing (the weight gradient).
         histories: the layer's ``amax_history`` buffer, or None likewise.
         row: the role's row in ``scales`` and ``histories``.
-        health: the layer's ``health`` buffer (see ``amp8.health``), or None: casts
+        health: the layer's ``health`` buffer (see ``amp8.quant.health``), or None: casts
             asked to watch their operands write their signals there (a microscaled
             cast through ``block_cast_health``).
         rotation: the layer's random Hadamard matrix (``Recipe.wgrad_hadamard``): a
             microscaled cast for wgrad (``contract_dim=0``) casts ``Q^T x`` instead of
-            ``x`` (see ``amp8.hadamard``), for the input and output gradient alike, so
+            ``x`` (see ``amp8.quant.hadamard``), for the input and output gradient alike, so
             wgrad's product is unchanged.
     """
 
@@ -160,7 +161,7 @@ class Quantizer:
         With ``record``, the scale (the smallest, under fine-grained granularities) goes
         to the role's row of ``scales`` and, with ``update_history`` too, the amax to its
         history, both in place; an empty ``x`` records nothing. The cast's health signals
-        go to the rows of ``health`` named by ``watch`` (see ``amp8.health``).
+        go to the rows of ``health`` named by ``watch`` (see ``amp8.quant.health``).
         """
         if self.rule.microscaled:
             source = self._block_source(x, contract_dim)

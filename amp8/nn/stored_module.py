@@ -2,7 +2,7 @@
 
 A layer whose weight amp8 stores scaled (``Fp8Linear``, ``LowBitEmbedding``) holds the
 caller's ``weight`` Parameter with ``w * weight_scale`` in it, the ``weight_scale``
-buffer, and an ``amp8.StoredWeight`` handle that the optimizer, clipping and the
+buffer, and an ``amp8.tensor.StoredWeight`` handle that the optimizer, clipping and the
 gradient reduction go through. Backward returns each new FP8 weight gradient, a
 ``WeightGrad``, to autograd as the gradient of the ``weight`` Parameter itself, or of a
 stand-in where the Parameter cannot take it (see ``_grad_target``).
@@ -16,12 +16,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..checks import check_loaded_scales
-from ..levels import Precision
-from ..recipe import Recipe
-from ..stored_weight import StoredWeight, stored_weight
-from ..tensor import ScaledTensor
-from ..weight_grad import WeightGrad, WeightGradInFlight
+from amp8.config.levels import Precision
+from amp8.config.recipe import Recipe
+from amp8.quant.checks import check_loaded_scales
+from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.stored import StoredWeight, stored_weight
+from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
 
 
 class StoredWeightModule(nn.Module):
@@ -131,7 +131,7 @@ class StoredWeightModule(nn.Module):
             self.stored_weight.mark(self.weight)
         self._build_grad_routes()
 
-    # -- weight storage (see ``amp8.StoredWeight``) ------------------------------------
+    # -- weight storage (see ``amp8.tensor.StoredWeight``) ------------------------------------
     @property
     def weight_storage(self) -> Precision:
         """How the weight is stored: ``Precision.FP16``, ``Precision.FP8`` or ``AS_IS``."""
@@ -149,7 +149,7 @@ class StoredWeightModule(nn.Module):
 
     def read_weight(self) -> torch.Tensor:
         """The weight's real values in float32 (this rank's rows, outside forward and
-        backward, when FSDP2 shards the weight: see ``amp8.comm.fsdp``)."""
+        backward, when FSDP2 shards the weight: see ``amp8.distributed.fsdp``)."""
         return self.stored_weight.read()
 
     def write_weight(self, real_weight: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
@@ -165,7 +165,7 @@ class StoredWeightModule(nn.Module):
     @property
     def weight_grad(self) -> ScaledTensor | None:
         """The weight gradient as FP8 + scales, or None: the FP8 tensors inside
-        ``weight.grad`` (see ``amp8.StoredWeight.grad``). Assign None to clear it, or a
+        ``weight.grad`` (see ``amp8.tensor.StoredWeight.grad``). Assign None to clear it, or a
         ``ScaledTensor`` of the gradient's dtype, shape and scale layout to replace it."""
         return self.stored_weight.grad()
 

@@ -11,12 +11,12 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..selection import LayerSelection, resolve_selection
+from amp8.nn.selection import LayerSelection, resolve_selection
+from amp8.quant.scale_layout import GEMM_ALIGNMENT
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 """``fn(module, fqn) -> bool``: True to run the layer named ``fqn`` in FP8."""
 
-_GEMM_ALIGNMENT = 16
 
 
 def shared_weight_names(model: nn.Module) -> dict[int, list[str]]:
@@ -36,10 +36,10 @@ def high_precision_reason(linear: nn.Linear, shared: dict[int, list[str]]) -> st
     must belong to this layer alone (FP8 layers re-store it, a tied user would see that).
     """
     reasons = []
-    if linear.in_features % _GEMM_ALIGNMENT:
-        reasons.append(f"in_features={linear.in_features} is not a multiple of {_GEMM_ALIGNMENT}")
-    if linear.out_features % _GEMM_ALIGNMENT:
-        reasons.append(f"out_features={linear.out_features} is not a multiple of {_GEMM_ALIGNMENT}")
+    if linear.in_features % GEMM_ALIGNMENT:
+        reasons.append(f"in_features={linear.in_features} is not a multiple of {GEMM_ALIGNMENT}")
+    if linear.out_features % GEMM_ALIGNMENT:
+        reasons.append(f"out_features={linear.out_features} is not a multiple of {GEMM_ALIGNMENT}")
     names = shared.get(id(linear.weight))
     if names:
         reasons.append(f"weight is shared ({', '.join(names)})")
@@ -103,7 +103,7 @@ def swap_linear_layers(
     ``module_filter(module, fqn)`` with its full dotted name. A layer FP8 cannot run
     (see ``high_precision_reason``) is never swapped, whatever the filter says; nor is
     one that the speed rule of ``layer_selection`` (for the device the layer's weight is
-    on, see ``amp8.selection``) finds too small to gain from FP8, nor one whose name
+    on, see ``amp8.nn.selection``) finds too small to gain from FP8, nor one whose name
     matches an ``fnmatch`` pattern of ``high_precision_layers`` (``Recipe``'s), nor,
     with ``keep_output_heads``, the model's output head (see ``output_heads``).
 

@@ -1,9 +1,9 @@
 """Low-bit Adam / AdamW for amp8 models."""
 
-from .adam import LowBitAdam
-from .checkpoint import to_torch_state_dict
-from .clip import clip_grad_norm_
-from .support import SUPPORTED_OPTIMIZERS, check_state_precision, check_supported
+from amp8.optim.adam import LowBitAdam
+from amp8.optim.checkpoint import to_torch_state_dict
+from amp8.optim.clip import clip_grad_norm_
+from amp8.optim.support import SUPPORTED_OPTIMIZERS, check_state_precision, check_supported
 
 __all__ = [
     "SUPPORTED_OPTIMIZERS",

@@ -8,11 +8,11 @@ master weights (O3). A step with any non-finite gradient changes nothing and is 
 in ``skipped_steps``.
 
 The optimizer does Adam and nothing else: it reaches FP8 layers' weights only through
-their ``amp8.StoredWeight`` handles, and in data parallel it calls a
-``amp8.comm.GradientReduction`` that averages the gradients. Each tensor's update runs
+their ``amp8.tensor.StoredWeight`` handles, and in data parallel it calls a
+``amp8.distributed.GradientReduction`` that averages the gradients. Each tensor's update runs
 either as the reference below (``_update``: one eager torch operation at a time) or
 fused (``amp8/optim/fused.py`` compiled by ``torch.compile``). Stochastic rounding draws
-counter-based noise (``amp8/noise.py``): draw number ``n`` of the optimizer uses
+counter-based noise (``amp8/quant/noise.py``): draw number ``n`` of the optimizer uses
 ``noise.rounding_key(seed, n)``, whichever path runs, so both paths round alike and a
 checkpoint resumes the same noise from ``(seed, n)``.
 """
@@ -26,24 +26,24 @@ from typing import Any, ContextManager, Iterable, Mapping
 import torch
 from torch import nn
 
-from .. import scaling
-from ..comm.data_parallel import DataParallelGroup
-from ..comm.reduction import GradientReduction
-from ..levels import O1, OptLevel, resolve_level
-from ..stored_weight import StoredWeight, float_grad, stored_weight
-from ..tensor import is_sharded
-from . import checkpoint
-from . import fused as fused_step
-from . import state as state_storage
-from .state import MOMENTS
-from .fused import cpp_compiler_found
-from .fused_update import fused_update
-from .stored_state import StoredState
-from .support import (
+from amp8.config.levels import O1, OptLevel, resolve_level
+from amp8.config.validation import removed_name
+from amp8.distributed.data_parallel import DataParallelGroup
+from amp8.distributed.reduction import GradientReduction
+from amp8.optim import checkpoint
+from amp8.optim import fused as fused_step
+from amp8.optim import state as state_storage
+from amp8.optim.fused import cpp_compiler_found
+from amp8.optim.fused_update import fused_update
+from amp8.optim.state import MOMENTS
+from amp8.optim.stored_state import StoredState
+from amp8.optim.support import (
     REMOVED_METHODS, check_hyperparameters, check_options, check_removed_options, check_state_precision,
     check_supported, torch_groups,
 )
-from ..validation import removed_name
+from amp8.quant import scaling
+from amp8.tensor.scaled import is_sharded
+from amp8.tensor.stored import StoredWeight, float_grad, stored_weight
 
 DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
 # From this many parameter elements on, fused=None compiles the step on the CPU too.
@@ -67,7 +67,7 @@ class LowBitAdam(torch.optim.Optimizer):
             one ``amp8.initialize`` found for these weights, if any); at a level that
             shards the optimizer (O3), each rank keeps the master weights and moments of
             its rows of every FP8 layer's weight, whose FP8 data FSDP2 must already shard
-            (``amp8.comm.fsdp.shard_weights``; ``amp8.initialize`` does it).
+            (``amp8.distributed.fsdp.shard_weights``; ``amp8.initialize`` does it).
         overlap_communication: in data parallel, start each bucket's FP8 all-to-all
             during backward, as soon as its gradients are final (else all at ``step``).
         reduction: the ``GradientReduction`` over exactly these parameters to use
@@ -146,7 +146,7 @@ class LowBitAdam(torch.optim.Optimizer):
                 f"opt level {level.name} in data parallel keeps each rank's rows of the FP8 "
                 f"weights, but an FP8 layer's weight of shape {tuple(unsharded[0].shape)} is "
                 "not sharded; let amp8.initialize build the optimizer, or shard the weights "
-                "with amp8.comm.fsdp.shard_weights first"
+                "with amp8.distributed.fsdp.shard_weights first"
             )
         # State is complete from the start, so a fresh optimizer's state_dict has the
         # structure a checkpoint loads into (torch.distributed.checkpoint needs that).
@@ -166,7 +166,7 @@ class LowBitAdam(torch.optim.Optimizer):
         groups (with each Parameter that ``replaced`` maps swapped for its replacement,
         such as the sharded weights FSDP2 puts in place), same hyperparameters.
         ``options`` go to the constructor. The weights of FP8 layers are found from the
-        Parameters themselves (``amp8.stored_weight``).
+        Parameters themselves (``amp8.tensor.stored``).
 
         Raises:
             TypeError: for any other optimizer class.
@@ -205,7 +205,7 @@ class LowBitAdam(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Average every gradient over the data-parallel ranks, FP8 on the wire (see
-        ``amp8.comm.GradientReduction``). ``step`` calls this when needed; call it
+        ``amp8.distributed.GradientReduction``). ``step`` calls this when needed; call it
         yourself before anything that must see averaged gradients, such as clipping."""
         if self.reduction is not None:
             self.reduction.synchronize()

@@ -15,10 +15,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..checks import check_loaded_scales
-from ..levels import OptLevel, Precision
-from . import state as state_storage
-from .state import MOMENTS
+from amp8.config.levels import OptLevel, Precision
+from amp8.optim import state as state_storage
+from amp8.optim.state import MOMENTS
+from amp8.quant.checks import check_loaded_scales
 
 MARKER_KEY = "amp8_low_bit_state"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..stored_weight import stored_weight
-from ..tensor import ScaledTensor
-from .adam import LowBitAdam
+from amp8.optim.adam import LowBitAdam
+from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.stored import stored_weight
 
 
 def _parameters(source: nn.Module | LowBitAdam) -> list[nn.Parameter]:

@@ -5,7 +5,7 @@ scales, or a float tensor), Adam's moments (FP32, or low-bit data and scales), t
 (FP16 with a power-of-two scale, an FP16 master weight, or a float parameter) and 0-d
 tensors holding the step's coefficients and noise key. It returns the new stored tensors
 and changes nothing. It follows ``LowBitAdam``'s per-tensor reference step operation by
-operation, calling the same ``amp8.scaling`` functions, so that compiled (one generated
+operation, calling the same ``amp8.quant.scaling`` functions, so that compiled (one generated
 kernel pass per tensor, plus the amax reductions that the scales need) it agrees with
 the reference up to the compiler's reordering of float32 arithmetic.
 
@@ -26,9 +26,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import noise, scaling
-from ..stored_weight import encode_fp16
-from .state import FIRST_MOMENT_STREAM
+from amp8.optim.state import FIRST_MOMENT_STREAM
+from amp8.quant import noise, scaling
+from amp8.tensor.stored import encode_fp16
 
 
 class Decay(str, Enum):

@@ -10,11 +10,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..formats import E4M3
-from ..stored_weight import StoredWeight
-from . import fused
-from . import state as state_storage
-from .state import MASTER, MOMENTS
+from amp8.config.formats import E4M3
+from amp8.optim import fused
+from amp8.optim import state as state_storage
+from amp8.optim.state import MASTER, MOMENTS
+from amp8.tensor.stored import StoredWeight
 
 
 def fused_update(

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .. import noise, scaling
-from ..formats import E4M3
-from ..levels import Precision
+from amp8.config.formats import E4M3
+from amp8.config.levels import Precision
+from amp8.quant import noise, scaling
 
 _STORAGE_DTYPES = {Precision.FP8: E4M3, Precision.FP16: torch.float16}
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's moments, by their keys in the state

@@ -1,6 +1,6 @@
 """How ``LowBitAdam`` stores each parameter's state and writes its weight, at the
 precisions of one opt level: Adam's moments (``amp8.optim.state`` codecs), O3's FP16
-master weights, and the weight itself through its ``amp8.StoredWeight`` (FP16 with
+master weights, and the weight itself through its ``amp8.tensor.StoredWeight`` (FP16 with
 stochastic rounding, or FP8). The noise of every stochastic rounding is counted here."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import noise
-from ..levels import OptLevel, Precision
-from ..stored_weight import StoredWeight, encode_fp16
-from ..tensor import local_tensor
-from . import state as state_storage
-from .state import MASTER, MOMENTS
+from amp8.config.levels import OptLevel, Precision
+from amp8.optim import state as state_storage
+from amp8.optim.state import MASTER, MOMENTS
+from amp8.quant import noise
+from amp8.tensor.scaled import local_tensor
+from amp8.tensor.stored import StoredWeight, encode_fp16
 
 
 class StoredState:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..levels import OptLevel, Precision
+from amp8.config.levels import OptLevel, Precision
 
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 # Options of torch's Adam that LowBitAdam has no use for (implementation choices).
@@ -80,7 +80,7 @@ def check_options(seed: Any, fused: Any, state_block_size: Any) -> None:
 
 REMOVED_OPTIONS = {
     "fp8_layers": "LowBitAdam finds the FP8 weights among its parameters itself (amp8.initialize attaches "
-    "an amp8.StoredWeight to each): pass model.parameters()",
+    "an amp8.tensor.StoredWeight to each): pass model.parameters()",
 }
 REMOVED_METHODS = {
     "read_weight": "use optimizer.master_weight(param) (the layer's read_weight() is unchanged)",

@@ -1,0 +1,484 @@
+"""The FP8 recipe: how tensors are scaled and cast, independent of the opt level."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from amp8.config.formats import E4M3, E5M2, E8M0, Fp8Format, gradient_dtype, max_margin
+
+MAX_HISTORY_LEN = 1024
+"""The longest amax history: the largest in common use (Transformer Engine's default);
+a longer one reacts to a change of range more slowly still and costs a reduction over it
+per cast."""
+MAX_BLOCK_SIZE = 1024
+"""The largest ``block_size``: weights are padded to whole ``block_size x block_size``
+blocks when their amax is taken, so a larger block costs memory and gains nothing."""
+
+
+class Scaling(str, Enum):
+    """Where a tensor's scale comes from.
+
+    CURRENT: from the tensor's own absolute maximum, just before the cast.
+    DELAYED: from a history of the absolute maxima of earlier iterations.
+    NONE: no scaling at all (scale 1), an ablation that shows why scaling matters.
+    """
+
+    CURRENT = "current"
+    DELAYED = "delayed"
+    NONE = "none"
+
+
+class Granularity(str, Enum):
+    """How many scales a tensor gets.
+
+    TENSORWISE: one scale per tensor.
+    ROWWISE: one scale per row of each GEMM operand, taken along the GEMM's contraction
+        dimension (torchao's "rowwise"/axiswise recipes).
+    BLOCK: one scale per ``1 x block_size`` tile of activations and output gradients
+        (``block_size x 1`` where a GEMM contracts over rows) and per
+        ``block_size x block_size`` block of weights (the DeepSeek-V3 recipe).
+    """
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCK = "block"
+
+
+GRANULARITY_LADDER: tuple[Granularity, ...] = (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCK)
+"""Granularities from coarsest to finest: the rungs ``amp8.Controller`` steps a layer up."""
+
+
+class WeightGradFormat(str, Enum):
+    """The FP8 dtype a stored weight gradient takes.
+
+    GRADIENT: the recipe's gradient dtype (E5M2 under HYBRID, E4M3 under E4M3).
+    E4M3: E4M3 (one more mantissa bit than E5M2; its scales give the range).
+    E5M2: E5M2.
+    """
+
+    GRADIENT = "gradient"
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+
+
+class WeightGradScaling(str, Enum):
+    """How many scales a stored weight gradient gets.
+
+    WEIGHT: the tiles of the weight's own FP8 scales (one per tensor under "tensorwise").
+    ROWWISE: one scale per row (output feature) of the gradient.
+    """
+
+    WEIGHT = "weight"
+    ROWWISE = "rowwise"
+
+
+class ActivationFormat(str, Enum):
+    """How tensors saved for backward inside the model are stored.
+
+    HIGH: as the forward made them (FP32, or BF16 under autocast).
+    FP8: E4M3 with one scale per 1 x 128 tile along the last dimension
+        (``amp8.nn.activations``); FP8 layers of every granularity keep their FP8 input.
+    """
+
+    HIGH = "high"
+    FP8 = "fp8"
+
+
+class OutputHead(str, Enum):
+    """How ``amp8.initialize`` treats the model's output head: the ``nn.Linear`` that maps
+    hidden states to the vocabulary's logits, found by structure (``amp8.nn.swap.output_heads``).
+
+    HIGH: it stays in high precision (``initialize``'s default: its logits feed the
+        loss directly, and measured runs lose most of their FP8 gap there).
+    FP8: it runs in FP8 like any other eligible layer (the field's default).
+    """
+
+    HIGH = "high"
+    FP8 = "fp8"
+
+
+class RecipeName(str, Enum):
+    """Names of the recipes ``Recipe.preset`` builds."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    DEEPSEEK = "deepseek"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+
+class Microscaling(str, Enum):
+    """The Blackwell microscaled format of the GEMM operands (``amp8.tensor.block_scaled``).
+
+    NONE: FP8 with float32 scales, at the recipe's granularity.
+    MXFP8: FP8 elements with one E8M0 (power-of-two) scale per 32 along each GEMM's
+        contraction dimension.
+    NVFP4: FP4 (E2M1) elements with one E4M3 scale per 16 and one tensor scale.
+    """
+
+    NONE = "none"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+
+MICRO_BLOCK_SIZES = {Microscaling.MXFP8: 32, Microscaling.NVFP4: 16}
+"""The block size each microscaled format fixes."""
+
+
+class AmaxAlgo(str, Enum):
+    """How delayed scaling reduces the amax history to one number."""
+
+    MAX = "max"
+    MOST_RECENT = "most_recent"
+
+
+def operand_tile(
+    granularity: Granularity, block_size: int, shape: tuple[int, ...], contract_dim: int, *, weight: bool = False
+) -> tuple[int, int] | None:
+    """The (rows, columns) tile that shares one scale in a 2-D GEMM operand of ``shape``
+    contracted along ``contract_dim`` (0 or 1) under ``granularity``; None for one scale
+    per tensor. Weights under "block" take square ``block_size`` blocks, which serve both
+    dims; other operands take ``1 x block_size`` tiles along the contraction."""
+    if granularity is Granularity.TENSORWISE:
+        return None
+    if granularity is Granularity.BLOCK and weight:
+        return (block_size, block_size)
+    span = shape[contract_dim] if granularity is Granularity.ROWWISE else block_size
+    return (1, span) if contract_dim == 1 else (span, 1)
+
+
+def _check_int(field: str, value: Any, low: int, high: int, why: str = "", *, multiple_of: int = 1) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]`` and
+    a multiple of ``multiple_of``; the message gives the range and ``why``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high or value % multiple_of:
+        multiple = f" that is a multiple of {multiple_of}" if multiple_of > 1 else ""
+        raise ValueError(
+            f"Recipe.{field}={value!r} is not valid; use an int in [{low}, {high}]{multiple} {why}".rstrip()
+        )
+
+
+def _as_enum(enum_type: type[Enum], field: str, value: Any, *, label: str | None = None) -> Any:
+    if isinstance(value, enum_type):
+        return value
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in enum_type)  # type: ignore[attr-defined]
+        what = label or f"Recipe.{field}={value!r}"
+        raise ValueError(f"{what} is not valid; use one of {allowed}") from None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How amp8 scales and casts the tensors of its FP8 layers.
+
+    Attributes:
+        fp8_format: "HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3" (E4M3 everywhere).
+        scaling: "current" (scale from the tensor itself), "delayed" (from amax history)
+            or "none" (every scale is 1: the plain cast, for ablations only).
+        amax_history_len: iterations of amax kept per tensor under delayed scaling, 1 to
+            1024.
+        amax_compute_algo: "max" over the history or its "most_recent" entry.
+        margin: the scale is divided by ``2**margin`` to leave headroom; 0 to 14 (beyond
+            that the amax leaves E4M3's normal range, see ``formats.max_margin``).
+        power_of_2_scales: round every scale down to a power of two (exact rescaling).
+        override_linear_precision: run (fprop, dgrad, wgrad) in high precision where True.
+        granularity: "tensorwise" (one scale per tensor), "rowwise" (one per row along each
+            GEMM's contraction dimension) or "block" (1 x block_size tiles for activations
+            and gradients, block_size x block_size blocks for weights).
+        block_size: elements per tile edge under "block": a multiple of 16 from 16 to
+            1024. A dimension that is not a multiple of it ends in a partial tile with its
+            own scale.
+        weight_grad_format: the FP8 dtype of stored weight gradients: "E4M3" (the
+            default: its scale gives the range, its extra mantissa bit the precision),
+            "E5M2", or "gradient" (the format's gradient dtype; E5M2 under HYBRID, as
+            amp8 0.1 stored them). The stored gradient always takes fresh scales from its
+            own amax, also under delayed scaling, so E4M3's narrower range costs nothing
+            but values more than 2**17 below the amax of their tile.
+        weight_grad_scaling: the scales of stored weight gradients: "weight" (the tiles
+            of the weight's FP8 scales) or "rowwise" (one per output feature).
+        activations: how tensors autograd saves for backward inside the model are
+            stored: "high" (as they are, the default) or "fp8" (E4M3 with one scale per
+            1 x 128 tile along the last dimension, restored in backward; FP8 layers of
+            every granularity then keep their FP8 input for the weight gradient).
+        microscaling: "none", "mxfp8" or "nvfp4": the GEMM operands take the Blackwell
+            microscaled format (granularity "block" with its block size, 32 or 16:
+            1 x block tiles along each GEMM's contraction dimension, weights included).
+            Weight gradients and the first moment stay E4M3 with float32 scales at the
+            weight's tiles.
+        weight_block_2d: under microscaling, weights take square ``block_size`` blocks
+            (16 x 16 under NVFP4), so fprop and dgrad see the same quantized weight.
+        wgrad_hadamard: under microscaling, both weight-gradient operands are rotated
+            along tokens by a 16 x 16 random Hadamard transform before their cast
+            (``amp8.quant.hadamard``; the product is unchanged, outliers are spread).
+        stochastic_grad_rounding: under NVFP4, output gradients round to FP4
+            stochastically (unbiased), with noise keyed by the gradient's own bits.
+        wgrad_outlier_split: the weight-gradient GEMM takes its outlier tokens out: the
+            ``wgrad_outlier_share`` of tokens whose input or output-gradient row has the
+            largest amax (relative to the median row's) are multiplied in float32, the
+            rest in FP8, whose scales along tokens the outliers then no longer set.
+            Needs a granularity finer than tensorwise (the casts along tokens are made
+            for wgrad). ``amp8.Controller`` turns it on for a layer whose wgrad casts
+            fail after the block rung.
+        wgrad_outlier_share: the share of tokens, in (0, 0.5], that the split takes out
+            (at least one token a GEMM); the weight-gradient FLOPs it costs in float32.
+        high_precision_layers: ``fnmatch`` patterns of layer names (as in
+            ``model.named_modules()``) that ``amp8.initialize`` keeps in high precision,
+            e.g. ``("blocks.11.*", "head")`` for the last block and the head.
+        output_head: "fp8" (the field's default) runs the model's output head (the
+            Linear that maps hidden states to the vocabulary, found by structure) in FP8
+            like any other layer; "high" keeps it in high precision.
+
+    The field defaults are the tensorwise recipe. ``amp8.initialize`` without a recipe
+    uses ``amp8.frontend.default_recipe``: the rowwise preset with the head high.
+    """
+
+    fp8_format: Fp8Format = Fp8Format.HYBRID
+    scaling: Scaling = Scaling.CURRENT
+    amax_history_len: int = 16
+    amax_compute_algo: AmaxAlgo = AmaxAlgo.MAX
+    margin: int = 0
+    power_of_2_scales: bool = False
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    granularity: Granularity = Granularity.TENSORWISE
+    block_size: int = 128
+    weight_grad_format: WeightGradFormat = WeightGradFormat.E4M3
+    weight_grad_scaling: WeightGradScaling = WeightGradScaling.WEIGHT
+    activations: ActivationFormat = ActivationFormat.HIGH
+    microscaling: Microscaling = Microscaling.NONE
+    weight_block_2d: bool = False
+    wgrad_hadamard: bool = False
+    stochastic_grad_rounding: bool = False
+    wgrad_outlier_split: bool = False
+    wgrad_outlier_share: float = 1 / 32
+    high_precision_layers: tuple[str, ...] = ()
+    output_head: OutputHead = OutputHead.FP8
+
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__
+        set_field(self, "fp8_format", _as_enum(Fp8Format, "fp8_format", self.fp8_format))
+        set_field(self, "scaling", _as_enum(Scaling, "scaling", self.scaling))
+        set_field(
+            self,
+            "amax_compute_algo",
+            _as_enum(AmaxAlgo, "amax_compute_algo", self.amax_compute_algo),
+        )
+        _check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY_LEN)
+        _check_int(
+            "margin", self.margin, 0, max_margin(self.fp8_format),
+            f"(a larger margin puts the amax below the normal range of the {self.fp8_format.value} "
+            "format's FP8 dtypes and flushes the rest of the tensor to zero)",
+        )
+        if not isinstance(self.power_of_2_scales, bool):
+            raise ValueError(
+                f"Recipe.power_of_2_scales={self.power_of_2_scales!r} is not valid; use True or False"
+            )
+        override = self.override_linear_precision
+        if (
+            not isinstance(override, (tuple, list))
+            or len(override) != 3
+            or not all(isinstance(flag, bool) for flag in override)
+        ):
+            raise ValueError(
+                f"Recipe.override_linear_precision={override!r} is not valid; use three bools "
+                "(fprop, dgrad, wgrad), True meaning that GEMM runs in high precision"
+            )
+        set_field(self, "override_linear_precision", tuple(override))
+        set_field(self, "granularity", _as_enum(Granularity, "granularity", self.granularity))
+        set_field(self, "weight_grad_format",
+                  _as_enum(WeightGradFormat, "weight_grad_format", self.weight_grad_format))
+        set_field(self, "weight_grad_scaling",
+                  _as_enum(WeightGradScaling, "weight_grad_scaling", self.weight_grad_scaling))
+        set_field(self, "activations", _as_enum(ActivationFormat, "activations", self.activations))
+        set_field(self, "output_head", _as_enum(OutputHead, "output_head", self.output_head))
+        _check_int(
+            "block_size", self.block_size, 16, MAX_BLOCK_SIZE,
+            "(FP8 GEMMs need K-blocks that are multiples of 16), such as 128", multiple_of=16,
+        )
+        if self.scaling is Scaling.DELAYED and self.granularity is not Granularity.TENSORWISE:
+            raise ValueError(
+                f"Recipe(scaling='delayed', granularity={self.granularity.value!r}) is not "
+                "supported: delayed scaling keeps one amax history per tensor. Use "
+                "scaling='current' with fine-grained scales, or granularity='tensorwise' "
+                "with delayed scaling"
+            )
+        set_field(self, "microscaling", _as_enum(Microscaling, "microscaling", self.microscaling))
+        self._check_microscaling()
+        self._check_outlier_split()
+
+    def _check_outlier_split(self) -> None:
+        """Validate ``wgrad_outlier_split`` and ``wgrad_outlier_share``."""
+        if not isinstance(self.wgrad_outlier_split, bool):
+            raise ValueError(f"Recipe.wgrad_outlier_split={self.wgrad_outlier_split!r} is not valid; use True or False")
+        share = self.wgrad_outlier_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 0.5:
+            raise ValueError(f"Recipe.wgrad_outlier_share={share!r} is not valid; use a share of tokens in (0, 0.5]")
+        if self.wgrad_outlier_split and self.granularity is Granularity.TENSORWISE:
+            raise ValueError(
+                "Recipe(wgrad_outlier_split=True) needs scales along tokens for wgrad, which one scale per "
+                "tensor does not cast; use granularity='rowwise' or 'block'"
+            )
+
+    def _check_microscaling(self) -> None:
+        """Validate the microscaling fields (see the class docstring)."""
+        for name in ("weight_block_2d", "wgrad_hadamard", "stochastic_grad_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Recipe.{name}={getattr(self, name)!r} is not valid; use True or False")
+        layers = self.high_precision_layers
+        if isinstance(layers, str) or not isinstance(layers, (tuple, list)) or not all(
+            isinstance(pattern, str) for pattern in layers
+        ):
+            raise ValueError(
+                f"Recipe.high_precision_layers={layers!r} is not valid; use a tuple of fnmatch patterns "
+                "of layer names, e.g. ('blocks.11.*',)"
+            )
+        object.__setattr__(self, "high_precision_layers", tuple(layers))
+        micro = self.microscaling
+        if micro is Microscaling.NONE:
+            knobs = [name for name in ("weight_block_2d", "wgrad_hadamard", "stochastic_grad_rounding")
+                     if getattr(self, name)]
+            if knobs:
+                raise ValueError(
+                    f"Recipe({', '.join(f'{name}=True' for name in knobs)}) needs a microscaled format; "
+                    "use Recipe.preset('nvfp4') or set microscaling='mxfp8' or 'nvfp4'"
+                )
+            return
+        block = MICRO_BLOCK_SIZES[micro]
+        wrong = []
+        if self.granularity is not Granularity.BLOCK or self.block_size != block:
+            wrong.append(f"granularity='block', block_size={block}")
+        if self.scaling is not Scaling.CURRENT:
+            wrong.append("scaling='current'")
+        if micro is Microscaling.MXFP8 and not self.power_of_2_scales:
+            wrong.append("power_of_2_scales=True (E8M0 scales are powers of two)")
+        if micro is Microscaling.NVFP4 and (self.power_of_2_scales or self.margin):
+            wrong.append("power_of_2_scales=False and margin=0 (NVFP4 scales are E4M3)")
+        if micro is Microscaling.MXFP8 and self.stochastic_grad_rounding:
+            wrong.append("stochastic_grad_rounding=False (it rounds FP4 gradients)")
+        if self.activations is not ActivationFormat.HIGH:
+            wrong.append("activations='high'")
+        if wrong:
+            raise ValueError(
+                f"Recipe(microscaling={micro.value!r}) needs {'; '.join(wrong)}; "
+                f"start from Recipe.preset({micro.value!r})"
+            )
+
+    @property
+    def square_weight_blocks(self) -> bool:
+        """Whether weights under "block" take square blocks: always without
+        microscaling (the DeepSeek-V3 recipe), with it only under ``weight_block_2d``."""
+        return self.microscaling is Microscaling.NONE or self.weight_block_2d
+
+    @classmethod
+    def preset(cls, name: "str | RecipeName") -> "Recipe":
+        """A named recipe.
+
+        "tensorwise": ``Recipe()``, one scale per tensor, HYBRID formats: the fastest
+            casts (one amax per tensor), at a larger loss gap.
+        "rowwise": E4M3 everywhere, power-of-two scales, one scale per row along each
+            GEMM's contraction dimension (as torchao's rowwise recipe); with
+            ``output_head="high"``, what ``amp8.initialize`` uses when it is given no
+            recipe (but for O3 with a sharded optimizer).
+        "deepseek": E4M3 everywhere, power-of-two scales, 1x128 tiles for activations and
+            gradients and 128x128 blocks for weights (the DeepSeek-V3 recipe).
+        "mxfp8": MXFP8: E4M3 everywhere, one E8M0 scale per 1 x 32 tile along each GEMM's
+            contraction dimension (Transformer Engine's MXFP8BlockScaling).
+        "nvfp4": NVFP4: E2M1 elements, E4M3 scales per 1 x 16 tile and a tensor scale;
+            16 x 16 weight blocks, the random Hadamard transform on wgrad's operands and
+            stochastic rounding of gradients (Transformer Engine's NVFP4BlockScaling).
+            Layers to keep in high precision (``high_precision_layers``) depend on the
+            model and are left empty.
+
+        Raises:
+            ValueError: an unknown name; the message lists the valid ones.
+        """
+        recipe_name = _as_enum(RecipeName, "name", name, label=f"Recipe.preset({name!r})")
+        if recipe_name is RecipeName.TENSORWISE:
+            return cls()
+        if recipe_name is RecipeName.MXFP8:
+            return cls(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=Granularity.BLOCK,
+                       block_size=MICRO_BLOCK_SIZES[Microscaling.MXFP8], microscaling=Microscaling.MXFP8)
+        if recipe_name is RecipeName.NVFP4:
+            return cls(fp8_format=Fp8Format.E4M3, granularity=Granularity.BLOCK,
+                       block_size=MICRO_BLOCK_SIZES[Microscaling.NVFP4], microscaling=Microscaling.NVFP4,
+                       weight_block_2d=True, wgrad_hadamard=True, stochastic_grad_rounding=True)
+        granularity = Granularity.ROWWISE if recipe_name is RecipeName.ROWWISE else Granularity.BLOCK
+        return cls(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=granularity)
+
+    @property
+    def scale_block_size(self) -> int:
+        """Elements per block edge of the weight's scales (``block_size`` under "block",
+        else 0)."""
+        return self.block_size if self.granularity is Granularity.BLOCK else 0
+
+    def tile(
+        self, shape: tuple[int, ...], contract_dim: int, *, weight: bool = False
+    ) -> tuple[int, int] | None:
+        """The (rows, columns) tile that shares one scale in a 2-D GEMM operand of
+        ``shape`` contracted along ``contract_dim`` (0 or 1); None for one scale per tensor.
+        Weights under "block" take square blocks, which serve both dims (under
+        microscaling only with ``weight_block_2d``)."""
+        return operand_tile(
+            self.granularity, self.block_size, shape, contract_dim, weight=weight and self.square_weight_blocks
+        )
+
+    @property
+    def weight_grad_dtype(self) -> "torch.dtype":
+        """The FP8 dtype of stored weight gradients (``weight_grad_format``)."""
+        chosen = self.weight_grad_format
+        if chosen is WeightGradFormat.GRADIENT:
+            return gradient_dtype(self.fp8_format)
+        return E4M3 if chosen is WeightGradFormat.E4M3 else E5M2
+
+    @property
+    def stored_scale_dtype(self) -> "torch.dtype":
+        """The dtype of the scales of FP8 weights and Adam's FP8 first moment, as stored:
+        one-byte E8M0 under MXFP8 (its scales are powers of two), else float32. Weight
+        gradients keep float32 scales, which clipping rescales by any factor, exactly."""
+        return E8M0 if self.microscaling is Microscaling.MXFP8 else torch.float32
+
+    def weight_grad_tile(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The (rows, columns) tile sharing one scale in a stored weight gradient of
+        ``shape``; None for one scale per tensor."""
+        if self.weight_grad_scaling is WeightGradScaling.ROWWISE:
+            return (1, shape[1])
+        return self.tile(shape, 1, weight=True)
+
+    def replace(self, **changes: Any) -> "Recipe":
+        """A copy with ``changes`` applied and validated again.
+
+        Raises:
+            TypeError: a name that is not a field of ``Recipe``; the message lists them.
+            ValueError: a value the field cannot take (see the class docstring).
+        """
+        fields = [field.name for field in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise TypeError(f"Recipe.replace got unknown fields {unknown}; the fields are {', '.join(fields)}")
+        return dataclasses.replace(self, **changes)
+
+    def for_gemms(
+        self, granularity: Granularity, high_precision: tuple[bool, bool, bool], outlier_split: bool = False
+    ) -> "Recipe":
+        """This recipe with the GEMMs at ``granularity``, ``high_precision`` as
+        ``override_linear_precision`` and ``outlier_split`` as ``wgrad_outlier_split``;
+        current scaling where a finer granularity cannot keep delayed scaling's one amax
+        history per tensor."""
+        granularity = _as_enum(Granularity, "granularity", granularity)
+        delayed = self.scaling is Scaling.DELAYED and granularity is not Granularity.TENSORWISE
+        return self.replace(
+            granularity=granularity,
+            override_linear_precision=tuple(high_precision),
+            scaling=Scaling.CURRENT if delayed else self.scaling,
+            wgrad_outlier_split=outlier_split,
+        )
+
+    @property
+    def history_len(self) -> int:
+        """Entries of amax history a layer keeps: the recipe's length when delayed, else 1."""
+        return self.amax_history_len if self.scaling is Scaling.DELAYED else 1

@@ -1,0 +1,377 @@
+"""The per-tensor precision report: what each parameter really stores, read off the tensors.
+
+Nothing here consults the precision table. Dtypes come from the tensors the model and
+optimizer hold; bytes from their sizes; underflow and saturation from casting the real
+weight with the scale its layer would use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp8.config.formats import short_name
+from amp8.config.levels import Precision
+from amp8.config.recipe import OutputHead
+from amp8.config.validation import check_model_and_optimizer
+from amp8.monitor.console import default_console
+from amp8.monitor.weight_stats import SHORT_DTYPES, weight_cast_stats
+from amp8.nn.linear import Fp8Linear
+from amp8.nn.selection import resolve_selection
+from amp8.nn.swap import (
+    embedding_reason, high_precision_reason, output_head_reason, output_heads, recipe_pattern_reason,
+    shared_weight_names,
+)
+from amp8.tensor.stored import stored_weight
+
+FP32_ADAM_BYTES_PER_PARAM = 16
+"""FP32 weight + FP32 gradient + FP32 first and second moments."""
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.nbytes
+
+
+def _default_rule_reason(linear: nn.Linear) -> str | None:
+    """Why the default speed rule of the layer's device keeps ``linear`` in high precision."""
+    rule = resolve_selection("auto", linear.weight.device.type)
+    return None if rule is None else rule.reason(linear)
+
+
+def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
+    """``id(param) -> (owning module, note)``; the note says why a parameter that could
+    look like an FP8 candidate stays in high precision."""
+    shared = shared_weight_names(model)
+    kept_by_recipe = tuple(dict.fromkeys(  # the recipes' patterns, in order, once each
+        pattern for module in model.modules() if isinstance(module, Fp8Linear)
+        for pattern in module.recipe.high_precision_layers
+    ))
+    keeps_heads = any(isinstance(m, Fp8Linear) and m.recipe.output_head is OutputHead.HIGH for m in model.modules())
+    heads = output_heads(model) if keeps_heads else {}
+    owners: dict[int, tuple[nn.Module, str | None]] = {}
+    for fqn, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            note = None
+            if type(module) is nn.Linear and param_name == "weight":
+                note = (
+                    high_precision_reason(module, shared)
+                    or _default_rule_reason(module)
+                    or output_head_reason(module, heads)
+                    or recipe_pattern_reason(fqn, kept_by_recipe)
+                    or "not selected for FP8 (module_filter or layer_selection)"
+                )
+            elif type(module) is nn.Embedding and param_name == "weight":
+                note = embedding_reason(module, shared)
+            owner = owners.setdefault(id(param), (module, note))
+            if note and owner[1] is None:
+                # A tied weight: the row belongs to its first owner (the embedding), but
+                # the note says why the Linear that shares it stays in high precision.
+                owners[id(param)] = (owner[0], note)
+    return owners
+
+
+_LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row): a lookup, not a GEMM"
+
+
+@dataclass
+class PrecisionReport:
+    """One row per parameter, with what is really stored for it.
+
+    Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
+    weights of FP8 layers), note (why a Linear weight stays in high precision, or None),
+    weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
+    None), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
+    "block, wgrad high", after ``amp8.Controller`` moved it), moves (the controller's
+    moves of the layer as dicts: step, before, after, reason), format and block
+    (microscaled layers: the format of the forward GEMM's weight operand as
+    elements/block scales, e.g. "nvfp4 e2m1/e4m3", and its block, e.g. "16x16"; else
+    None), scale (None when the weight has several),
+    scale_min, scale_max (the range of the weight's FP8 scales), amax, underflow,
+    saturated (FP8 layers' weights only, else None; over this rank's rows of a weight
+    sharded over data-parallel ranks), bytes (what this process stores: weight + gradient
+    + optimizer state, scales included; a sharded weight counts its own rows).
+
+    ``activation_bytes_per_token``: bytes autograd saved for backward per token in one
+    measured step (``amp8.count_saved_bytes``), when the caller measured it.
+    """
+
+    rows: list[dict[str, Any]]
+    skipped_steps: int | None = None
+    baseline_bytes_per_param: int = field(default=FP32_ADAM_BYTES_PER_PARAM)
+    activation_bytes_per_token: float | None = None
+
+    @staticmethod
+    def _per_param(rows: list[dict[str, Any]]) -> float:
+        numel = sum(row["numel"] for row in rows)
+        return sum(row["bytes"] for row in rows) / numel if numel else 0.0
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Persistent bytes (weights, gradients, optimizer state) per parameter."""
+        return self._per_param(self.rows)
+
+    @property
+    def fp8_bytes_per_param(self) -> float:
+        """The same, over the weights of FP8 layers only (0 when there are none)."""
+        return self._per_param([row for row in self.rows if row["fp8"]])
+
+    @property
+    def fp8_share(self) -> float:
+        """Fraction of all parameters that are weights of FP8 layers."""
+        total = sum(row["numel"] for row in self.rows)
+        fp8 = sum(row["numel"] for row in self.rows if row["fp8"])
+        return fp8 / total if total else 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PrecisionReport":
+        """The report ``to_dict()`` (or ``json.loads(to_json())``) produced, rebuilt.
+
+        Raises:
+            ValueError: ``data`` is not a mapping with a list of ``rows``.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError(
+                f"PrecisionReport.from_dict needs a dict with a list of 'rows' (what to_dict() "
+                f"returns), got {type(data).__name__}"
+            )
+        return cls(
+            rows=[dict(row) for row in data["rows"]],
+            skipped_steps=data.get("skipped_steps"),
+            baseline_bytes_per_param=data.get("baseline_bytes_per_param", FP32_ADAM_BYTES_PER_PARAM),
+            activation_bytes_per_token=data.get("activation_bytes_per_token"),
+        )
+
+    def highlights(self, top: int = 3) -> list[str]:
+        """A few lines to read at a glance: FP8 share and what stays in high precision,
+        underflow and saturation hot spots, the ``top`` tensors by bytes.
+
+        Raises:
+            ValueError: ``top`` is not an int >= 1.
+        """
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+            raise ValueError(f"highlights(top={top!r}) is not valid; use an int >= 1")
+        rows = self.rows
+        fp8_rows = [row for row in rows if row["fp8"]]
+        tables = [row["name"] for row in rows if row["note"] == _LOW_BIT_TABLE_NOTE]
+        kept = [row for row in rows if row["note"] and row["note"] != _LOW_BIT_TABLE_NOTE]
+        line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
+        if not fp8_rows:
+            line = "FP8: none (no FP8 layers)"
+        elif kept:
+            shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
+            more = f" and {len(kept) - top} more" if len(kept) > top else ""
+            line += f"; high precision: {shown}{more}"
+        if tables:
+            line += f"; FP16 tables with FP8 gradients: {', '.join(tables)}"
+        lines = [line]
+        for key, label in (("underflow", "underflow"), ("saturated", "saturation")):
+            hot = sorted((row for row in fp8_rows if row[key]), key=lambda row: -row[key])[:top]
+            if hot:
+                lines.append(
+                    f"{label} hot spots: "
+                    + ", ".join(f"{row['name']} {100 * row[key]:.2g}%" for row in hot)
+                )
+            elif fp8_rows:
+                lines.append(f"{label}: none")
+        moved = [row for row in fp8_rows if row.get("moves")]
+        if moved:
+            lines.append("GEMMs moved: " + ", ".join(f"{row['name']} ({row['gemms']})" for row in moved[:top])
+                         + (f" and {len(moved) - top} more" if len(moved) > top else ""))
+        total = sum(row["bytes"] for row in rows)
+        biggest = sorted(rows, key=lambda row: -row["bytes"])[:top]
+        if total:
+            lines.append(
+                "largest: "
+                + ", ".join(
+                    f"{row['name']} {_human_bytes(row['bytes'])} ({100 * row['bytes'] / total:.0f}%)"
+                    for row in biggest
+                )
+            )
+        return lines
+
+    def moves(self) -> list[dict[str, Any]]:
+        """Every move ``amp8.Controller`` made, over all layers, by step (each a dict:
+        step, layer, before, after, reason)."""
+        found = [move for row in self.rows for move in (row.get("moves") or [])]
+        return sorted(found, key=lambda move: move["step"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Rows and totals as plain Python data."""
+        return {
+            "rows": self.rows,
+            "bytes_per_param": self.bytes_per_param,
+            "fp8_bytes_per_param": self.fp8_bytes_per_param,
+            "fp8_share": self.fp8_share,
+            "baseline_bytes_per_param": self.baseline_bytes_per_param,
+            "skipped_steps": self.skipped_steps,
+            "activation_bytes_per_token": self.activation_bytes_per_token,
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as a JSON string (``kwargs`` go to ``json.dumps``)."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def print(self, console: Any = None) -> None:
+        """Print the report as a rich table, with notes and totals below it."""
+        from rich.table import Table
+
+        console = console or default_console()
+        # Show a column only when some row has a value in it (no "master" before O3).
+        columns = [(title, key) for title, key in _COLUMNS
+                   if key in _ALWAYS_SHOWN or any(row[key] is not None for row in self.rows)]
+        # The scale range is shown where some tensor has scales finer than per tensor.
+        if all(row["granularity"] in (None, "tensorwise") for row in self.rows):
+            columns = [(title, key) for title, key in columns if key != "scale_min"]
+        # The GEMMs' precision is shown where some layer's differs from its recipe.
+        if not self.moves() and all(row.get("gemms") in (None, row["granularity"]) for row in self.rows):
+            columns = [(title, key) for title, key in columns if key != "gemms"]
+        table = Table(title="amp8 precision report")
+        for title, key in columns:
+            # Names and headers fold onto more lines rather than being cut short.
+            table.add_column(title, justify="right" if key in _NUMERIC else "left", overflow="fold")
+        notes: list[str] = []
+        for row in self.rows:
+            cells = {key: _cell(row, key) for _, key in columns}
+            if row["note"]:
+                notes.append(f"{row['name']}: {row['note']}")
+                cells["layer"] += f" [{len(notes)}]"
+            table.add_row(*cells.values())
+        console.print(table)
+        for index, note in enumerate(notes, start=1):
+            console.print(f"[{index}] {note}", highlight=False, markup=False)
+        for move in self.moves():
+            console.print(
+                f"step {move['step']}: {move['layer']} {move['before']} -> {move['after']} ({move['reason']})",
+                highlight=False, markup=False,
+            )
+        console.print(self.summary(), highlight=False)
+        for line in self.highlights():
+            console.print(f"  {line}", highlight=False, markup=False)
+
+    def summary(self) -> str:
+        """One line: parameters, FP8 share, bytes/param against the FP32-Adam baseline."""
+        baseline, total = self.baseline_bytes_per_param, self.bytes_per_param
+        numel = sum(row["numel"] for row in self.rows)
+        text = f"{numel:,} parameters, {100 * self.fp8_share:.1f}% in FP8 layers; {total:.2f} bytes/param"
+        if self.fp8_share:
+            text += f" ({self.fp8_bytes_per_param:.2f} over FP8 layers)"
+        if total:
+            text += f" vs {baseline} for FP32 Adam ({baseline / total:.2f}x less)"
+        if self.activation_bytes_per_token is not None:
+            text += f"; {self.activation_bytes_per_token:,.0f} activation bytes/token saved for backward"
+        if self.skipped_steps is not None:
+            text += f"; skipped (overflow) steps: {self.skipped_steps}"
+        return text + "."
+
+
+def _human_bytes(count: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    """The display text of one cell."""
+    value = row[key]
+    if key == "bytes":
+        return f"{value / row['numel']:.2f}"
+    if key == "shape":
+        return "x".join(map(str, value))
+    if value is None:
+        return "-"
+    if key in ("underflow", "saturated"):
+        return f"{100 * value:.2g}%"
+    if key in ("scale", "amax"):
+        return f"{value:.3g}"
+    if key == "scale_min":
+        return f"{value:.3g}..{row['scale_max']:.3g}"
+    return SHORT_DTYPES.get(value, str(value))
+
+
+_COLUMNS = (
+    ("parameter", "name"), ("shape", "shape"), ("layer", "layer"), ("weight", "weight"),
+    ("grad", "grad"), ("master", "master"), ("m", "exp_avg"), ("v", "exp_avg_sq"),
+    ("granularity", "granularity"), ("GEMMs", "gemms"), ("format", "format"), ("block", "block"),
+    ("scale", "scale"), ("scale range", "scale_min"),
+    ("amax", "amax"), ("underflow", "underflow"),
+    ("saturated", "saturated"), ("B/param", "bytes"),
+)
+_ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
+_NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
+_STATS = (
+    "granularity", "gemms", "moves", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated",
+    "format", "block",
+)
+
+
+def report(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    activation_bytes_per_token: float | None = None,
+) -> PrecisionReport:
+    """The precision report of ``model`` (and ``optimizer``'s state, when given), with
+    ``activation_bytes_per_token`` (measured with ``amp8.count_saved_bytes``) beside the
+    bytes per parameter when given.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+    """
+    check_model_and_optimizer("amp8.report", model, optimizer)
+    owners = _owners(model)
+    state = optimizer.state if optimizer is not None else {}
+    rows = []
+    for name, param in model.named_parameters():
+        module, note = owners[id(param)]
+        fp8_layer = module if isinstance(module, Fp8Linear) and param is module.weight else None
+        if fp8_layer is not None and fp8_layer.weight_storage is Precision.AS_IS:
+            note = note or "FP8 compute only: weight and gradient as the model keeps them"
+            grad_dtype = None if param.grad is None else param.grad.dtype
+            grad_bytes, weight_bytes = _nbytes(param.grad), param.nbytes
+            stats = weight_cast_stats(fp8_layer, fp8_layer.read_weight())
+        elif (handle := stored_weight(param)) is not None:  # an FP8 layer's weight, or a low-bit table
+            grad = handle.grad()
+            grad_dtype = None if grad is None else grad.dtype
+            grad_bytes = 0 if grad is None else grad.nbytes  # FP8 data + scales, while there is one
+            weight_bytes = handle.nbytes
+            stats: dict[str, Any] = dict.fromkeys(_STATS)
+            if fp8_layer is not None:
+                read = getattr(optimizer, "master_weight", None)
+                stats = weight_cast_stats(fp8_layer, read(param) if read is not None else fp8_layer.read_weight())
+            else:
+                note = note or _LOW_BIT_TABLE_NOTE
+        else:
+            grad_dtype = None if param.grad is None else param.grad.dtype
+            grad_bytes = _nbytes(param.grad)
+            weight_bytes = param.nbytes
+            stats = dict.fromkeys(_STATS)
+        param_state = state.get(param, {})
+        state_bytes = sum(_nbytes(v) for v in param_state.values() if torch.is_tensor(v))
+
+        def state_dtype(key: str) -> str | None:
+            value = param_state.get(key)
+            return short_name(value.dtype) if torch.is_tensor(value) else None
+
+        rows.append({
+            "name": name,
+            "shape": list(param.shape),
+            "numel": param.numel(),
+            "layer": type(module).__name__,
+            "fp8": fp8_layer is not None,
+            "note": note,
+            "weight": short_name(param.dtype),
+            "grad": short_name(grad_dtype),
+            "master": state_dtype("master"),
+            "exp_avg": state_dtype("exp_avg"),
+            "exp_avg_sq": state_dtype("exp_avg_sq"),
+            **stats,
+            "bytes": weight_bytes + grad_bytes + state_bytes,
+        })
+    skipped = getattr(optimizer, "skipped_steps", None)
+    return PrecisionReport(rows=rows, skipped_steps=skipped, activation_bytes_per_token=activation_bytes_per_token)

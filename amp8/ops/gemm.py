@@ -1,0 +1,252 @@
+"""The one place that calls ``torch._scaled_mm``, and the FP8 device check.
+
+``torch._scaled_mm`` on the CPU accepts layouts and shapes that CUDA rejects. ``fp8_mm``
+checks the CUDA operand contract on every device, so a layout bug fails in CPU tests too.
+
+``fp8_gemm`` multiplies two ``ScaledTensor`` operands at any granularity:
+
+- tensorwise scales: one ``torch._scaled_mm`` call with scalar scales;
+- rowwise scales ((M, 1) and (1, N)): one ``torch._scaled_mm`` call with rowwise scales,
+  whose output is bfloat16 or float16 (CUDA's rowwise kernels write no float32 except
+  through cuBLAS >= 12.9 on sm_90, so amp8 never asks for it; the CPU would accept it).
+  On a CPU whose torch lacks rowwise scales (``amp8._compat``) ``emulated_scaled_mm``
+  computes the same bits;
+- block scales: ``fp8_mm_blockwise``, a sum over K-blocks of unit-scale ``_scaled_mm``
+  products, each multiplied by its block scales and accumulated in float32;
+- microscaled operands (``BlockScaledTensor``: MXFP8, NVFP4): ``amp8.ops.block_scaled``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from amp8 import _compat
+from amp8.config.formats import E5M2, FP8_DTYPES
+from amp8.config.gemms import Gemm
+from amp8.ops.block_scaled import microscaled_gemm
+from amp8.quant import scaling
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, is_column_major, is_row_major
+from amp8.tensor.block_scaled import BlockScaledTensor
+from amp8.tensor.scaled import ScaledTensor
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ROWWISE_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def check_operands(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> None:
+    """Raise ``ValueError`` if ``a @ b`` breaks the CUDA contract of ``torch._scaled_mm``.
+
+    The contract: ``a`` (M, K) row-major, ``b`` (K, N) column-major, both FP8 and at most
+    one of them E5M2; K and N multiples of 16; scales float32, either both scalars
+    (tensorwise) or (M, 1) and (1, N) (rowwise), and rowwise scales only with a bfloat16
+    or float16 output.
+    """
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"FP8 GEMM takes 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"FP8 GEMM operands do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
+    for name, operand in (("a", a), ("b", b)):
+        if operand.dtype not in FP8_DTYPES:
+            raise ValueError(f"FP8 GEMM operand {name} is {operand.dtype}; cast it to an FP8 dtype first")
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        raise ValueError("FP8 GEMM got two E5M2 operands; at most one may be E5M2 (use E4M3 for the other)")
+    k, n = b.shape
+    if k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT:
+        raise ValueError(
+            f"FP8 GEMM needs K and N to be multiples of {GEMM_ALIGNMENT}, got K={k}, N={n}; "
+            "pad the operands or keep this layer in high precision"
+        )
+    if not is_row_major(a):
+        raise ValueError(f"FP8 GEMM operand a must be row-major (M, K), got strides {a.stride()}")
+    if not is_column_major(b):
+        raise ValueError(
+            f"FP8 GEMM operand b must be column-major (K, N), got strides {b.stride()}; "
+            "pass the transpose of a contiguous (N, K) tensor"
+        )
+    m, n = a.shape[0], b.shape[1]
+    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+    rowwise = tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n)
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32 or not (tensorwise or rowwise):
+        raise ValueError(
+            f"FP8 GEMM scales must be float32 scalars (tensorwise) or of shapes ({m}, 1) and "
+            f"(1, {n}) (rowwise); got scale_a {scale_a.dtype} {tuple(scale_a.shape)} and "
+            f"scale_b {scale_b.dtype} {tuple(scale_b.shape)}"
+        )
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"FP8 GEMM out_dtype {out_dtype} is not one of {_OUT_DTYPES}")
+    if rowwise and not tensorwise and out_dtype not in _ROWWISE_OUT_DTYPES:
+        raise ValueError(
+            f"FP8 GEMM with rowwise scales cannot write {out_dtype} on every CUDA GPU; ask for "
+            "bfloat16 or float16 and convert the result"
+        )
+
+
+def fp8_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    role: Gemm,
+) -> torch.Tensor:
+    """``(a * scale_a_inverse) @ (b * scale_b_inverse)`` computed by ``torch._scaled_mm``.
+
+    Args:
+        a: FP8 (M, K), row-major.
+        b: FP8 (K, N), column-major.
+        scale_a, scale_b: the *storage* scales (``data = x * scale``); their inverses go
+            to the GEMM.
+        out_dtype: float32, bfloat16 or float16.
+        role: which GEMM this is; fast accumulation is used for FPROP only.
+    """
+    check_operands(a, b, scale_a, scale_b, out_dtype)
+    if a.numel() == 0 or b.numel() == 0:  # an empty batch: no kernel takes every empty shape
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1  # M = 1 gives a (1, 1) rowwise scale_a
+    if rowwise and not _compat.native_rowwise_scaled_mm(a.device):
+        return emulated_scaled_mm(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype)
+    return torch._scaled_mm(
+        a,
+        b,
+        scale_a=scale_a.reciprocal(),
+        scale_b=scale_b.reciprocal(),
+        out_dtype=out_dtype,
+        use_fast_accum=role is Gemm.FPROP,
+    )
+
+
+@torch.library.custom_op("amp8::emulated_scaled_mm", mutates_args=())
+def emulated_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)`` as
+    the CPU computes it, for a torch whose CPU kernel lacks rowwise scales.
+
+    Each operand is dequantized to float32 with its (decode) scales, ``b`` laid out
+    row-major first as the kernel does, then one float32 matmul and one rounding to
+    ``out_dtype``: bit for bit the CPU kernel's result on torch releases that have it,
+    tensorwise or rowwise, with or without fast accumulation (which the CPU ignores).
+    It is an operator of its own (``torch.ops.amp8.emulated_scaled_mm``), opaque to
+    ``torch.compile`` as ``torch._scaled_mm`` is: Inductor would otherwise choose the
+    dequantized ``b``'s layout itself, and a column-major one sums the matmul in another
+    order.
+    """
+    return ((a.float() * scale_a) @ (b.contiguous().float() * scale_b)).to(out_dtype)
+
+
+@emulated_scaled_mm.register_fake
+def _emulated_scaled_mm_result(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The empty (M, N) result ``torch.compile`` traces ``emulated_scaled_mm`` with."""
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def fp8_mm_blockwise(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    block_size: int,
+    out_dtype: torch.dtype,
+    role: Gemm,
+) -> torch.Tensor:
+    """``a @ b`` for FP8 operands with one scale per K-block of ``block_size``.
+
+    Each K-block is one ``torch._scaled_mm`` product with unit scales and a float32
+    output (so ``fp8_mm`` checks the CUDA contract for it); the product is multiplied by
+    the block's scales and added to a float32 sum. This is the DeepSeek-V3 scheme of
+    promoting partial sums to FP32 every K-block, and runs the same on the CPU and CUDA.
+
+    Args:
+        a: FP8 (M, K), row-major.
+        b: FP8 (K, N), column-major.
+        scale_a: float32 (M, ceil(K / block_size)) storage scales of ``a``.
+        scale_b: float32 (ceil(K / block_size), N) storage scales of ``b``.
+        block_size: K elements per scale; the last K-block may be shorter.
+        out_dtype: the dtype of the result.
+        role: which GEMM this is (fast accumulation within a K-block for FPROP only).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    blocks = max(1, -(-k // block_size))  # an empty K (an empty batch, in wgrad) is one empty block
+    if tuple(scale_a.shape) != (m, blocks) or tuple(scale_b.shape) != (blocks, n):
+        raise ValueError(
+            f"block-scaled FP8 GEMM of ({m}, {k}) @ ({k}, {n}) in K-blocks of {block_size} needs "
+            f"scales of shapes ({m}, {blocks}) and ({blocks}, {n}); got {tuple(scale_a.shape)} "
+            f"and {tuple(scale_b.shape)}"
+        )
+    unit = torch.ones((), device=a.device)
+    inverse_a, inverse_b = scale_a.float().reciprocal(), scale_b.float().reciprocal()
+    out = torch.zeros(m, n, device=a.device)
+    for index, start in enumerate(range(0, k, block_size)):
+        stop = min(start + block_size, k)
+        partial = fp8_mm(a[:, start:stop], b[start:stop], unit, unit, torch.float32, role)
+        out += partial * inverse_a[:, index : index + 1] * inverse_b[index : index + 1]
+    return out.to(out_dtype)
+
+
+def fp8_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype, role: Gemm) -> torch.Tensor:
+    """``a @ b`` for scaled FP8 operands at any granularity (see the module docstring).
+
+    Args:
+        a: (M, K), data row-major; scale (), (M, 1) or (M or ceil(M / block), ceil(K / block)).
+        b: (K, N), data column-major; scale (), (1, N) or (ceil(K / block), N or ceil(N / block)).
+            Operands with a ``block_size`` take the block path even when their scales
+            look rowwise (one K-block), so that path never depends on the shapes.
+        out_dtype: float32, bfloat16 or float16.
+        role: which GEMM this is.
+
+    Raises:
+        ValueError: operands that break the CUDA contract, or scales that do not pair up
+            along K.
+    """
+    if isinstance(a, BlockScaledTensor) or isinstance(b, BlockScaledTensor):
+        return microscaled_gemm(a, b, out_dtype, role)  # type: ignore[arg-type]
+    (m, k), n = a.shape, b.shape[1]
+    scale_a, scale_b = a.scale, b.scale
+    if scale_a.dim() == 0 and scale_b.dim() == 0:
+        return fp8_mm(a.data, b.data, scale_a, scale_b, out_dtype, role)
+    blockwise = a.block_size > 0 or b.block_size > 0
+    if not blockwise and tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
+        gemm_dtype = out_dtype if out_dtype in _ROWWISE_OUT_DTYPES else torch.bfloat16
+        return fp8_mm(a.data, b.data, scale_a, scale_b, gemm_dtype, role).to(out_dtype)
+    if scale_a.dim() != 2 or scale_b.dim() != 2 or scale_a.shape[1] != scale_b.shape[0]:
+        raise ValueError(
+            f"FP8 GEMM scales {tuple(scale_a.shape)} and {tuple(scale_b.shape)} do not pair up "
+            "along K; quantize both operands with tiles along the contraction dimension"
+        )
+    block_size = max(a.block_size, b.block_size) if scale_a.shape[1] > 1 else max(k, 1)
+    # Per-row (per-column) scales of every K-block: blocks along M and N repeat out.
+    full_a = scaling.expand_scale(scale_a, (m, scale_a.shape[1]), a.block_size).expand(m, -1)
+    full_b = scaling.expand_scale(scale_b, (scale_b.shape[0], n), b.block_size).expand(-1, n)
+    return fp8_mm_blockwise(a.data, b.data, full_a, full_b, block_size, out_dtype, role)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise ``RuntimeError`` if ``device`` cannot run FP8 GEMMs.
+
+    The CPU always can; CUDA needs compute capability 8.9 or newer (Ada, Hopper, Blackwell).
+    """
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= _MIN_CUDA_CAPABILITY:
+            return
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"{name} (sm_{capability[0]}{capability[1]}) has no FP8 tensor cores; FP8 needs "
+            "sm_89 or newer (Ada, Hopper, Blackwell). Use opt_level='O0' on this GPU."
+        )
+    raise RuntimeError(
+        f"device {device} cannot run FP8 GEMMs in amp8; use the CPU or a CUDA GPU with sm_89+, "
+        "or opt_level='O0'"
+    )

@@ -1,0 +1,263 @@
+"""Scales, amax and the FP8 cast, as pure functions.
+
+A tensor ``x`` with absolute maximum ``amax`` is stored as ``saturate(x * scale)`` with
+``scale = fp8_max / amax / 2**margin`` (optionally rounded down to a power of two).
+Dequantizing divides by the scale; GEMMs are handed ``1 / scale``. An amax that is zero,
+inf or NaN keeps the previous scale, so one bad tensor cannot poison later casts. An amax
+so small that its scale would overflow float32 gets ``MAX_SCALE`` instead, so a tiny
+tensor still lands on the format's nonzero values where its scaled values reach them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from amp8.config.formats import max_value
+from amp8.config.recipe import AmaxAlgo
+from amp8.quant import noise
+
+MAX_SCALE: float = 1.0 / float(torch.finfo(torch.float32).tiny)
+"""The largest scale amp8 uses, 2**126: the largest power of two whose reciprocal (what
+a GEMM is given) is still a normal float32, which GPUs do not flush to zero."""
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """The absolute maximum of ``x`` as a float32 scalar tensor (NaN if ``x`` has one).
+
+    An empty ``x`` (an empty batch) has amax 0, which keeps the previous scale."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().float()
+
+
+def scale_from_amax(
+    amax_value: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    power_of_2: bool = False,
+    previous: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The float32 scale that maps ``amax_value`` to the largest value of ``dtype``.
+
+    Args:
+        amax_value: float32 absolute maximum (any shape; scales come out elementwise).
+        dtype: the target dtype (FP8 or FP16); its max comes from ``torch.finfo``.
+        margin: divide the scale by ``2**margin``.
+        power_of_2: round the scale down to a power of two.
+        previous: scale kept where ``amax_value`` is zero or not finite (default 1).
+
+    A scale beyond ``MAX_SCALE`` (an amax below about 1e-36, or a tiny float32
+    subnormal) is clamped to it rather than overflowing float32.
+    """
+    amax_value = amax_value.float()
+    # A tensor numerator: ``float / tensor`` would multiply by a rounded reciprocal.
+    scale = torch.full_like(amax_value, max_value(dtype)) / amax_value / (2.0**margin)
+    scale = scale.clamp(max=MAX_SCALE)
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    fallback = torch.ones_like(scale) if previous is None else previous.float().expand_as(scale)
+    usable = torch.isfinite(amax_value) & (amax_value > 0)
+    return torch.where(usable, scale, fallback)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` cast to ``dtype``.
+
+    Finite values beyond the format's max clip to it, also where ``x * scale`` overflows
+    float32; inf and NaN in ``x`` become NaN, so an overflow upstream stays visible after
+    the cast (the CPU's own cast would saturate an inf to the max of E4M3FN, which has
+    no inf).
+    """
+    return _saturate(x, scale, dtype).to(dtype)
+
+
+def _saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` in float32, clipped to ``dtype``'s finite range where ``x`` is
+    finite and NaN where it is not."""
+    limit = max_value(dtype)
+    x = x.float()
+    # x * 0 is 0 where x is finite and NaN where it is not: adding it marks the non-finite
+    # values (a select on a bool mask costs several times more on the CPU).
+    return (x * scale).clamp_(-limit, limit).add_(x * 0.0)
+
+
+def quantize_stochastic(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, noise_key: torch.Tensor | int
+) -> torch.Tensor:
+    """``x * scale`` rounded to ``dtype`` (FP16, BF16 or FP8) up or down at random, with
+    the probability that makes the expected result exact.
+
+    Rounding to nearest drops every update smaller than half a unit in the last place;
+    stochastic rounding keeps it on average, so a long run of tiny updates lands where a
+    float32 run lands. Saturates like ``quantize``: finite values clip to the max, inf
+    and NaN become NaN. The randomness is counter-based (``amp8.quant.noise.random_bits``)
+    under ``noise_key`` (an int or int64 scalar tensor in ``[0, 2**32)``, see
+    ``amp8.quant.noise.rounding_key``): the same key gives the same bits eagerly and inside
+    ``torch.compile``, on any device.
+
+    Raises:
+        TypeError: ``noise_key`` is not an int or a tensor (a ``torch.Generator`` from
+            older amp8 code: pass ``amp8.quant.noise.rounding_key(seed, counter)`` instead).
+    """
+    if isinstance(noise_key, bool) or not isinstance(noise_key, (int, torch.Tensor)):
+        raise TypeError(
+            f"noise_key must be an int or an int64 scalar tensor, got {type(noise_key).__name__}; "
+            "stochastic rounding is counter-based: pass amp8.quant.noise.rounding_key(seed, counter)"
+        )
+    scaled = _saturate(x, scale, dtype)
+    info = torch.finfo(dtype)
+    dropped = 23 - round(-math.log2(info.eps))  # float32 mantissa bits dtype lacks: 13 (FP16), 16 (BF16)
+    # Below dtype's smallest normal its spacing stays that of the smallest binade: moved up
+    # by that binade's power of two, a value rounds like a normal number and moves back exactly.
+    offset = (scaled.abs() < info.tiny).to(torch.float32).mul_(info.tiny).copysign_(scaled)
+    moved = scaled.add_(offset).view(torch.int32)  # ``scaled`` is this function's own tensor
+    # Adding a random integer below the dropped bits' unit to the magnitude, then dropping
+    # them, rounds away from zero with probability (dropped bits) / unit: unbiased.
+    noise_bits = noise.top_bits(noise.random_bits(scaled.shape, noise_key, scaled.device), dropped)
+    rounded = moved.add_(noise_bits.to(torch.int32)).bitwise_and_(~((1 << dropped) - 1)).view(torch.float32)
+    return rounded.sub_(offset).to(dtype)
+
+
+def quantize_rounded(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, noise_key: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """``quantize`` (to nearest) without a ``noise_key``, ``quantize_stochastic`` under one."""
+    if noise_key is None:
+        return quantize(x, scale, dtype)
+    return quantize_stochastic(x, scale, dtype, noise_key)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, dtype: torch.dtype, block_size: int, noise_key: torch.Tensor | int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the flattened ``x`` in blocks of ``block_size`` elements, each with its own
+    scale from its own amax, rounding stochastically under ``noise_key`` when one is
+    given. Returns ``(data shaped like x, scales of shape (blocks,))``; ``block_size=0``
+    means one block (a tensorwise scale, shape ())."""
+    if block_size == 0:
+        scale = scale_from_amax(amax(x), dtype)
+        return quantize_rounded(x, scale, dtype, noise_key), scale
+    blocks = _as_blocks(x.float(), block_size)
+    scales = scale_from_amax(blocks.abs().amax(dim=1), dtype)
+    data = quantize_rounded(blocks, scales[:, None], dtype, noise_key)
+    return data.flatten()[: x.numel()].view(x.shape), scales
+
+
+def dequantize_blockwise(data: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The float32 values of ``quantize_blockwise(x, dtype, block_size)``'s output."""
+    if block_size == 0:
+        return dequantize(data, scales)
+    blocks = _as_blocks(data.float(), block_size) / scales[:, None]
+    return blocks.flatten()[: data.numel()].view(data.shape)
+
+
+def _as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x`` flattened, zero-padded to a multiple of ``block_size``, as (blocks, block_size)."""
+    flat = x.flatten()
+    missing = -flat.numel() % block_size
+    if missing:
+        flat = torch.cat([flat, flat.new_zeros(missing)])
+    return flat.view(-1, block_size)
+
+
+def tile_amax(x: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 absolute maximum of each ``tile`` (rows, columns) of the 2-D ``x``,
+    shape ``(ceil(R / rows), ceil(C / columns))``; trailing partial tiles get their own
+    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor).
+
+    An empty dimension (an empty batch) counts as one empty tile, whose amax is 0 as
+    ``amax`` gives for an empty tensor: a size-1 dimension of scales broadcasts to the
+    empty one, and the result is never empty itself."""
+    if tile is None:
+        return amax(x)
+    if x.dim() != 2:
+        raise ValueError(f"tiled scales need a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        counts = [max(1, -(-size // max(1, edge))) for size, edge in zip(x.shape, tile)]
+        return torch.zeros(counts, dtype=torch.float32, device=x.device)
+    tile_rows, tile_cols = tile
+    absolute = x.detach().float().abs()
+    padded = torch.nn.functional.pad(absolute, (0, -x.shape[1] % tile_cols, 0, -x.shape[0] % tile_rows))
+    rows, cols = padded.shape
+    return padded.view(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols).amax(dim=(1, 3))
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], block_size: int = 0) -> torch.Tensor:
+    """``scale`` made to broadcast against a tensor of ``shape``.
+
+    A scalar, or a dimension of size 1 or of the tensor's own size, broadcasts as it is;
+    any other dimension holds one scale per ``block_size`` elements (the last block may
+    be partial) and is repeated to the tensor's size.
+
+    Raises:
+        ValueError: a scale shape that does not tile ``shape`` with ``block_size``.
+    """
+    if scale.dim() == 0:
+        return scale
+    if scale.dim() != len(shape):
+        raise ValueError(f"scales of shape {tuple(scale.shape)} do not fit a tensor of shape {tuple(shape)}")
+    for dim, (count, size) in enumerate(zip(scale.shape, shape)):
+        if count in (1, size):
+            continue
+        if block_size <= 0 or -(-size // block_size) != count:
+            raise ValueError(
+                f"scales of shape {tuple(scale.shape)} do not tile a tensor of shape "
+                f"{tuple(shape)} in blocks of {block_size}; pass the block size they were made with"
+            )
+        scale = scale.repeat_interleave(block_size, dim).narrow(dim, 0, size)
+    return scale
+
+
+def quantize_tiles(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    tile: tuple[int, int] | None,
+    *,
+    margin: int = 0,
+    power_of_2: bool = False,
+    noise_key: torch.Tensor | int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the 2-D ``x`` with one scale per ``tile`` (rows, columns), each from its
+    own amax, rounding stochastically under ``noise_key`` when one is given; ``tile=None``
+    means one scale for the tensor. Returns ``(data, scales)`` with scales of shape
+    ``(ceil(R / rows), ceil(C / columns))`` (or ``()``)."""
+    scale = scale_from_amax(tile_amax(x, tile), dtype, margin=margin, power_of_2=power_of_2)
+    block_size = 0 if tile is None else max(tile)
+    return quantize_rounded(x, expand_scale(scale, tuple(x.shape), block_size), dtype, noise_key), scale
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A bool scalar tensor: True when no tensor holds an inf or NaN."""
+    if not tensors:
+        return torch.tensor(True)
+    # The amax of a tensor is inf or NaN exactly when one of its values is (max keeps NaN).
+    return torch.isfinite(torch.stack([amax(t if t.element_size() > 1 else t.float()) for t in tensors])).all()
+
+
+def dequantize(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The real values ``data / scale``, in ``dtype``."""
+    return (data.float() / scale).to(dtype)
+
+
+def history_amax(history: torch.Tensor, algo: AmaxAlgo) -> torch.Tensor:
+    """Reduce an amax history (newest first, last dim) to one amax per row."""
+    if algo is AmaxAlgo.MOST_RECENT:
+        return history[..., 0]
+    return history.amax(dim=-1)
+
+
+def push_history(history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
+    """The history with ``new_amax`` as its newest entry and the oldest dropped."""
+    return torch.cat([new_amax.reshape(history.shape[:-1] + (1,)), history[..., :-1]], dim=-1)
+
+
+def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``approximation`` against ``reference``, in dB."""
+    reference = reference.detach().double()
+    noise = approximation.detach().double() - reference
+    return float(10 * torch.log10(reference.pow(2).sum() / noise.pow(2).sum()))

@@ -1,0 +1,383 @@
+"""``StoredWeight``: how one FP8 layer stores its weight, and where the weight's gradient
+lives. The layer, the optimizer, gradient clipping and the gradient reduction all go
+through this one handle (``amp8.tensor.stored_weight(param)`` finds it from the Parameter).
+
+Storage: the weight Parameter holds ``w * scale`` in FP16 (one power-of-two scale with a
+binade of headroom) or in FP8 (the recipe's scales at its granularity, which feed the
+GEMMs directly); the scale is the owning module's ``weight_scale`` buffer.
+
+Gradient: backward returns each new FP8 weight gradient to autograd as the Parameter's
+own gradient, a ``WeightGrad`` (one byte per element at ``grad_layout``), so it lands in
+``param.grad``, where hooks, ``model.zero_grad()``, ``optimizer.zero_grad()`` and
+``torch.nn.utils.clip_grad_norm_`` find it; the handle reads it there. A weight that
+FSDP2 shards keeps its gradient on the handle instead (FSDP2 would reduce a ``.grad`` it
+finds with its own collectives): backward returns it to a sink, which hands it to
+``add_grad``, and amp8's gradient reduction reads it there.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from amp8.config.formats import E4M3
+from amp8.config.levels import Precision
+from amp8.config.recipe import Recipe, Scaling
+from amp8.quant import scaling
+from amp8.tensor.scaled import ScaledTensor, is_sharded, local_tensor
+from amp8.tensor.weight_grad import GradLayout, WeightGrad
+
+STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
+# Headroom of one binade above an FP16 tensor's amax, so growth between rescales fits.
+FP16_MARGIN = 1
+_ATTRIBUTE = "_amp8_stored_weight"
+
+
+def check_storage(storage: Precision) -> None:
+    """Raise ``ValueError`` unless ``storage`` is a weight storage amp8 has (FP16 or FP8
+    with a scale, or ``AS_IS``: the Parameter's own dtype, no scale)."""
+    if storage not in STORAGE_DTYPES and storage is not Precision.AS_IS:
+        allowed = [p.value for p in (*STORAGE_DTYPES, Precision.AS_IS)]
+        raise ValueError(f"weight_storage={storage!r} is not valid; use one of {allowed}")
+
+
+def encode_fp16(value: torch.Tensor, noise_key: torch.Tensor | int | None = None,
+                previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(FP16 data, scale)`` for float ``value`` with one power-of-two scale and a binade
+    of headroom, rounded stochastically under ``noise_key`` when one is given. The FP16
+    weights of O1/O2 and O3's FP16 master weights are stored so."""
+    scale = scaling.scale_from_amax(
+        scaling.amax(value), torch.float16, margin=FP16_MARGIN, power_of_2=True, previous=previous
+    )
+    if noise_key is None:
+        return scaling.quantize(value, scale, torch.float16), scale
+    return scaling.quantize_stochastic(value, scale, torch.float16, noise_key), scale
+
+
+def stored_weight(param: torch.Tensor) -> "StoredWeight | None":
+    """The handle of an FP8 layer's weight Parameter, or None for any other tensor."""
+    return getattr(param, _ATTRIBUTE, None)
+
+
+class StoredWeight:
+    """The stored weight of one FP8 layer (``module.weight`` and ``module.weight_scale``).
+
+    Args:
+        module: the layer that owns the Parameter and the scale buffer; its
+            ``drop_weight_cache()`` is called whenever the stored weight changes (the
+            layer drops its cached FP8 casts).
+        recipe: the layer's FP8 recipe (granularity, margin, power-of-two scales, formats).
+        storage: ``Precision.FP16`` or ``Precision.FP8``.
+        fixed_storage: the weight keeps ``storage`` at every opt level: no FP8 copy, no
+            master weight, never sharded (an embedding's FP16 table, which forward reads
+            row by row). Its Adam first moment takes one scale per row.
+    """
+
+    def __init__(
+        self, module: nn.Module, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
+    ) -> None:
+        check_storage(storage)
+        # Weak: the Parameter refers to this handle, and the layer's gradient bridge (a
+        # tensor whose autograd node holds the Parameter, see ``amp8.nn.stored_module``)
+        # to the Parameter; a strong way back to the layer would be a cycle through C++
+        # that the garbage collector cannot see.
+        self._module_ref = weakref.ref(module)
+        self.recipe = recipe
+        self.storage = storage
+        self.fixed_storage = fixed_storage
+        self.sharded = False  # set by ``shard`` (see amp8.distributed.fsdp)
+        # The data-parallel group amp8.initialize found (an amp8.distributed.DataParallelGroup), so an
+        # optimizer built over these weights averages their gradients over it.
+        self.data_parallel: Any = None
+        self._held_grad: WeightGrad | None = None
+        self._grad_ready_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
+        self._hooked: weakref.ref[nn.Parameter] | None = None  # the Parameter that runs them
+        if storage is not Precision.AS_IS:  # an AS_IS weight is a plain Parameter to everyone
+            self.mark(module.weight)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy`` of the model) starts with no gradient, no hooks and
+        no process group: those belong to the original's optimizer and run."""
+        state = self.__dict__.copy()
+        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), data_parallel=None, _hooked=None,
+                     _module_ref=self._module)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild from ``__getstate__`` (the reference to the layer becomes weak again)."""
+        self.__dict__.update(state)
+        self._module_ref = weakref.ref(state["_module_ref"])
+
+    @property
+    def _module(self) -> nn.Module:
+        module = self._module_ref()
+        if module is None:
+            raise RuntimeError("the layer that stored this weight was deleted; keep the model alive while training it")
+        return module
+
+    def mark(self, param: nn.Parameter) -> None:
+        """Attach this handle to ``param``, so ``stored_weight(param)`` finds it, and run
+        the grad-ready hooks after each backward has accumulated into ``param.grad``."""
+        setattr(param, _ATTRIBUTE, self)
+        if self._hooked is None or self._hooked() is not param:
+            param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
+            self._hooked = weakref.ref(param)
+
+    def shard(self, param: nn.Parameter) -> None:
+        """Attach this handle to ``param``, the Parameter FSDP2 put in place, which holds
+        this rank's rows: from now on the gradient stays on the handle (see ``add_grad``)."""
+        setattr(param, _ATTRIBUTE, self)
+        self.sharded = True
+
+    # -- storage ---------------------------------------------------------------------
+    @property
+    def param(self) -> nn.Parameter:
+        """The weight Parameter as the layer holds it now."""
+        return self._module.weight
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The weight's scales in float32 (the layer's ``weight_scale`` buffer, which
+        holds them as ``scale_dtype``)."""
+        return self._module.weight_scale.float()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stored weight holds on this rank: its data and its scales, as stored."""
+        return local_tensor(self.param).nbytes + self._module.weight_scale.nbytes
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype the scales are stored in: the recipe's ``stored_scale_dtype`` for FP8
+        storage (E8M0 under MXFP8), else float32."""
+        return self.recipe.stored_scale_dtype if self.storage is Precision.FP8 else torch.float32
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weight is stored in (float16, float8_e4m3fn, or the Parameter's
+        own dtype for ``AS_IS``)."""
+        return self.param.dtype if self.storage is Precision.AS_IS else STORAGE_DTYPES[self.storage]
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block edge of the weight's scales (0 unless the recipe is "block")."""
+        return self.recipe.scale_block_size
+
+    def tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
+        """The tile of the weight's FP8 scales for a GEMM contracting its dim
+        ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
+        return self.recipe.tile(tuple(self.param.shape), contract_dim, weight=True)
+
+    def state_tile(self) -> tuple[int, int] | None:
+        """The tile of the scales of Adam's FP8 first moment of this weight: the tiles of
+        the weight's FP8 scales, or one per row for a weight of fixed storage."""
+        return (1, self.param.shape[1]) if self.fixed_storage else self.tile()
+
+    def state_scale_dtype(self) -> torch.dtype:
+        """The dtype of those first-moment scales: the recipe's ``stored_scale_dtype`` at
+        the weight's tiles (E8M0 under MXFP8), float32 per row for fixed storage."""
+        return torch.float32 if self.fixed_storage else self.recipe.stored_scale_dtype
+
+    def stored(self) -> ScaledTensor:
+        """The stored data (this rank's rows of a sharded weight) with its scales."""
+        return ScaledTensor(local_tensor(self.param).detach(), self.scale, self.block_size)
+
+    def read(self) -> torch.Tensor:
+        """The weight's real values in float32 (this rank's rows of a sharded weight,
+        outside forward and backward)."""
+        return self.stored().dequantize()
+
+    def encode(
+        self,
+        value: torch.Tensor,
+        noise_key: torch.Tensor | int | None = None,
+        amax_value: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scale)`` that store float ``value`` in this weight's storage.
+
+        FP16 storage rounds stochastically under ``noise_key`` when one is given; FP8
+        storage takes the recipe's weight scales at its granularity. ``amax_value``
+        replaces the amax of ``value`` (to encode one rank's rows of a tensorwise-scaled
+        weight with the scale of the whole).
+        """
+        if self.storage is Precision.AS_IS:
+            return value.to(self.param.dtype), torch.ones((), device=value.device)
+        previous_for = lambda shape: self.scale if self.scale.shape == shape else None  # noqa: E731
+        if self.storage is Precision.FP16 and amax_value is None:
+            return encode_fp16(value, noise_key, previous_for(torch.Size([])))
+        if self.storage is Precision.FP8:
+            margin, power_of_2, tile = self.recipe.margin, self.recipe.power_of_2_scales, self.tile()
+        else:
+            margin, power_of_2, tile = FP16_MARGIN, True, None
+        amaxes = scaling.tile_amax(value, tile) if amax_value is None else amax_value
+        scale = scaling.scale_from_amax(
+            amaxes, self.dtype, margin=margin, power_of_2=power_of_2, previous=previous_for(amaxes.shape)
+        )
+        full_scale = scaling.expand_scale(scale, tuple(value.shape), self.block_size)
+        if noise_key is not None and self.storage is Precision.FP16:
+            return scaling.quantize_stochastic(value, full_scale, self.dtype, noise_key), scale
+        return scaling.quantize(value, full_scale, self.dtype), scale
+
+    def write(self, value: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
+        """Store float ``value`` in place (stochastically rounded under ``noise_key``)."""
+        self.store(*self.encode(value, noise_key))
+
+    def store(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store already encoded ``data`` (this rank's rows of a sharded weight) and its
+        ``scale``, in place."""
+        param, module = self.param, self._module
+        module.drop_weight_cache()
+        with torch.no_grad():
+            if param.dtype == data.dtype:
+                local_tensor(param).copy_(data)
+            else:
+                param.data = data
+            stored_scale = module.weight_scale
+            if stored_scale.shape == scale.shape and stored_scale.dtype == self.scale_dtype:
+                stored_scale.copy_(scale)  # to E8M0 exactly: its scales are powers of two
+            else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
+                module.weight_scale = scale.to(self.scale_dtype, copy=True)
+
+    def restore(self, storage: Precision) -> None:
+        """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
+        check_storage(storage)
+        real = self.read()
+        self.storage = storage
+        self.write(real)
+
+    def delayed_scaling_state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's ``(amax_history, scale)`` buffers under delayed scaling (which ranks
+        must agree on), else None."""
+        if self.recipe.scaling is not Scaling.DELAYED:
+            return None
+        return self._module.amax_history, self._module.scale
+
+    # -- gradient --------------------------------------------------------------------
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The FP8 dtype of the weight gradient (``Recipe.weight_grad_format``)."""
+        return self.recipe.weight_grad_dtype
+
+    @property
+    def grad_layout(self) -> GradLayout:
+        """How the weight gradient is stored (``GradLayout.for_weight`` of the recipe)."""
+        return GradLayout.for_weight(self.recipe, tuple(self.param.shape))
+
+    def grad_tile(self) -> tuple[int, int] | None:
+        """The tile of the weight gradient's scales (``Recipe.weight_grad_scaling``)."""
+        return self.grad_layout.tile
+
+    @property
+    def grad_block_size(self) -> int:
+        """Elements per block edge of the gradient's scales (0 unless they are blocks)."""
+        return self.grad_layout.block_size
+
+    def grad(self) -> ScaledTensor | None:
+        """The weight gradient as FP8 + scales, or None. Like ``param.grad`` it is live:
+        a later backward or clip changes it in place."""
+        if self.sharded:
+            return None if self._held_grad is None else self._held_grad.fp8
+        grad = self.param.grad
+        if grad is None:
+            return None
+        if not isinstance(grad, WeightGrad):
+            raise TypeError(
+                f"the weight gradient of an FP8 layer must be an amp8 WeightGrad (FP8 + "
+                f"scale), found a {type(grad).__name__} of {grad.dtype}; clear it with "
+                "zero_grad() and let backward produce it"
+            )
+        return grad.fp8
+
+    def set_grad(self, value: ScaledTensor | None) -> None:
+        """Replace the gradient (None clears it): ``value`` must have the gradient's FP8
+        dtype, the weight's shape and the weight's scale layout."""
+        if value is not None:
+            self._check_grad(value)
+        grad = None if value is None else WeightGrad(value, self.param.dtype, self.grad_layout)
+        if self.sharded:
+            self._held_grad = grad
+        else:
+            self.param.grad = grad
+
+    def clear_grad(self) -> None:
+        """Drop the gradient."""
+        self.set_grad(None)
+
+    def quantize_grad(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(FP8 data, scales)`` of a float weight gradient at ``grad_layout``: fresh
+        scales per tile (what backward and accumulation use)."""
+        fp8 = self.grad_layout.quantize(value)
+        return fp8.data, fp8.scale
+
+    def set_grad_from_float(self, value: torch.Tensor) -> None:
+        """Store float ``value`` as the gradient, in FP8 with fresh scales."""
+        self.set_grad(self.grad_layout.quantize(value))
+
+    def add_grad(self, grad: WeightGrad) -> None:
+        """A sharded weight's new gradient from backward (see ``shard``): it becomes the
+        gradient the handle holds, or is added to it (gradient accumulation) and stored
+        again with fresh scales. Then the grad-ready hooks run."""
+        if self._held_grad is None:
+            self._held_grad = grad.at_rest()
+        else:
+            self._held_grad.add_(grad)
+        self.run_grad_ready_hooks()
+
+    def register_grad_ready_hook(self, hook: Callable[[nn.Parameter], None]) -> RemovableHandle:
+        """Call ``hook(param)`` after each backward has added to the gradient (the
+        Parameter's post-accumulate-grad hook, or ``add_grad`` for a sharded weight)."""
+        handle = RemovableHandle(self._grad_ready_hooks)
+        self._grad_ready_hooks[handle.id] = hook
+        return handle
+
+    def run_grad_ready_hooks(self) -> None:
+        """Run the hooks of ``register_grad_ready_hook``."""
+        for hook in list(self._grad_ready_hooks.values()):
+            hook(self.param)
+
+    @property
+    def grad_scale_shape(self) -> torch.Size:
+        """The shape of the gradient's scales (one per ``grad_tile``)."""
+        return self.grad_layout.scale_shape(tuple(self.param.shape))
+
+    def _check_grad(self, value: ScaledTensor) -> None:
+        expected_scale = self.grad_scale_shape
+        if value.dtype != self.grad_dtype or value.shape != self.param.shape or (
+            value.scale.shape != expected_scale
+        ):
+            raise ValueError(
+                f"a weight gradient of {value.dtype}, shape {tuple(value.shape)}, scales of shape "
+                f"{tuple(value.scale.shape)} does not fit this weight: {self.grad_dtype}, shape "
+                f"{tuple(self.param.shape)}, scales {tuple(expected_scale)}"
+            )
+
+
+def _grad_accumulated(handle: "weakref.ref[StoredWeight]", param: nn.Parameter) -> None:
+    """The Parameter's post-accumulate-grad hook: its handle's grad-ready hooks run."""
+    stored = handle()
+    if stored is not None:
+        stored.run_grad_ready_hooks()
+
+
+def float_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """``param``'s gradient in float32 as backward left it: the real values of an FP8
+    layer's weight gradient (see ``StoredWeight.grad``), else ``param.grad``."""
+    handle = stored_weight(param)
+    if handle is not None:
+        grad = handle.grad()
+        return None if grad is None else grad.dequantize()
+    return None if param.grad is None else param.grad.float()
+
+
+def is_fp8_weight(param: torch.Tensor) -> bool:
+    """Whether ``param`` is the weight of an FP8 layer (it has a ``StoredWeight``)."""
+    return stored_weight(param) is not None
+
+
+__all__ = ["StoredWeight", "WeightGrad", "encode_fp16", "float_grad", "is_fp8_weight", "is_sharded", "stored_weight"]

@@ -1,0 +1,171 @@
+"""``WeightGrad``: an FP8 weight gradient that is its weight's autograd gradient.
+
+An FP8 layer's weight gradient is stored in one byte per element (FP8 data and float32
+scales), and it is the gradient of the layer's *real* weight (what ``read_weight()``
+returns), not of the scaled FP16 or FP8 numbers the Parameter stores. ``WeightGrad`` is a
+``torch.Tensor`` subclass with the Parameter's shape, dtype and device around those two
+tensors, so autograd hands it to the Parameter as any gradient: it lands in
+``param.grad``, passes through ``register_hook`` and post-accumulate-grad hooks, is what
+``torch.autograd.grad`` returns, and is summed where a layer is called twice or a
+backward accumulates into an existing gradient.
+
+It carries its ``GradLayout`` (FP8 dtype, scale tiles, margin, power-of-two scales), so
+whatever gives a new gradient (a sum, ``clamp``, ``torch.where``) stores it again at the
+same layout with fresh scales. The operations it supports, and what they give, are in
+``amp8/tensor/weight_grad_ops.py``; anything else raises a ``TypeError`` that names them.
+
+``WeightGradInFlight`` is the same gradient on its way out of a compiled backward: it
+can be traced (``__tensor_flatten__``), which ``param.grad`` must not be (Dynamo cannot
+fakeify a traceable subclass as the ``.grad`` of a plain Parameter). See DESIGN.md,
+"Weight gradients".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from amp8.config.recipe import Recipe
+from amp8.quant import scaling
+from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.weight_grad_ops import WeightGradDispatch
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """How an FP8 weight gradient is stored: what quantizing it again needs.
+
+    Attributes:
+        dtype: the FP8 dtype of the data.
+        tile: the (rows, columns) tile that shares one scale; None for one per tensor.
+        block_size: elements per block edge of the scales, for ``ScaledTensor`` (0 unless
+            the tiles are blocks).
+        margin: scales are divided by ``2**margin``.
+        power_of_2: scales are rounded down to powers of two.
+    """
+
+    dtype: torch.dtype
+    tile: tuple[int, int] | None = None
+    block_size: int = 0
+    margin: int = 0
+    power_of_2: bool = False
+
+    @classmethod
+    def for_weight(cls, recipe: Recipe, shape: tuple[int, ...]) -> "GradLayout":
+        """The layout ``recipe`` gives the gradient of a weight of ``shape``:
+        ``Recipe.weight_grad_dtype``, one scale per ``Recipe.weight_grad_tile``, the
+        recipe's margin and power-of-two rounding."""
+        tile = recipe.weight_grad_tile(shape)
+        block = recipe.scale_block_size
+        block_size = block if tile is not None and block in tile else 0
+        return cls(recipe.weight_grad_dtype, tile, block_size, recipe.margin, recipe.power_of_2_scales)
+
+    def quantize(self, value: torch.Tensor) -> ScaledTensor:
+        """The float ``value`` in FP8 at this layout, with fresh scales from its amaxes."""
+        data, scale = scaling.quantize_tiles(
+            value, self.dtype, self.tile, margin=self.margin, power_of_2=self.power_of_2
+        )
+        return ScaledTensor(data, scale, self.block_size)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> torch.Size:
+        """The shape of the scales of a gradient of ``shape`` (one per ``tile``)."""
+        return scaling.tile_amax(torch.zeros(shape, device="meta"), self.tile).shape
+
+
+class WeightGrad(WeightGradDispatch):
+    """The FP8 gradient of an FP8 layer's real weight, as that weight's ``.grad``.
+
+    Args:
+        fp8: the FP8 data and its float32 scales (tensorwise, per row or per tile).
+        dtype: the dtype the gradient reports: its Parameter's, so autograd does not
+            cast it.
+        layout: how it is stored (``grad_layout``); results of operations keep it.
+    """
+
+    grad_layout: GradLayout
+
+    @staticmethod
+    def __new__(cls, fp8: ScaledTensor, dtype: torch.dtype, layout: GradLayout) -> "WeightGrad":
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, fp8.shape, dtype=dtype, device=fp8.data.device, requires_grad=False
+        )
+
+    def __init__(self, fp8: ScaledTensor, dtype: torch.dtype, layout: GradLayout) -> None:
+        self._data, self._scale, self.grad_layout = fp8.data, fp8.scale, layout
+
+    @classmethod
+    def from_float(cls, value: torch.Tensor, layout: GradLayout, dtype: torch.dtype) -> "WeightGrad":
+        """The float gradient ``value`` stored at ``layout``, reporting ``dtype``."""
+        return cls(layout.quantize(value), dtype, layout)
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], layout: GradLayout, dtype: torch.dtype,
+              device: torch.device) -> "WeightGrad":
+        """A zero gradient of ``shape`` that holds one byte and one scale (its data is
+        one zero expanded): what a sink starts as."""
+        data = torch.zeros((), dtype=layout.dtype, device=device).expand(shape)
+        scale = torch.ones(layout.scale_shape(shape), device=device)
+        return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
+
+    @property
+    def fp8(self) -> ScaledTensor:
+        """The FP8 data and scales, sharing their memory (changes show in the gradient)."""
+        return ScaledTensor(self._data, self._scale, self.grad_layout.block_size)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, data={self._data.dtype}, "
+            f"scale={tuple(self._scale.shape)}, real={self.dequantize()})"
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The real gradient in ``dtype``."""
+        return self.fp8.dequantize(dtype)
+
+    def store_(self, value: torch.Tensor) -> "WeightGrad":
+        """Store the float ``value`` here, in place, with fresh scales at this layout."""
+        fp8 = self.grad_layout.quantize(value)
+        self._data.copy_(fp8.data)
+        self._scale.copy_(fp8.scale)
+        return self
+
+    def at_rest(self) -> "WeightGrad":
+        """This gradient as a ``WeightGrad`` (what ``param.grad`` holds), sharing memory."""
+        return WeightGrad(self.fp8, self.dtype, self.grad_layout)
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        """Bytes really held: the FP8 data plus its scales."""
+        return self.fp8.nbytes
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """``isfinite`` reads the real values here: its kernel checks the reported dtype
+        before the operation reaches ``__torch_dispatch__`` (and knows no FP8 dtype)."""
+        if func is torch.isfinite or func is torch.Tensor.isfinite:
+            return func(*[arg.dequantize() if isinstance(arg, WeightGrad) else arg for arg in args], **(kwargs or {}))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
+class WeightGradInFlight(WeightGrad):
+    """A ``WeightGrad`` that torch.compile can trace: the gradient a compiled backward
+    returns, and the sinks it returns it to (see ``amp8.nn.stored_module``). It becomes
+    a ``WeightGrad`` (``at_rest()``) before it reaches a Parameter."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, GradLayout]]:
+        """The inner tensors (FP8 data, scales) and what rebuilds the wrapper."""
+        return ["_data", "_scale"], (self.dtype, self.grad_layout)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], context: tuple[torch.dtype, GradLayout], outer_size: Any, outer_stride: Any
+    ) -> "WeightGradInFlight":
+        """The wrapper around ``inner`` (see ``__tensor_flatten__``)."""
+        dtype, layout = context
+        return WeightGradInFlight(ScaledTensor(inner["_data"], inner["_scale"], layout.block_size), dtype, layout)
