@@ -37,7 +37,7 @@ def rounds_stochastically(key: str, precision: Precision) -> bool:
     FP8 first moment. Rounded to nearest, with E4M3's 3 mantissa bits, the moving average
     drifts towards zero (on the tiny GPT, 0.8 % below a float32 average of the same
     gradients) and O2 ends about 1 % above O0 in loss; rounded stochastically it is
-    unbiased and O2 ends where an FP32 first moment does (README, "The defaults study":
+    unbiased and O2 ends where an FP32 first moment does (docs/recipes.md, "The defaults study":
     the ``-nearest-m`` runs)."""
     return key == MOMENTS[0] and precision is Precision.FP8
 
