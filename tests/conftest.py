@@ -17,8 +17,29 @@ from amp8 import Recipe
 from amp8.nn import Fp8Linear
 from amp8.quant.scaling import sqnr
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+EXAMPLES = ROOT / "examples"
+BENCH = ROOT / "bench"
+
+
+# Files whose every test is of one kind, marked here rather than in the file.
+FILE_MARKERS = {"test_data_parallel.py": ("multiprocess",)}  # every test runs on two processes
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("slow_markers", "markers that put a test outside the fast tier (-m 'not slow')", type="args")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test that carries one of pyproject.toml's ``slow_markers``: the
+    fast tier, ``-m "not slow"``, leaves them out."""
+    slow_markers = set(config.getini("slow_markers"))
+    for item in items:
+        for name in FILE_MARKERS.get(item.path.name, ()):
+            item.add_marker(name)
+        if any(item.get_closest_marker(name) for name in slow_markers) and not item.get_closest_marker("slow"):
+            item.add_marker("slow")
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +73,20 @@ _needs_fp8_gpu = pytest.mark.skipif(
 def cuda_fp8(test: Any) -> Any:
     """Mark a test as CUDA-only (``pytest -m cuda`` selects them), skipped without an FP8 GPU."""
     return pytest.mark.cuda(_needs_fp8_gpu(test))
+
+
+def mlp(*widths: int, bias: bool = True, seed: int | None = 0) -> nn.Sequential:
+    """``nn.Linear`` layers through ``widths`` with a GELU between each two, e.g.
+    ``mlp(32, 64, 16)``: Linear(32, 64), GELU, Linear(64, 16). Built after
+    ``torch.manual_seed(seed)``, or from the random state as it is when ``seed`` is None."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for in_features, out_features in zip(widths, widths[1:]):
+        if layers:
+            layers.append(nn.GELU())
+        layers.append(nn.Linear(in_features, out_features, bias=bias))
+    return nn.Sequential(*layers)
 
 
 def linear_pair(

@@ -41,7 +41,8 @@ def _assert_timed_or_recorded(name: str, variant: dict[str, Any]) -> None:
 
 
 # -- bench/linear.py ---------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.integration  # torchao's float8 where it is installed
 def test_linear_quick_writes_every_variant(tmp_path: Path) -> None:
     path = linear.main(["--quick", "--device", "cpu", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)])
     record = _assert_record(path, "linear")
@@ -89,6 +90,8 @@ def test_quick_skips_large_shapes() -> None:
 
 
 # -- bench/gpt.py ------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.integration  # torchao's float8 where it is installed
 def test_gpt_tiny_writes_every_run(tmp_path: Path) -> None:
     path = gpt.main(["--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "2",
                      "--device", "cpu", "--no-compile", "--out", str(tmp_path)])
@@ -104,6 +107,7 @@ def test_gpt_tiny_writes_every_run(tmp_path: Path) -> None:
     assert "error" not in torchao_run and ("skipped" in torchao_run or "step_ms" in torchao_run), torchao_run
 
 
+@pytest.mark.slow
 def test_gpt_falls_back_to_eager_when_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "compile", _no_compiler)
     config = gpt.PRESETS["tiny"]
@@ -150,6 +154,7 @@ def test_numerics_markdown_shows_mean_error_and_seeds() -> None:
     assert "| O1 | +0.50 ± 0.50 (2) |" in table and "| O0 seed spread (max-min, %) | 10.00 |" in table
 
 
+@pytest.mark.slow
 def test_memory_bench_measures_every_case_and_fp8_halves_bf16() -> None:
     memory = load_bench("memory")
     rows = memory.run(["tiny"], 2, torch.device("cpu"))["tiny"]
@@ -164,6 +169,8 @@ def test_memory_bench_measures_every_case_and_fp8_halves_bf16() -> None:
     print(memory.table({"tiny": rows}).title)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_memory_bench_llama_untied_tables_reach_the_level_bytes() -> None:
     pytest.importorskip("transformers", reason="the Llama example needs transformers (pip install 'amp8[hf]')")
     memory = load_bench("memory")
@@ -174,6 +181,7 @@ def test_memory_bench_llama_untied_tables_reach_the_level_bytes() -> None:
 
 
 # -- bench/defaults_price.py -------------------------------------------------------------
+@pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 def test_defaults_price_counts_llama3_8b_head_flops_exactly() -> None:
     defaults_price = load_bench("defaults_price")

@@ -117,6 +117,7 @@ def test_a_model_without_a_vocabulary_has_no_head() -> None:
     assert isinstance(model[2], Fp8Linear), "the last layer of a plain MLP is not an output head"
 
 
+@pytest.mark.integration
 @needs_transformers
 def test_transformers_llama_head_stays_high() -> None:
     model = LlamaSpec(n_layer=1, n_embd=64, intermediate=128, n_head=4, n_kv_head=2).build(torch.Generator().manual_seed(0))

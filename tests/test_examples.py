@@ -13,6 +13,7 @@ from conftest import EXAMPLES as _EXAMPLES
 from conftest import load_example as _load
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_level", ["O0", "O1"])
 def test_mnist_like_learns(opt_level: str) -> None:
     example = _load("mnist_like")
@@ -30,6 +31,7 @@ def test_mnist_like_refuses_an_unknown_opt_level(monkeypatch: pytest.MonkeyPatch
     assert "argument --opt-level: invalid choice: 'O5' (choose from 'O0', 'O1', 'O2', 'O3')" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpt_trains_and_samples() -> None:
     example = _load("gpt")
     config = example.Config(steps=20, batch_size=4, eval_every=10, n_embd=64)
@@ -39,6 +41,7 @@ def test_gpt_trains_and_samples() -> None:
     assert text.startswith(b"def ") and len(text) == 12
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_gpt_command_line() -> None:
     result = subprocess.run(
         [sys.executable, str(_EXAMPLES / "gpt.py"), "--steps", "2", "--eval-every", "1", "--batch-size", "2",
@@ -50,6 +53,7 @@ def test_gpt_command_line() -> None:
     assert "final validation loss" in result.stdout
 
 
+@pytest.mark.integration
 def test_hf_transformers_trains_in_fp8() -> None:
     pytest.importorskip("transformers", reason="the hf example needs transformers: pip install 'amp8[hf]'")
     import amp8
@@ -65,6 +69,7 @@ def test_hf_transformers_trains_in_fp8() -> None:
     assert optimizer.skipped_steps == 0
 
 
+@pytest.mark.integration
 def test_hf_trainer_example_trains() -> None:
     import amp8
 
@@ -78,6 +83,7 @@ def test_hf_trainer_example_trains() -> None:
     assert optimizer.skipped_steps == 0
 
 
+@pytest.mark.integration
 def test_accelerate_example_trains() -> None:
     example = _load("accelerate_train")
     losses, _, optimizer = example.train(example.Config(epochs=2, samples=128))
@@ -85,6 +91,7 @@ def test_accelerate_example_trains() -> None:
     assert optimizer.skipped_steps == 0
 
 
+@pytest.mark.integration
 def test_lightning_example_trains() -> None:
     example = _load("lightning_train")
     before, after, module = example.train(example.Config(max_steps=10, samples=128))

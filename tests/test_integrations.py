@@ -23,6 +23,8 @@ from amp8.tensor.stored import is_fp8_weight
 from amp8.tensor.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal
 
+pytestmark = pytest.mark.integration
+
 LEVELS = ["O1", "O2"]
 ACCUMULATION = 2
 MAX_NORM = 1.0
@@ -229,7 +231,7 @@ def _accelerate_rank(rank: int, world: int, level: str, max_norm: float) -> dict
     return result
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("level", ["O2"])
 def test_accelerate_two_processes_agree(level: str, tmp_path: Path) -> None:
     max_norm = 0.5  # averaged gradients are smaller than one rank's: clip lower so it acts

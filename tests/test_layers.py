@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "amp8"
+from conftest import ROOT
+
+PACKAGE = ROOT / "amp8"
 
 LAYERS: dict[str, int] = {
     "amp8._compat": 0,
@@ -193,9 +195,10 @@ def test_a_circle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_import_amp8_loads_no_tool() -> None:
-    loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, amp8; print(sorted(m for m in sys.modules if m.startswith('amp8.')))"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    assert "amp8.tools" not in loaded and "amp8.comm" not in loaded
+    """``import amp8`` in a fresh Python loads neither the tools (the experiments, the
+    command) nor the deprecated ``amp8.comm``, nor matplotlib, which the tools use."""
+    code = "import sys, amp8; print(sorted(m for m in sys.modules if m.startswith(('amp8.', 'matplotlib'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "amp8.tools" not in loaded and "amp8.comm" not in loaded and "matplotlib" not in loaded, loaded

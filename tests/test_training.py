@@ -5,7 +5,7 @@ import pytest
 from conftest import load_example
 
 
-@pytest.mark.slow
+@pytest.mark.convergence
 @pytest.mark.parametrize("recipe_scaling", ["current", "delayed"])
 def test_o1_accuracy_within_two_points_of_fp32(recipe_scaling: str) -> None:
     quickstart = load_example("quickstart")

@@ -13,7 +13,8 @@ same bits:
   and Triton code torch.compile generates);
 - eagerly on int32 words, in place, where torch's integer kernels multiply modulo
   ``2**32``: about five times less work and memory traffic, which is most of the
-  reference optimizer step's time. ``tests/test_noise.py`` checks both give equal bits.
+  reference optimizer step's time. ``tests/quant/test_noise.py`` checks both give equal
+  bits.
 """
 
 from __future__ import annotations

@@ -1,0 +1,275 @@
+"""The fused (torch.compile) optimizer step against the reference step, and the
+counter-based stochastic rounding both use. Compiles run on the CPU through Inductor's
+C++ backend; tensors are small and each test compiles one or two graphs."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import amp8
+from amp8.nn import Fp8Linear
+from amp8.optim import LowBitAdam
+from amp8.optim import state as state_storage
+from amp8.optim.fused import COMPILE_OPTIONS
+from amp8.quant import noise, scaling
+from amp8.quant.scaling import sqnr
+from conftest import assert_bitwise_equal, resume_from_checkpoint, train_steps
+
+STEPS = 4
+
+
+def _fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
+    return {module.weight: module for module in model.modules() if isinstance(module, Fp8Linear)}
+
+
+def _twin_optimizers(
+    level: str, recipe: amp8.Recipe = amp8.Recipe(), bias: bool = False, **options
+) -> tuple[list[nn.Module], list[LowBitAdam]]:
+    """Two copies of one model (layers of two shapes) with a reference and a fused
+    optimizer; ``options`` go to ``torch.optim.AdamW`` or ``Adam``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 16, bias=bias))
+    model, _ = amp8.initialize(model, None, level, recipe)
+    models = [model, copy.deepcopy(model)]
+    optimizer_class = torch.optim.Adam if options.pop("adam", False) else torch.optim.AdamW
+    optimizers = [
+        LowBitAdam.from_optimizer(
+            optimizer_class(m.parameters(), **options), amp8.LEVELS[level], fused=fused
+        )
+        for m, fused in zip(models, (False, True))
+    ]
+    return models, optimizers
+
+
+def _step_both_with_the_same_gradients(models: list[nn.Module], optimizers: list[LowBitAdam]) -> None:
+    reference, other = models
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    reference(torch.randn(8, 32)).pow(2).mean().backward()
+    for param, twin in zip(reference.parameters(), other.parameters()):
+        if param.grad is not None:
+            twin.grad = param.grad.clone()
+    for layer, twin in zip(_fp8_layers(reference).values(), _fp8_layers(other).values()):
+        twin.weight_grad = layer.weight_grad
+    for optimizer in optimizers:
+        optimizer.step()
+
+
+def _assert_16_bit_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """FP16 or FP8 storage: same dtype, and the stored bits of at most 1 % of the elements
+    one step apart (compiled float32 arithmetic may contract a multiply-add into an FMA,
+    which moves a value across a rounding boundary now and then)."""
+    assert actual.dtype == expected.dtype, f"{name}: {actual.dtype} != {expected.dtype}"
+    integer = torch.int16 if actual.element_size() == 2 else torch.int8
+    steps = (actual.view(integer).int() - expected.view(integer).int()).abs()
+    assert int(steps.max()) <= 1, f"{name}: stored values {int(steps.max())} steps apart"
+    share = float((steps > 0).float().mean())
+    assert share <= 0.01, f"{name}: {100 * share:.2f} % of the elements differ by one step"
+
+
+def _step_and_compare(models: list[nn.Module], optimizers: list[LowBitAdam], steps: int = STEPS) -> None:
+    """``steps`` steps of both optimizers, each compared, then the fused twin set back to
+    the reference's state: every step is measured from the same start (two trajectories
+    one ulp apart would otherwise drift further apart by stochastic rounding alone)."""
+    for _ in range(steps):
+        _step_both_with_the_same_gradients(models, optimizers)
+        _assert_fused_matches_reference(models, optimizers)
+        models[1].load_state_dict(models[0].state_dict())
+        optimizers[1].load_state_dict(optimizers[0].state_dict())
+
+
+def _assert_fused_matches_reference(models: list[nn.Module], optimizers: list[LowBitAdam]) -> None:
+    reference, fused = optimizers
+    for param, twin in zip(models[0].parameters(), models[1].parameters()):
+        name = f"{tuple(param.shape)}"
+        if param.dtype == torch.float32:  # plain parameters: float32 values, a few ulps at most
+            torch.testing.assert_close(twin.detach(), param.detach(), atol=0, rtol=2**-21, msg=name)
+        else:
+            _assert_16_bit_within_one_ulp(twin.detach(), param.detach(), f"weight {name}")
+        state, twin_state = reference.state[param], fused.state[twin]
+        assert set(twin_state) == set(state), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected, actual = (state_storage.load(s, key) for s in (state, twin_state))
+            if state[key].dtype == torch.float32:
+                # A lerp or multiply-add contracted to an FMA differs in the last bit, which
+                # near a zero crossing is a large relative error: bound it by the tensor's
+                # amax instead (measured: 1.2e-7 x amax at most, 146 dB).
+                error = float((actual - expected).abs().max() / expected.abs().max())
+                assert error <= 2**-20, f"{key} {name}: error {error:.2e} x amax"
+                assert sqnr(expected, actual) >= 120, f"{key} {name}: SQNR {sqnr(expected, actual):.1f} dB"
+            else:
+                assert twin_state[key + "_block_size"] == state[key + "_block_size"], f"{key} {name}"
+                measured = sqnr(expected, actual)
+                assert measured >= 60, f"{key} {name}: SQNR {measured:.1f} dB against the reference step"
+        if "master" in state:
+            _assert_16_bit_within_one_ulp(twin_state["master"], state["master"], f"master {name}")
+        assert_bitwise_equal(twin_state["step"], state["step"])
+    assert fused.rounding_counter == reference.rounding_counter
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_fused_step_matches_the_reference_step(level: str) -> None:
+    """Four AdamW steps on layers of two shapes, one compiled graph for both, each step
+    compared from the same state. Measured on this CPU: a few master or weight values per
+    step one ulp apart (a multiply-add contracted to an FMA), O1's FP32 moments within 1
+    ulp."""
+    models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1)
+    _step_and_compare(models, optimizers)
+    assert len(optimizers[1]._fused_steps.specs) == 1, "both shapes should share one graph"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    ("level", "granularity", "options"),
+    [
+        ("O3", "rowwise", dict(lr=1e-2, weight_decay=0.1)),
+        ("O2", "block", dict(adam=True, lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1, maximize=True)),
+    ],
+)
+def test_fused_step_with_fine_grained_scales(level: str, granularity: str, options: dict) -> None:
+    """Rowwise and 16 x 16 block scales on gradients, the FP8 first moment and O3's FP8
+    weights; the block case also runs Adam's L2 decay, maximize, and biases (FP32
+    parameters with ``param.grad``). Measured: rowwise 1 of 768 master values 1 ulp
+    apart, every low-bit moment > 100 dB."""
+    recipe = amp8.Recipe(granularity=granularity, block_size=16)
+    models, optimizers = _twin_optimizers(level, recipe, bias=granularity == "block", **options)
+    _step_and_compare(models, optimizers)
+
+
+def test_fused_defaults_to_cuda_only() -> None:
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), recipe=amp8.Recipe())
+    optimizer = LowBitAdam(model.parameters())
+    assert optimizer.fused is None
+    assert not optimizer._runs_fused(model[0].weight), "CPU parameters take the reference step by default"
+
+
+@pytest.mark.parametrize("fused", ["yes", 1])
+def test_bad_fused_option(fused: object) -> None:
+    with pytest.raises(TypeError, match=f"fused={fused!r} is not valid"):
+        LowBitAdam(nn.Linear(2, 2).parameters(), fused=fused)
+
+
+def test_bad_seed() -> None:
+    with pytest.raises(ValueError, match="seed=-1 is not valid"):
+        LowBitAdam(nn.Linear(2, 2).parameters(), seed=-1)
+
+
+# -- counter-based stochastic rounding ------------------------------------------------
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_is_bit_identical_eager_and_compiled(dtype: torch.dtype) -> None:
+    """Values over 18 binades, subnormals and saturation included."""
+    x = torch.randn(512, 64) * torch.logspace(-9, 9, 64, base=2.0) * 2.0**-12
+    x[0, :4] = torch.tensor([0.0, -0.0, 1e9, -1e9])
+    scale = torch.tensor(2.0**10)
+    key = torch.tensor(noise.rounding_key(7, 3))
+
+    def rounded(x: torch.Tensor, scale: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return scaling.quantize_stochastic(x, scale, dtype, key)
+
+    compiled = torch.compile(rounded, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+    assert_bitwise_equal(compiled(x, scale, key), rounded(x, scale, key))
+
+
+def test_stochastic_rounding_brackets_and_is_unbiased() -> None:
+    """1 + 0.1 ulp rounds up with probability 0.1: over 2**16 elements and 16 keys the
+    share of rounding up is within 1 % of 0.1, and every result is one of the two FP16
+    neighbours."""
+    ulp = 2.0**-10
+    x = torch.full((1 << 16,), 1.0 + 0.1 * ulp)
+    draws = [
+        scaling.quantize_stochastic(x, torch.ones(()), torch.float16, noise.rounding_key(0, counter)).float()
+        for counter in range(16)
+    ]
+    for values in draws:
+        assert bool(((values == 1.0) | (values == 1.0 + ulp)).all()), "results must bracket the input"
+    share_up = float(torch.stack(draws).gt(1.0).float().mean())
+    assert share_up == pytest.approx(0.1, rel=0.01)
+    assert not torch.equal(draws[0], draws[1]), "each key should draw other noise"
+
+
+def test_noise_is_uniform_and_keyed() -> None:
+    draws = noise.uniform((1 << 16,), noise.rounding_key(0, 0), torch.device("cpu"))
+    assert 0.0 <= float(draws.min()) and float(draws.max()) < 1.0
+    assert float(draws.mean()) == pytest.approx(0.5, abs=0.005)
+    histogram = torch.histc(draws, bins=16, min=0.0, max=1.0) / draws.numel()
+    assert float((histogram - 1 / 16).abs().max()) < 0.005, histogram
+    again = noise.uniform((1 << 16,), noise.rounding_key(0, 0), torch.device("cpu"))
+    assert_bitwise_equal(again, draws)
+    other_seed = noise.uniform((1 << 16,), noise.rounding_key(1, 0), torch.device("cpu"))
+    assert float((other_seed == draws).float().mean()) < 0.001
+
+
+def test_rounding_key_needs_non_negative_arguments() -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        noise.rounding_key(0, -1)
+
+
+def test_quantize_stochastic_rejects_a_generator() -> None:
+    with pytest.raises(TypeError, match="counter-based: pass amp8.quant.noise.rounding_key"):
+        scaling.quantize_stochastic(torch.ones(4), torch.ones(()), torch.float16, torch.Generator())
+
+
+# -- checkpoints ----------------------------------------------------------------------
+@pytest.mark.compile
+def test_fused_checkpoint_resumes_bit_for_bit() -> None:
+    batches = [torch.randn(8, 32) for _ in range(4)]
+
+    def build() -> tuple[nn.Module, LowBitAdam]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(32, 48, bias=False), nn.GELU(), nn.Linear(48, 16, bias=False))
+        model, _ = amp8.initialize(model, None, "O2", recipe=amp8.Recipe())
+        optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=amp8.LEVELS["O2"], fused=True)
+        return model, optimizer
+
+    model, optimizer = build()
+    uninterrupted = train_steps(model, optimizer, batches)
+    final = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer = build()
+    first_half = train_steps(model, optimizer, batches[:2])
+    resumed_model, resumed_optimizer = resume_from_checkpoint(build, model, optimizer)
+    assert resumed_optimizer.rounding_counter == optimizer.rounding_counter == 2 * 2
+    second_half = train_steps(resumed_model, resumed_optimizer, batches[2:])
+    assert first_half + second_half == uninterrupted
+    for param, expected in zip(resumed_model.parameters(), final):
+        assert_bitwise_equal(param.detach(), expected)
+
+
+def test_checkpoint_with_rounding_generators_loads_with_a_warning() -> None:
+    """Checkpoints from before counter-based rounding hold torch.Generator states."""
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), recipe=amp8.Recipe())
+    optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=5)
+    state = optimizer.state_dict()
+    del state["amp8"]["rounding"]
+    state["amp8"]["generators"] = {"cpu": torch.Generator().manual_seed(5).get_state()}
+    fresh = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=5)
+    with pytest.warns(UserWarning, match="torch.Generator states for stochastic rounding"):
+        fresh.load_state_dict(state)
+    assert (fresh.seed, fresh.rounding_counter) == (5, 0)
+
+
+def test_checkpoint_restores_seed_and_counter() -> None:
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), recipe=amp8.Recipe())
+    optimizer = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=3)
+    optimizer.rounding_counter = 41
+    other = LowBitAdam(model.parameters(), level=amp8.LEVELS["O2"], seed=0)
+    other.load_state_dict(optimizer.state_dict())
+    assert (other.seed, other.rounding_counter) == (3, 41)
+
+
+@pytest.mark.parametrize("elements_at_least", [True, False])
+def test_default_fuses_large_optimizers_on_the_cpu(monkeypatch: pytest.MonkeyPatch, elements_at_least: bool) -> None:
+    from amp8.optim import adam
+
+    model = nn.Linear(32, 32)
+    total = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(adam, "FUSED_CPU_MIN_ELEMENTS", total if elements_at_least else total + 1)
+    optimizer = LowBitAdam(model.parameters(), level="O2")
+    expected = elements_at_least and adam.cpp_compiler_found()
+    assert all(optimizer._runs_fused(p) == expected for p in model.parameters())
+    explicit = LowBitAdam(model.parameters(), level="O2", fused=False)
+    assert not any(explicit._runs_fused(p) for p in model.parameters())
