@@ -26,7 +26,7 @@ def export(
     """A deep copy of ``model`` with every ``Fp8Linear`` replaced by an ``nn.Linear``
     (and every ``LowBitEmbedding`` by an ``nn.Embedding``) holding the layer's real
     weight, cast to ``dtype``, and none of amp8's hooks (FP8 saved activations, the DDP
-    watch): a plain PyTorch model. The original is not changed.
+    guard): a plain PyTorch model. The original is not changed.
 
     Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
 

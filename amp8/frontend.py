@@ -11,7 +11,7 @@ from amp8.config.levels import OptLevel, Precision, resolve_level
 from amp8.config.recipe import ActivationFormat, Granularity, Microscaling, OutputHead, Recipe
 from amp8.distributed.agreement import check_ranks_agree
 from amp8.distributed.data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from amp8.distributed.ddp import leave_to_amp8, watch_for_ddp
+from amp8.distributed.ddp import guard_ddp, leave_to_amp8
 from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
@@ -113,8 +113,11 @@ def initialize(
     one rank (``process_group``, default the world), it copies rank 0's parameters and
     buffers to all ranks, and the returned optimizer averages every gradient over the
     ranks in FP8 before each step. At O1 and O2 the model may then be wrapped in
-    ``DistributedDataParallel`` (apex's order): DDP averages the other gradients, through
-    ``amp8.distributed.fp8_compress_hook``, and amp8 the FP8 weights' (see ``amp8.distributed.ddp``).
+    ``DistributedDataParallel`` (apex's order) and the DDP handed to
+    ``amp8.distributed.register_ddp``: DDP averages the other gradients, through
+    ``amp8.distributed.fp8_compress_hook``, and amp8 the FP8 weights' (see
+    ``amp8.distributed.ddp``); a DDP that runs the model unregistered fails at its first
+    forward.
     At O3 it also applies FSDP2's ``fully_shard`` to every FP8 layer (for its weight) and
     to the model (for nothing, as FSDP2's root): each rank keeps its rows of the FP8
     weights, their master weights and moments, and FSDP2 all-gathers the FP8 weights
@@ -232,7 +235,7 @@ def _initialize(
             layer.mark_weight_sharded()
     if distributed:
         leave_to_amp8(model)
-        watch_for_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]
+        guard_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]
     if optimizer is None:
         return model, None
     replaced = {old: layer.weight for old, layer in layers.items()}

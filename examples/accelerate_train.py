@@ -5,9 +5,10 @@
 
 ``amp8.initialize`` comes first (in every process: ``accelerate launch`` has set up the
 process group by the time ``Accelerator()`` is built), then ``accelerator.prepare``, which
-wraps the model in ``DistributedDataParallel`` when there are several processes. DDP
-averages the biases; amp8 averages the FP8 weight gradients, FP8 on the wire, by the end of
-each synchronizing backward, so ``accelerator.clip_grad_norm_`` sees averaged gradients.
+wraps the model in ``DistributedDataParallel`` when there are several processes, then
+``amp8.distributed.register_ddp`` on that DDP. DDP averages the biases (with amp8's FP8
+comm hook); amp8 averages the FP8 weight gradients, FP8 on the wire, by the end of each
+synchronizing backward, so ``accelerator.clip_grad_norm_`` sees averaged gradients.
 O3 shards weights with FSDP2 inside amp8 and is not for a DDP wrapper: use O0-O2 here.
 """
 
@@ -52,6 +53,8 @@ def train(config: Config = Config()) -> tuple[list[float], nn.Module, torch.opti
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=config.accumulation)
     loader = torch.utils.data.DataLoader(data(config), batch_size=config.batch_size, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # several processes
+        amp8.distributed.register_ddp(model)
     epoch_losses = []
     for _ in range(config.epochs):
         total, batches = 0.0, 0

@@ -1,14 +1,18 @@
 """Data-parallel training at any opt level, with FP8 gradients on the wire.
 
     torchrun --nproc_per_node 2 examples/ddp.py --opt-level O2      # CPU (gloo) or GPUs (NCCL)
+    torchrun --nproc_per_node 2 examples/ddp.py --opt-level O2 --no-ddp   # amp8's own averaging
     torchrun --nproc_per_node 2 examples/ddp.py --opt-level O3      # FP8 weights sharded by FSDP2
 
 Each rank trains the same MLP regressor on its own slice of every batch. amp8.initialize,
 called in every process after init_process_group, copies rank 0's weights to all ranks
-and returns an optimizer that averages gradients over the ranks in FP8. At O3 it applies
-FSDP2's fully_shard itself: each rank keeps only its rows of the FP8 weights and of their
-master weights and moments. Do not wrap the model in DDP or fully_shard: amp8 does their
-job at O1-O3. Rank 0 prints the precision report (its own rows at O3).
+and returns an optimizer that averages gradients over the ranks in FP8. At O0-O2 the model
+then goes into DistributedDataParallel (apex's order), and at O1/O2 the DDP is handed to
+amp8 with amp8.distributed.register_ddp: DDP averages the biases through amp8's FP8 comm
+hook, amp8 the FP8 weight gradients. With --no-ddp amp8 averages every gradient itself.
+At O3 amp8 applies FSDP2's fully_shard itself (each rank keeps only its rows of the FP8
+weights and of their master weights and moments): do not wrap it in DDP. Rank 0 prints
+the precision report (its own rows at O3).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--opt-level", default="O2", choices=list(amp8.LEVELS))
     parser.add_argument("--steps", type=int, default=Config.steps)
+    parser.add_argument("--no-ddp", action="store_true", help="at O1/O2, let amp8 average every gradient")
     args = parser.parse_args()
     config = Config(steps=args.steps)
 
@@ -54,8 +59,10 @@ def main() -> None:
     ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     model, optimizer = amp8.initialize(model, optimizer, opt_level=args.opt_level)
-    if args.opt_level == "O0" and world > 1:
-        model = nn.parallel.DistributedDataParallel(model)  # O0 leaves data parallel to DDP
+    wrap = world > 1 and (args.opt_level == "O0" or (args.opt_level != "O3" and not args.no_ddp))
+    if wrap:  # O0 leaves data parallel to DDP; at O3 amp8 has applied FSDP2 itself
+        model = nn.parallel.DistributedDataParallel(model)
+        amp8.distributed.register_ddp(model)  # O1/O2: DDP and amp8 share the work (O0: nothing to do)
 
     target = torch.randn(64, 16, generator=torch.Generator().manual_seed(config.seed)).to(device)
     data = torch.Generator().manual_seed(config.seed + 1)

@@ -187,6 +187,8 @@ def _accelerate(level: str, max_norm: float = MAX_NORM) -> dict[str, Any]:
     x, target = _data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, target), batch_size=BATCH)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # several processes
+        amp8.distributed.register_ddp(model)
     norms, clipped, losses = [], [], []
     for inputs, labels in loader:
         with accelerator.accumulate(model):

@@ -1,6 +1,7 @@
 """amp8 inside the tools people already use: torch's zero_grad and clip_grad_norm_, any
 optimizer where amp8 does not store the weights, autocast, dtype casts, and the user's own
-DistributedDataParallel (apex's order) with amp8's FP8 comm hook."""
+DistributedDataParallel (apex's order, registered with amp8.distributed.register_ddp) with
+amp8's FP8 comm hook."""
 
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def _train_data_parallel(rank: int, world: int, level: str, wrap: str, preset: s
     model, optimizer = _initialized(level, lr=1e-2, preset=preset)
     ddp = None
     if wrap == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp = amp8.distributed.register_ddp(nn.parallel.DistributedDataParallel(model))
     runner = ddp if ddp is not None else model
     generator = torch.Generator().manual_seed(100 + rank)
     losses = []
@@ -282,7 +283,7 @@ def _ddp_options_and_no_sync(rank: int, world: int) -> dict:
     ``find_unused_parameters=True`` and a layer that gets no gradient."""
     model = _WithUnusedHead()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", recipe=amp8.Recipe())
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    ddp = amp8.distributed.register_ddp(nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
     stats = model.body[0].stored_weight.data_parallel.stats
     generator = torch.Generator().manual_seed(7 + rank)
     inside_no_sync = []
@@ -324,7 +325,7 @@ def _ddp_skipped_branch(rank: int, world: int) -> dict:
     """Each step one rank skips the block; ``find_unused_parameters=True``."""
     model = _LayerDrop()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2")
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    ddp = amp8.distributed.register_ddp(nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
     generator = torch.Generator().manual_seed(11 + rank)
     block_grads = []
     for step in range(4):

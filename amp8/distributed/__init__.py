@@ -1,8 +1,10 @@
-"""FP8 communication for data parallelism over stock torch.distributed."""
+"""FP8 communication for data parallelism over stock torch.distributed, and amp8 under
+the user's ``DistributedDataParallel`` (``register_ddp``, ``fp8_compress_hook``)."""
 
 from amp8.config.validation import removed_name
+from amp8.distributed.comm_hook import fp8_compress_hook
 from amp8.distributed.data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from amp8.distributed.ddp import fp8_compress_hook
+from amp8.distributed.ddp import register_ddp
 from amp8.distributed.fp8_collectives import (
     WIRE_DTYPE, WireStats, fp8_all_gather, fp8_all_reduce_mean, fp8_reduce_scatter_mean,
 )
@@ -32,4 +34,5 @@ __all__ = [
     "fp8_all_reduce_mean",
     "fp8_reduce_scatter_mean",
     "process_group_size",
+    "register_ddp",
 ]

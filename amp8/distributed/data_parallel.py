@@ -3,7 +3,8 @@
 ``initialize`` in a process group of more than one rank broadcasts rank 0's parameters
 and buffers, and gives the optimizer a ``DataParallelGroup``; the optimizer's
 ``GradientBuckets`` average every gradient over the ranks with FP8 on the wire (only the
-FP8 weights' once the user's DDP runs the model, see ``ddp.py``). At O3 the FP8 weights are sharded by FSDP2 (``fsdp.py``), and
+FP8 weights' once the user's DDP is registered with ``register_ddp``, see ``ddp.py``). At
+O3 the FP8 weights are sharded by FSDP2 (``fsdp.py``), and
 their gradients are reduce-scattered: each rank gets the mean of the rows whose FP8
 weights, master weights and moments it holds.
 """
@@ -54,11 +55,15 @@ class DataParallelGroup:
     Attributes:
         group: the process group (None: the default group).
         stats: bytes this rank sent, by collective.
-        ddp: the user's ``DistributedDataParallel`` around the model, once amp8 has seen
-            it (``amp8.distributed.ddp``): it averages every gradient but the FP8 weights'.
+        ddp: the user's ``DistributedDataParallel`` around the model, once registered
+            (``amp8.distributed.register_ddp``): it averages every gradient but the FP8
+            weights'.
         backward_sync: False while the next backward is inside the DDP's ``no_sync()``.
         at_backward_end: what runs when a backward of the DDP's model ends, on every
             rank, under ``find_unused_parameters=True`` (the reductions' ``synchronize``).
+        comm_hook_in_flight: the DDP buckets whose FP8 all-to-all
+            ``amp8.distributed.fp8_compress_hook`` started and whose all-gather it starts
+            at its next call (see ``amp8.distributed.ddp``).
     """
 
     group: dist.ProcessGroup | None = None
@@ -66,6 +71,7 @@ class DataParallelGroup:
     ddp: Any = None
     backward_sync: bool = True
     at_backward_end: list[Callable[[], None]] = field(default_factory=list)
+    comm_hook_in_flight: list[Any] = field(default_factory=list)
 
     @property
     def reduces_at_backward_end(self) -> bool:

@@ -1,62 +1,183 @@
-"""amp8 under the user's ``DistributedDataParallel``: the FP8 comm hook, and what DDP
-must leave to amp8.
+"""amp8 under the user's ``DistributedDataParallel``: ``register_ddp``, and what DDP must
+leave to amp8.
 
-apex's order works: ``model, optimizer = amp8.initialize(...)`` in every process, then
-``model = DistributedDataParallel(model)``. ``initialize`` lists the FP8 layers' weights
-and buffers in the model's ``_ddp_params_and_buffers_to_ignore`` (DDP's stock opt-out),
-because their gradients are FP8 tensors DDP's buckets cannot hold and gloo cannot send
-FP8 buffers. DDP then does what it does for every other parameter (broadcast at wrap,
-buckets, ``no_sync``, ``find_unused_parameters``, ``static_graph``), and amp8's gradient
-reduction averages the FP8 weight gradients over DDP's process group, FP8 on the wire.
+The order of calls, in every process after ``init_process_group``::
 
-amp8 sees the DDP around the model at its first forward (a forward pre-hook reads
-``DistributedDataParallel._get_active_ddp_module()``, what TorchDynamo reads too) and
-registers ``fp8_compress_hook`` on it, unless the user registered a hook of their own: so
-biases, norms and embeddings travel in FP8 as well. ``fp8_compress_hook`` is public: it
-serves any DDP model, amp8 layers or not.
+    model, optimizer = amp8.initialize(model, optimizer, opt_level="O2")
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    amp8.distributed.register_ddp(model)
 
-Under ``find_unused_parameters=True`` a rank may leave FP8 weights without a gradient
-(LayerDrop, MoE routing) that another rank gives one: amp8 then averages the FP8
-weights' gradients when each backward ends (a zero gradient for the unused ones), on
-every rank alike, after DDP has started its own reductions.
+``initialize`` lists the FP8 layers' weights and buffers in the model's
+``_ddp_params_and_buffers_to_ignore``, the list DDP reads when it is built, because their
+gradients are FP8 tensors DDP's buckets cannot hold and gloo cannot send FP8 buffers.
+DDP then does what it does for every other parameter (broadcast at wrap, buckets,
+``no_sync``, ``find_unused_parameters``, ``static_graph``). ``register_ddp`` hands the
+DDP to amp8: it checks that DDP leaves the FP8 weights alone, takes DDP's process group
+for amp8's reduction of the FP8 weight gradients (which from then on covers those alone,
+FP8 on the wire), registers ``fp8_compress_hook`` on the DDP (``comm_hook=True``) so the
+other gradients travel in FP8 too, and puts two hooks on the DDP itself: a forward
+pre-hook reads ``require_backward_grad_sync`` (False inside ``no_sync()``), so the FP8
+weights' reduction pauses with DDP's; a forward hook, under
+``find_unused_parameters=True``, has the FP8 weights' gradients averaged when each
+backward ends (a rank may leave FP8 weights without a gradient, LayerDrop or MoE
+routing, that another rank gives one: started as gradients come, the collectives would
+come in different orders on different ranks), on every rank alike, after DDP has started
+its own collectives.
+
+Why registration is explicit. amp8 used to find the DDP at the model's first forward and
+register its comm hook silently. A DDP is the user's object: registering a comm hook on it
+changes how it reduces, and DDP takes one hook only, so the user decides (``comm_hook``)
+at a call they can see, before any backward. Finding the DDP from inside the model needs
+either DDP's private record of the module it is running or a look at the Python call
+stack; the first is not torch's public API, and the second is good enough to refuse a
+setup but not to build the run's reduction on (a compiled forward cannot walk the stack).
+
+An unregistered DDP fails. ``initialize`` puts a forward pre-hook on the model
+(``DdpGuard``) that looks up the Python call stack for ``DistributedDataParallel.forward``
+running this model (public frame attributes, ``inspect``). A DDP found there that was not
+registered (or any DDP around an O3 model, whose FP8 weights FSDP2 shards) raises a
+``RuntimeError`` naming ``amp8.distributed.register_ddp`` at the first forward, before
+any gradient is averaged twice. It runs in eager forwards with grad enabled (a forward
+under ``torch.compile`` skips it: Dynamo does not trace a walk of the stack) and costs a
+walk of the stack per forward, microseconds.
+
+Two uses of torch names that begin with an underscore remain, each with no public
+equivalent (listed with their reasons in ``tests/test_private_api.py``): the ignore list
+is DDP's ``_ddp_params_and_buffers_to_ignore`` attribute, set directly (DDP's own setter
+is a private static method), and the end-of-backward averaging queues its callback with
+the autograd engine (``torch.autograd.Variable._execution_engine.queue_callback``), as
+torch's own DDP comm hooks and FSDP do.
 """
 
-# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from amp8.distributed.comm_hook import fp8_compress_hook
 from amp8.distributed.data_parallel import DataParallelGroup
-from amp8.distributed.fp8_collectives import fp8_all_reduce_mean
 from amp8.nn.hooks import remove_forward_hooks
-from amp8.tensor.stored import stored_weight
+from amp8.tensor.stored import StoredWeight, stored_weight
+
+DDP = nn.parallel.DistributedDataParallel
+
+_DDP_FORWARD = inspect.unwrap(DDP.forward).__code__
+"""The code of ``DistributedDataParallel.forward``: a frame running it is a DDP's forward."""
+
+_SHARDED_MESSAGE = (
+    "DistributedDataParallel wraps a model whose FP8 weights amp8 sharded with FSDP2 (opt level "
+    "O3 in a process group): amp8 averages every gradient itself there; use the model without "
+    "DDP, or O1/O2 under DDP"
+)
 
 
-def fp8_compress_hook(
-    state: DataParallelGroup | dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook that averages each gradient bucket with FP8 on the wire.
+def register_ddp(
+    ddp: nn.parallel.DistributedDataParallel,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    comm_hook: bool = True,
+) -> nn.parallel.DistributedDataParallel:
+    """Hand the user's ``DistributedDataParallel`` around an amp8 model to amp8; returns it.
 
-    Register it with ``ddp.register_comm_hook(state, amp8.distributed.fp8_compress_hook)``, as
-    torch's ``fp16_compress_hook``. ``state`` is the process group to average over (None:
-    the default group) or an ``amp8.distributed.DataParallelGroup``, whose byte counter then counts
-    what this rank sends. The bucket is cut into one chunk per rank, each chunk cast to
-    E4M3 with its own scale, summed in FP32 by its owner and cast back (an all-to-all and
-    an all-gather): one byte per element per rank, a quarter of FP32's all-reduce. The
-    result, in the bucket's dtype, is identical on every rank.
+    Call it in every process, after ``amp8.initialize`` and after wrapping the model it
+    returned in DDP, before the first forward. amp8 then averages the FP8 weights'
+    gradients over DDP's process group (paused inside ``ddp.no_sync()``; under
+    ``find_unused_parameters=True`` when each backward ends), and DDP every other
+    gradient. Calling it again with the same DDP does nothing.
+
+    Args:
+        ddp: the ``DistributedDataParallel`` whose ``module`` is the model
+            ``amp8.initialize`` returned (at O1 or O2).
+        optimizer: the optimizer ``amp8.initialize`` returned; needed only where amp8
+            kept no layer of the model in FP8 (then it finds its process group there).
+        comm_hook: register ``amp8.distributed.fp8_compress_hook`` on the DDP, so the
+            other gradients travel in FP8 as well. False leaves DDP's reduction as it is:
+            its own all-reduce, or the comm hook you registered (DDP takes one).
+
+    A model amp8 does not reduce (O0, ``FP8_COMPUTE_ONLY``, one process) is left to DDP
+    and ``ddp`` is returned unchanged.
+
+    Raises:
+        TypeError: ``ddp`` is not a ``DistributedDataParallel``, or ``optimizer`` is not
+            one ``amp8.initialize`` returned in a process group.
+        RuntimeError: the model's FP8 weights are sharded (O3 brings FSDP2); DDP does not
+            leave the FP8 weights to amp8 (it was built before ``initialize``, or around
+            another module); ``comm_hook=True`` and the DDP has a comm hook already.
     """
-    if isinstance(state, DataParallelGroup):
-        group, stats = state.group, state.stats
-    else:
-        group, stats = state, None
-    buffer = bucket.buffer()
-    (mean,) = fp8_all_reduce_mean([buffer.float()], group, stats)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(mean.to(buffer.dtype).view_as(buffer))
-    return future
+    if not isinstance(ddp, DDP):
+        raise TypeError(
+            f"amp8.distributed.register_ddp takes a torch.nn.parallel.DistributedDataParallel, got "
+            f"{type(ddp).__name__}; wrap the model amp8.initialize returned first: "
+            "register_ddp(DistributedDataParallel(model))"
+        )
+    data_parallel, sharded = _amp8_group(ddp.module, optimizer)
+    if data_parallel is None:
+        return ddp
+    if sharded:
+        raise RuntimeError(_SHARDED_MESSAGE)
+    if data_parallel.ddp is ddp:
+        return ddp
+    _check_left_to_amp8(ddp)
+    if comm_hook:
+        _register_comm_hook(ddp, data_parallel)
+    data_parallel.group = ddp.process_group
+    data_parallel.ddp = ddp
+    watch = DdpWatch(data_parallel)
+    ddp.register_forward_pre_hook(watch.before_forward)
+    ddp.register_forward_hook(watch.after_forward)
+    return ddp
+
+
+def _amp8_handles(model: nn.Module) -> list[StoredWeight]:
+    """The stored-weight handles of ``model``'s FP8 layers and low-bit embeddings."""
+    return [handle for param in model.parameters() if (handle := stored_weight(param)) is not None]
+
+
+def _amp8_group(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[DataParallelGroup | None, bool]:
+    """``(the data-parallel group amp8 averages model's gradients over, whether its FP8
+    weights are sharded)``; ``(None, False)`` for a model amp8 does not reduce."""
+    handles = _amp8_handles(model)
+    sharded = any(handle.sharded for handle in handles)
+    if optimizer is not None:
+        data_parallel = getattr(optimizer, "data_parallel", None)
+        if not isinstance(data_parallel, DataParallelGroup):
+            raise TypeError(
+                "register_ddp(ddp, optimizer): optimizer must be the one amp8.initialize returned in a "
+                f"process group of more than one rank, got {type(optimizer).__name__}"
+            )
+        return data_parallel, sharded
+    data_parallel = next((handle.data_parallel for handle in handles if handle.data_parallel is not None), None)
+    return data_parallel, sharded
+
+
+def _check_left_to_amp8(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Raise unless DDP leaves every FP8 weight and buffer of its module to amp8."""
+    ignored = set(ddp.parameters_to_ignore)
+    missing = [name for name in amp8_names(ddp.module) if name not in ignored]
+    if missing:
+        raise RuntimeError(
+            f"DistributedDataParallel wraps an amp8 model but does not leave {missing[0]!r} to amp8; "
+            "call amp8.initialize in every process before wrapping, wrap the model it returned "
+            "itself (DDP reads what to leave alone from that module when it is built), and do not "
+            "replace the model's _ddp_params_and_buffers_to_ignore"
+        )
+
+
+def _register_comm_hook(ddp: nn.parallel.DistributedDataParallel, data_parallel: DataParallelGroup) -> None:
+    """Register ``fp8_compress_hook`` on ``ddp``, or explain why DDP refused it."""
+    try:
+        ddp.register_comm_hook(data_parallel, fp8_compress_hook)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"register_ddp could not register amp8's FP8 comm hook on this DistributedDataParallel "
+            f"({error}); DDP takes one comm hook: to keep yours, call "
+            "amp8.distributed.register_ddp(ddp, comm_hook=False) (amp8 then averages the FP8 "
+            "weights' gradients, your hook the rest)"
+        ) from error
 
 
 def amp8_names(model: nn.Module) -> list[str]:
@@ -74,86 +195,117 @@ def amp8_names(model: nn.Module) -> list[str]:
 
 def leave_to_amp8(model: nn.Module) -> None:
     """Tell a ``DistributedDataParallel`` built later around ``model`` to leave amp8's
-    weights and buffers alone (``_ddp_params_and_buffers_to_ignore``, kept with any names
-    the user listed)."""
+    weights and buffers alone: DDP's ignore list, kept with any names the user listed."""
     names = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     names += [name for name in amp8_names(model) if name not in names]
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    model._ddp_params_and_buffers_to_ignore = names
 
 
-class DdpWatch:
-    """The forward hooks by which amp8 finds the DDP running ``model``: the first time,
-    amp8 hands it the model's other parameters and registers ``fp8_compress_hook``; every
-    time, it reads whether this backward synchronizes (``no_sync``) and, under
-    ``find_unused_parameters=True``, has the FP8 weights' gradients averaged when the
-    backward ends. A model whose FP8 weights FSDP2 shards (``sharded``, O3) refuses DDP."""
+def running_ddp(module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` whose forward is running ``module`` (as its module
+    or inside it), found on the Python call stack; None when there is none."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is _DDP_FORWARD:
+                ddp = frame.f_locals.get("self")
+                if isinstance(ddp, DDP) and (ddp.module is module or _contains(ddp.module, module)):
+                    return ddp
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _contains(root: nn.Module, module: nn.Module) -> bool:
+    return any(inner is module for inner in root.modules())
+
+
+class DdpGuard:
+    """The forward pre-hook ``initialize`` registers on a model in a process group: it
+    refuses a DDP that runs the model without ``register_ddp``, and any DDP around a model
+    whose FP8 weights FSDP2 shards (``sharded``, O3). See the module docstring."""
 
     def __init__(self, data_parallel: DataParallelGroup, sharded: bool) -> None:
         self.data_parallel = data_parallel
         self.sharded = sharded
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
-        """Forward pre-hook: find the DDP around ``module`` (see the class docstring)."""
-        ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if ddp is None or ddp.module is not module:
+        """Forward pre-hook: raise if an unregistered DDP (or any DDP at O3) runs ``module``."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return
+        ddp = running_ddp(module)
+        if ddp is None or ddp is self.data_parallel.ddp:
             return
         if self.sharded:
-            raise RuntimeError(
-                "DistributedDataParallel wraps a model whose FP8 weights amp8 sharded with "
-                "FSDP2 (opt level O3 in a process group): amp8 averages every gradient itself "
-                "there; use the model without DDP, or O1/O2 under DDP"
-            )
-        if self.data_parallel.ddp is not ddp:
-            _adopt(ddp, self.data_parallel)
-        self.data_parallel.backward_sync = bool(ddp.require_backward_grad_sync)
+            raise RuntimeError(_SHARDED_MESSAGE)
+        fix = "amp8.distributed.register_ddp(ddp)" if _amp8_handles(module) else "amp8.distributed.register_ddp(ddp, optimizer)"
+        raise RuntimeError(
+            "a DistributedDataParallel runs this amp8 model but was not registered with amp8: "
+            f"call {fix} in every process after wrapping the model, before its first forward "
+            "(amp8 averages the FP8 weights' gradients over DDP's group, pauses inside no_sync(), "
+            "and registers its FP8 comm hook; comm_hook=False keeps DDP's own reduction)"
+        )
 
-    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Forward hook: where gradients are averaged when backward ends, have the first
-        output gradient of this forward's backward queue that (on every rank)."""
+
+def guard_ddp(model: nn.Module, data_parallel: DataParallelGroup, *, sharded: bool = False) -> DdpGuard:
+    """Register ``DdpGuard``'s pre-hook on ``model``; returns the guard."""
+    guard = DdpGuard(data_parallel, sharded)
+    model.register_forward_pre_hook(guard.before_forward)
+    return guard
+
+
+class DdpWatch:
+    """The hooks ``register_ddp`` puts on the user's DDP: before each forward, whether
+    this backward synchronizes (``no_sync``); after it, under
+    ``find_unused_parameters=True``, the FP8 weights' gradients averaged when the backward
+    ends. They do nothing for a DDP that is no longer the registered one."""
+
+    def __init__(self, data_parallel: DataParallelGroup) -> None:
+        self.data_parallel = data_parallel
+
+    def before_forward(self, ddp: nn.Module, args: Any) -> None:
+        """Forward pre-hook on the DDP: read whether the coming backward synchronizes."""
+        if self.data_parallel.ddp is ddp:
+            self.data_parallel.backward_sync = bool(ddp.require_backward_grad_sync)
+
+    def after_forward(self, ddp: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on the DDP: where gradients are averaged when backward ends, have
+        the first output gradient of this forward's backward queue that (on every rank)."""
         data_parallel = self.data_parallel
-        if not (data_parallel.reduces_at_backward_end and data_parallel.backward_sync and torch.is_grad_enabled()):
+        if data_parallel.ddp is not ddp or not torch.is_grad_enabled():
             return
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not (data_parallel.reduces_at_backward_end and data_parallel.backward_sync):
+            return
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
         if outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, self._backward_started, mode="any")
 
     def _backward_started(self, grad: torch.Tensor) -> None:
+        # torch has no public way to run code when a backward ends; its DDP comm hooks and
+        # FSDP queue their callbacks with the engine the same way.
         for callback in self.data_parallel.at_backward_end:
             torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
-def watch_for_ddp(model: nn.Module, data_parallel: DataParallelGroup, *, sharded: bool = False) -> DdpWatch:
-    """Register ``DdpWatch``'s hooks on ``model``; returns the watch."""
-    watch = DdpWatch(data_parallel, sharded)
-    model.register_forward_pre_hook(watch.before_forward)
-    model.register_forward_hook(watch.after_forward)
-    return watch
+def tensors_in(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: a tensor, or tensors in (nested) tuples, lists
+    and mappings (a Hugging Face ``ModelOutput`` is one)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [tensor for item in output for tensor in tensors_in(item)]
+    return []
 
 
 def stop_watching(model: nn.Module, names: list[str]) -> None:
-    """Remove amp8's DDP hooks from ``model``, and ``names`` (``amp8_names`` of the amp8
+    """Remove amp8's DDP guard from ``model``, and ``names`` (``amp8_names`` of the amp8
     model it copies: see ``amp8.export``) from what DDP ignores: a DDP built around it
     later treats it as any model."""
-    remove_forward_hooks(model, lambda owner: isinstance(owner, DdpWatch))
+    remove_forward_hooks(model, lambda owner: isinstance(owner, DdpGuard))
     ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
     if ignored is not None:
         removed = set(names)
-        kept = [name for name in ignored if name not in removed]
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, kept)
-
-
-def _adopt(ddp: nn.parallel.DistributedDataParallel, data_parallel: DataParallelGroup) -> None:
-    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
-    missing = [name for name in amp8_names(ddp.module) if name not in ignored]
-    if missing:
-        raise RuntimeError(
-            f"DistributedDataParallel wraps an amp8 model but does not leave {missing[0]!r} "
-            "to amp8; call amp8.initialize in every process before wrapping the model in DDP, "
-            "and do not replace the model's _ddp_params_and_buffers_to_ignore"
-        )
-    data_parallel.group = ddp.process_group
-    data_parallel.ddp = ddp
-    try:
-        ddp.register_comm_hook(data_parallel, fp8_compress_hook)
-    except RuntimeError:  # the user registered a hook of their own: it stays
-        pass
+        model._ddp_params_and_buffers_to_ignore = [name for name in ignored if name not in removed]

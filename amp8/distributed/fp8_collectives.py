@@ -13,12 +13,15 @@ Neither backend can sum FP8, so a reduction sends FP8 and sums in float32 (DESIG
 
 Every piece carries its own scale, so a rank with large values cannot push another's
 into overflow, and an inf or NaN on any rank reaches every rank as NaN. ``WireStats``
-counts the bytes each rank hands to other ranks.
+counts the bytes each rank hands to other ranks. The all-to-all and the all-gather each
+have a ``start_*`` form that returns what is in flight (``wait()`` finishes it), so the
+gradient buckets and DDP's comm hook overlap them with backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,6 +127,56 @@ def fp8_reduce_scatter_mean(
     return pending.layout, pending.wait()
 
 
+@dataclass
+class PendingAllGather:
+    """An FP8 all-gather in flight; ``wait()`` (or, once ``future()`` completes,
+    ``result()``) gives the gathered float32 tensors."""
+
+    layout: ShardLayout
+    gathered_data: list[torch.Tensor]
+    gathered_scales: list[torch.Tensor]
+    works: list[dist.Work]
+
+    def future(self) -> torch.futures.Future[list[torch.futures.Future[Any]]]:
+        """A future that completes when every collective of the all-gather has."""
+        return torch.futures.collect_all([work.get_future() for work in self.works])
+
+    def result(self) -> list[torch.Tensor]:
+        """The flat float32 tensors, identical on every rank; call once the collectives
+        are complete (after ``future()`` completes, or from ``wait()``)."""
+        packed = _dequantize_pieces(
+            torch.stack(self.gathered_data).view(WIRE_DTYPE), torch.stack(self.gathered_scales), self.layout
+        )
+        return self.layout.unpack(packed)
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait for the collectives; the flat float32 tensors (see ``result``)."""
+        for work in self.works:
+            work.wait()
+        return self.result()
+
+
+def start_all_gather(
+    row: torch.Tensor,
+    layout: ShardLayout,
+    group: dist.ProcessGroup | None = None,
+    stats: WireStats | None = None,
+) -> PendingAllGather:
+    """Cast this rank's packed float32 ``row`` to E4M3 with per-tensor scales and start
+    the all-gather of every rank's row (asynchronous)."""
+    world = layout.world
+    data, scales = _quantize_pieces(row[None], layout)
+    gathered_data = [torch.empty_like(_byte_view(data[0])) for _ in range(world)]
+    gathered_scales = [torch.empty_like(scales[0]) for _ in range(world)]
+    works = [
+        dist.all_gather(gathered_data, _byte_view(data[0]), group=group, async_op=True),
+        dist.all_gather(gathered_scales, scales[0], group=group, async_op=True),
+    ]
+    if stats is not None:
+        stats.add("all_gather", (data.nbytes + scales.nbytes) * (world - 1))
+    return PendingAllGather(layout, gathered_data, gathered_scales, works)
+
+
 def fp8_all_gather(
     row: torch.Tensor,
     layout: ShardLayout,
@@ -132,20 +185,7 @@ def fp8_all_gather(
 ) -> list[torch.Tensor]:
     """Every rank's packed float32 ``row`` sent as E4M3 with per-tensor scales; returns
     the flat float32 tensors, identical on every rank."""
-    world = layout.world
-    data, scales = _quantize_pieces(row[None], layout)
-    gathered_data = [torch.empty_like(_byte_view(data[0])) for _ in range(world)]
-    gathered_scales = [torch.empty_like(scales[0]) for _ in range(world)]
-    data_work = dist.all_gather(gathered_data, _byte_view(data[0]), group=group, async_op=True)
-    scale_work = dist.all_gather(gathered_scales, scales[0], group=group, async_op=True)
-    data_work.wait()
-    scale_work.wait()
-    if stats is not None:
-        stats.add("all_gather", (data.nbytes + scales.nbytes) * (world - 1))
-    packed = _dequantize_pieces(
-        torch.stack(gathered_data).view(WIRE_DTYPE), torch.stack(gathered_scales), layout
-    )
-    return layout.unpack(packed)
+    return start_all_gather(row, layout, group, stats).wait()
 
 
 def fp8_all_reduce_mean(

@@ -7,8 +7,8 @@ parameter's post-accumulate-grad hook), and each bucket's FP8 all-to-all starts 
 backward; the optimizer only calls ``synchronize()`` before its step and reads the
 averaged gradients. Replicated gradients are replaced by their mean in place (an FP8
 weight gradient is re-stored once from it); a sharded weight (O3) keeps only this rank's
-rows of the mean, here, for the optimizer. Once the user's DDP runs the model
-(``amp8.distributed.ddp``), DDP averages the other parameters and this reduction the FP8
+rows of the mean, here, for the optimizer. Once the user's DDP is registered
+(``amp8.distributed.register_ddp``), DDP averages the other parameters and this reduction the FP8
 weights alone; under its ``find_unused_parameters=True`` when that backward ends, as
 ranks may leave different weights without a gradient. Delayed-scaling histories are made
 equal on every rank at the end of each round, so every rank casts with the same scales.
@@ -71,7 +71,7 @@ class GradientReduction:
     @property
     def buckets(self) -> GradientBuckets:
         """The gradient buckets: every gradient, or only the FP8 weights' once the user's
-        DDP (which averages the others) runs the model."""
+        DDP (which averages the others) is registered."""
         ddp = self.data_parallel.ddp
         if self._buckets is None or self._buckets_under is not ddp:
             covered = [p for p in self.params if ddp is None or p in self.weights]

@@ -236,7 +236,8 @@ class StoredWeightModule(nn.Module):
             f"the weight of an amp8 {type(self).__name__} was replaced after amp8.initialize "
             "(by fully_shard, or by assigning a new Parameter); for FSDP2 use opt_level='O3' "
             "in a process group, where amp8 applies fully_shard itself, or "
-            "DistributedDataParallel at O1/O2, wrapped after amp8.initialize"
+            "DistributedDataParallel at O1/O2, wrapped after amp8.initialize and registered with "
+            "amp8.distributed.register_ddp"
         )
 
 

@@ -333,9 +333,10 @@ def test_float32_scales_of_an_older_mxfp8_checkpoint_load_exactly() -> None:
 
 def test_compare_ablates_each_nvfp4_knob() -> None:
     recipe = Recipe.preset("nvfp4")
-    specs = {spec.name: spec for spec in run_specs(CompareConfig(recipe=recipe, levels=("O0", "O1")))}
+    specs = {spec.name: spec for spec in run_specs(CompareConfig(recipe=recipe, levels=("O0", "O1"), torchao=False))}
     assert list(specs) == ["O0", "O1", *KNOB_ABLATIONS.values()]
     assert specs["O1-no-hadamard"].recipe == recipe.replace(wgrad_hadamard=False)
     assert specs["O1-no-sr"].recipe == recipe.replace(stochastic_grad_rounding=False)
-    mx_specs = [spec.name for spec in run_specs(CompareConfig(recipe=Recipe.preset("mxfp8"), levels=("O0", "O1")))]
+    mx_config = CompareConfig(recipe=Recipe.preset("mxfp8"), levels=("O0", "O1"), torchao=False)
+    mx_specs = [spec.name for spec in run_specs(mx_config)]
     assert mx_specs == ["O0", "O1"]
