@@ -92,42 +92,34 @@ def initialize(
     layer_selection: LayerSelection = "auto",
     controller: Controller | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Apply an opt level to ``model`` and ``optimizer``; returns ``(model, optimizer)``.
+    """Apply an opt level to ``model`` and ``optimizer``.
 
-    At O1 and above, every ``nn.Linear`` whose features are multiples of 16, whose weight
-    is its own, that ``module_filter(module, fqn)`` accepts (all, by default) and that
-    ``layer_selection`` expects to be faster in FP8 becomes an ``Fp8Linear`` that reuses
-    its Parameters. ``layer_selection="auto"`` applies the speed rule of the device the
-    layer is on (``amp8.nn.selection.DEFAULT_RULES``: every layer on the CPU, where FP8 is
-    emulated for its numerics; large enough layers on CUDA), ``"all"`` takes every
-    eligible layer, and an ``amp8.nn.selection.SpeedRule`` (e.g. one measured with ``bench/linear.py
-    --sweep``) applies that rule; the optimizer (``torch.optim.Adam`` or
-    ``AdamW``) is replaced by a ``LowBitAdam`` with the same param groups. O0 returns
-    both unchanged (unless ``recipe.activations`` is "fp8": at every level, a forward
-    pre-hook and a forward hook on ``model`` then store the tensors autograd saves for
-    backward in FP8, see ``amp8.nn.activations``), and ``amp8.config.levels.FP8_COMPUTE_ONLY`` ("O1-compute") swaps the layers
-    but keeps weights, gradients and the optimizer as they are (any optimizer). Use the
-    returned objects from here on, and build LR schedulers after this call.
+    Eligible ``nn.Linear`` layers become ``amp8.nn.Fp8Linear`` layers that reuse their
+    Parameters, and Adam/AdamW becomes ``amp8.optim.LowBitAdam`` with the same param
+    groups (docs/levels.md). Use the returned objects from here on and build LR
+    schedulers after this call. In a ``torch.distributed`` group, call it in every
+    process with the bare model; at O1/O2 wrap the result in ``DistributedDataParallel``
+    and pass that to ``amp8.distributed.register_ddp`` (docs/distributed.md).
 
-    Data parallel: called in every process of a ``torch.distributed`` group of more than
-    one rank (``process_group``, default the world), it copies rank 0's parameters and
-    buffers to all ranks, and the returned optimizer averages every gradient over the
-    ranks in FP8 before each step. At O1 and O2 the model may then be wrapped in
-    ``DistributedDataParallel`` (apex's order) and the DDP handed to
-    ``amp8.distributed.register_ddp``: DDP averages the other gradients, through
-    ``amp8.distributed.fp8_compress_hook``, and amp8 the FP8 weights' (see
-    ``amp8.distributed.ddp``); a DDP that runs the model unregistered fails at its first
-    forward.
-    At O3 it also applies FSDP2's ``fully_shard`` to every FP8 layer (for its weight) and
-    to the model (for nothing, as FSDP2's root): each rank keeps its rows of the FP8
-    weights, their master weights and moments, and FSDP2 all-gathers the FP8 weights
-    around each layer's forward and backward. Pass the bare model: amp8 refuses a model
-    that DDP or FSDP already wraps (O0 leaves the model to them).
+    Args:
+        model: the model; O0 returns it unchanged (but for FP8 activations).
+        optimizer: ``torch.optim.Adam`` or ``AdamW`` (any optimizer at O0 and
+            "O1-compute"), or None to convert the model alone.
+        opt_level: "O0", "O1", "O2", "O3" or "O1-compute", or an ``OptLevel``.
+        recipe: how tensors are scaled and cast; None takes the level's default
+            (``amp8.frontend.default_recipe``; docs/recipes.md).
+        module_filter: ``(module, fqn) -> bool``; a layer it refuses stays as it is.
+        process_group: the data-parallel group (default: the world, when initialized
+            with more than one rank); rank 0's parameters and buffers are copied to all.
+        layer_selection: "auto" (the device's speed rule,
+            ``amp8.nn.selection.DEFAULT_RULES``), "all", or an
+            ``amp8.nn.selection.SpeedRule``.
+        controller: an ``amp8.Controller`` that watches the FP8 layers' casts and moves
+            layers to finer scales or high precision (docs/controller.md).
 
-    ``controller`` (an ``amp8.Controller``) watches the FP8 layers' casts and moves a
-    layer's GEMMs to finer scales or high precision when they lose too much, and applies
-    its precision schedule; it acts after each step of the returned optimizer (needed
-    then) and is saved with its ``state_dict`` (see ``amp8.monitor.controller``).
+    Returns:
+        ``(model, optimizer)``: the same model with its layers swapped, and the
+        optimizer to step (the one given at O0 and "O1-compute").
 
     Raises:
         ValueError: unknown opt level (or an override amp8 cannot store), a model amp8

@@ -6,7 +6,8 @@ from amp8.config.formats import Fp8Format
 from amp8.config.gemms import Gemm, GemmOperand, Signal
 from amp8.config.levels import LEVELS, OptLevel, Precision
 from amp8.config.recipe import (
-    ActivationFormat, AmaxAlgo, Granularity, Microscaling, OutputHead, Recipe, RecipeName, Scaling,
+    ActivationFormat, AmaxAlgo, Granularity, Microscaling, MXFP8Recipe, NVFP4Recipe, OutputHead, Recipe, RecipeName,
+    Scaling,
 )
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "Granularity",
     "HealthThresholds",
     "Microscaling",
+    "MXFP8Recipe",
+    "NVFP4Recipe",
     "Move",
     "OptLevel",
     "OutputHead",

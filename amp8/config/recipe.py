@@ -1,176 +1,32 @@
-"""The FP8 recipe: how tensors are scaled and cast, independent of the opt level."""
+"""The FP8 recipe: how tensors are scaled and cast, independent of the opt level.
+
+``Recipe`` is the common base and the FP8 family (one, per-row or per-block float32
+scales); ``MXFP8Recipe`` and ``NVFP4Recipe`` are the Blackwell microscaled families, each
+fixing the fields its format decides, so a combination the format cannot run cannot be
+written. The fields' enums and checks are in ``amp8.config.recipe_fields``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from enum import Enum
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from amp8.config.formats import E4M3, E5M2, E8M0, Fp8Format, gradient_dtype, max_margin
+from amp8.config.recipe_fields import (
+    GRANULARITY_LADDER, MAX_BLOCK_SIZE, MAX_HISTORY_LEN, MICRO_BLOCK_SIZES, ActivationFormat, AmaxAlgo,
+    Granularity, Microscaling, OutputHead, RecipeName, Scaling, WeightGradFormat, WeightGradScaling, as_enum,
+    check_int, check_microscaling, check_outlier_split, operand_tile,
+)
 
-MAX_HISTORY_LEN = 1024
-"""The longest amax history: the largest in common use (Transformer Engine's default);
-a longer one reacts to a change of range more slowly still and costs a reduction over it
-per cast."""
-MAX_BLOCK_SIZE = 1024
-"""The largest ``block_size``: weights are padded to whole ``block_size x block_size``
-blocks when their amax is taken, so a larger block costs memory and gains nothing."""
-
-
-class Scaling(str, Enum):
-    """Where a tensor's scale comes from.
-
-    CURRENT: from the tensor's own absolute maximum, just before the cast.
-    DELAYED: from a history of the absolute maxima of earlier iterations.
-    NONE: no scaling at all (scale 1), an ablation that shows why scaling matters.
-    """
-
-    CURRENT = "current"
-    DELAYED = "delayed"
-    NONE = "none"
-
-
-class Granularity(str, Enum):
-    """How many scales a tensor gets.
-
-    TENSORWISE: one scale per tensor.
-    ROWWISE: one scale per row of each GEMM operand, taken along the GEMM's contraction
-        dimension (torchao's "rowwise"/axiswise recipes).
-    BLOCK: one scale per ``1 x block_size`` tile of activations and output gradients
-        (``block_size x 1`` where a GEMM contracts over rows) and per
-        ``block_size x block_size`` block of weights (the DeepSeek-V3 recipe).
-    """
-
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-    BLOCK = "block"
-
-
-GRANULARITY_LADDER: tuple[Granularity, ...] = (Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCK)
-"""Granularities from coarsest to finest: the rungs ``amp8.Controller`` steps a layer up."""
-
-
-class WeightGradFormat(str, Enum):
-    """The FP8 dtype a stored weight gradient takes.
-
-    GRADIENT: the recipe's gradient dtype (E5M2 under HYBRID, E4M3 under E4M3).
-    E4M3: E4M3 (one more mantissa bit than E5M2; its scales give the range).
-    E5M2: E5M2.
-    """
-
-    GRADIENT = "gradient"
-    E4M3 = "E4M3"
-    E5M2 = "E5M2"
-
-
-class WeightGradScaling(str, Enum):
-    """How many scales a stored weight gradient gets.
-
-    WEIGHT: the tiles of the weight's own FP8 scales (one per tensor under "tensorwise").
-    ROWWISE: one scale per row (output feature) of the gradient.
-    """
-
-    WEIGHT = "weight"
-    ROWWISE = "rowwise"
-
-
-class ActivationFormat(str, Enum):
-    """How tensors saved for backward inside the model are stored.
-
-    HIGH: as the forward made them (FP32, or BF16 under autocast).
-    FP8: E4M3 with one scale per 1 x 128 tile along the last dimension
-        (``amp8.nn.activations``); FP8 layers of every granularity keep their FP8 input.
-    """
-
-    HIGH = "high"
-    FP8 = "fp8"
-
-
-class OutputHead(str, Enum):
-    """How ``amp8.initialize`` treats the model's output head: the ``nn.Linear`` that maps
-    hidden states to the vocabulary's logits, found by structure (``amp8.nn.swap.output_heads``).
-
-    HIGH: it stays in high precision (``initialize``'s default: its logits feed the
-        loss directly, and measured runs lose most of their FP8 gap there).
-    FP8: it runs in FP8 like any other eligible layer (the field's default).
-    """
-
-    HIGH = "high"
-    FP8 = "fp8"
-
-
-class RecipeName(str, Enum):
-    """Names of the recipes ``Recipe.preset`` builds."""
-
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-    DEEPSEEK = "deepseek"
-    MXFP8 = "mxfp8"
-    NVFP4 = "nvfp4"
-
-
-class Microscaling(str, Enum):
-    """The Blackwell microscaled format of the GEMM operands (``amp8.tensor.block_scaled``).
-
-    NONE: FP8 with float32 scales, at the recipe's granularity.
-    MXFP8: FP8 elements with one E8M0 (power-of-two) scale per 32 along each GEMM's
-        contraction dimension.
-    NVFP4: FP4 (E2M1) elements with one E4M3 scale per 16 and one tensor scale.
-    """
-
-    NONE = "none"
-    MXFP8 = "mxfp8"
-    NVFP4 = "nvfp4"
-
-
-MICRO_BLOCK_SIZES = {Microscaling.MXFP8: 32, Microscaling.NVFP4: 16}
-"""The block size each microscaled format fixes."""
-
-
-class AmaxAlgo(str, Enum):
-    """How delayed scaling reduces the amax history to one number."""
-
-    MAX = "max"
-    MOST_RECENT = "most_recent"
-
-
-def operand_tile(
-    granularity: Granularity, block_size: int, shape: tuple[int, ...], contract_dim: int, *, weight: bool = False
-) -> tuple[int, int] | None:
-    """The (rows, columns) tile that shares one scale in a 2-D GEMM operand of ``shape``
-    contracted along ``contract_dim`` (0 or 1) under ``granularity``; None for one scale
-    per tensor. Weights under "block" take square ``block_size`` blocks, which serve both
-    dims; other operands take ``1 x block_size`` tiles along the contraction."""
-    if granularity is Granularity.TENSORWISE:
-        return None
-    if granularity is Granularity.BLOCK and weight:
-        return (block_size, block_size)
-    span = shape[contract_dim] if granularity is Granularity.ROWWISE else block_size
-    return (1, span) if contract_dim == 1 else (span, 1)
-
-
-def _check_int(field: str, value: Any, low: int, high: int, why: str = "", *, multiple_of: int = 1) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]`` and
-    a multiple of ``multiple_of``; the message gives the range and ``why``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high or value % multiple_of:
-        multiple = f" that is a multiple of {multiple_of}" if multiple_of > 1 else ""
-        raise ValueError(
-            f"Recipe.{field}={value!r} is not valid; use an int in [{low}, {high}]{multiple} {why}".rstrip()
-        )
-
-
-def _as_enum(enum_type: type[Enum], field: str, value: Any, *, label: str | None = None) -> Any:
-    if isinstance(value, enum_type):
-        return value
-    try:
-        return enum_type(value)
-    except ValueError:
-        allowed = ", ".join(repr(member.value) for member in enum_type)  # type: ignore[attr-defined]
-        what = label or f"Recipe.{field}={value!r}"
-        raise ValueError(f"{what} is not valid; use one of {allowed}") from None
+__all__ = [
+    "GRANULARITY_LADDER", "MAX_BLOCK_SIZE", "MAX_HISTORY_LEN", "MICRO_BLOCK_SIZES", "ActivationFormat", "AmaxAlgo",
+    "FAMILIES", "Granularity", "MXFP8Recipe", "Microscaling", "NVFP4Recipe", "OutputHead", "Recipe", "RecipeName", "Scaling",
+    "WeightGradFormat", "WeightGradScaling", "operand_tile",
+]
 
 
 @dataclass(frozen=True)
@@ -206,8 +62,9 @@ class Recipe:
             stored: "high" (as they are, the default) or "fp8" (E4M3 with one scale per
             1 x 128 tile along the last dimension, restored in backward; FP8 layers of
             every granularity then keep their FP8 input for the weight gradient).
-        microscaling: "none", "mxfp8" or "nvfp4": the GEMM operands take the Blackwell
-            microscaled format (granularity "block" with its block size, 32 or 16:
+        microscaling: "none", "mxfp8" or "nvfp4" (set by ``MXFP8Recipe`` and
+            ``NVFP4Recipe``; passing it to ``Recipe`` is deprecated): the GEMM operands
+            take the Blackwell microscaled format (granularity "block" with its block size, 32 or 16:
             1 x block tiles along each GEMM's contraction dimension, weights included).
             Weight gradients and the first moment stay E4M3 with float32 scales at the
             weight's tiles.
@@ -261,15 +118,23 @@ class Recipe:
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
-        set_field(self, "fp8_format", _as_enum(Fp8Format, "fp8_format", self.fp8_format))
-        set_field(self, "scaling", _as_enum(Scaling, "scaling", self.scaling))
+        set_field(self, "microscaling", as_enum(Microscaling, "microscaling", self.microscaling))
+        if type(self) is Recipe and self.microscaling is not Microscaling.NONE:
+            family = FAMILIES[self.microscaling].__name__
+            warnings.warn(
+                f"Recipe(microscaling={self.microscaling.value!r}) is deprecated and will be refused in a "
+                f"future release; use amp8.config.{family}(...) or Recipe.preset({self.microscaling.value!r})",
+                DeprecationWarning, stacklevel=3,
+            )
+        set_field(self, "fp8_format", as_enum(Fp8Format, "fp8_format", self.fp8_format))
+        set_field(self, "scaling", as_enum(Scaling, "scaling", self.scaling))
         set_field(
             self,
             "amax_compute_algo",
-            _as_enum(AmaxAlgo, "amax_compute_algo", self.amax_compute_algo),
+            as_enum(AmaxAlgo, "amax_compute_algo", self.amax_compute_algo),
         )
-        _check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY_LEN)
-        _check_int(
+        check_int("amax_history_len", self.amax_history_len, 1, MAX_HISTORY_LEN)
+        check_int(
             "margin", self.margin, 0, max_margin(self.fp8_format),
             f"(a larger margin puts the amax below the normal range of the {self.fp8_format.value} "
             "format's FP8 dtypes and flushes the rest of the tensor to zero)",
@@ -289,14 +154,14 @@ class Recipe:
                 "(fprop, dgrad, wgrad), True meaning that GEMM runs in high precision"
             )
         set_field(self, "override_linear_precision", tuple(override))
-        set_field(self, "granularity", _as_enum(Granularity, "granularity", self.granularity))
+        set_field(self, "granularity", as_enum(Granularity, "granularity", self.granularity))
         set_field(self, "weight_grad_format",
-                  _as_enum(WeightGradFormat, "weight_grad_format", self.weight_grad_format))
+                  as_enum(WeightGradFormat, "weight_grad_format", self.weight_grad_format))
         set_field(self, "weight_grad_scaling",
-                  _as_enum(WeightGradScaling, "weight_grad_scaling", self.weight_grad_scaling))
-        set_field(self, "activations", _as_enum(ActivationFormat, "activations", self.activations))
-        set_field(self, "output_head", _as_enum(OutputHead, "output_head", self.output_head))
-        _check_int(
+                  as_enum(WeightGradScaling, "weight_grad_scaling", self.weight_grad_scaling))
+        set_field(self, "activations", as_enum(ActivationFormat, "activations", self.activations))
+        set_field(self, "output_head", as_enum(OutputHead, "output_head", self.output_head))
+        check_int(
             "block_size", self.block_size, 16, MAX_BLOCK_SIZE,
             "(FP8 GEMMs need K-blocks that are multiples of 16), such as 128", multiple_of=16,
         )
@@ -307,66 +172,8 @@ class Recipe:
                 "scaling='current' with fine-grained scales, or granularity='tensorwise' "
                 "with delayed scaling"
             )
-        set_field(self, "microscaling", _as_enum(Microscaling, "microscaling", self.microscaling))
-        self._check_microscaling()
-        self._check_outlier_split()
-
-    def _check_outlier_split(self) -> None:
-        """Validate ``wgrad_outlier_split`` and ``wgrad_outlier_share``."""
-        if not isinstance(self.wgrad_outlier_split, bool):
-            raise ValueError(f"Recipe.wgrad_outlier_split={self.wgrad_outlier_split!r} is not valid; use True or False")
-        share = self.wgrad_outlier_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 0.5:
-            raise ValueError(f"Recipe.wgrad_outlier_share={share!r} is not valid; use a share of tokens in (0, 0.5]")
-        if self.wgrad_outlier_split and self.granularity is Granularity.TENSORWISE:
-            raise ValueError(
-                "Recipe(wgrad_outlier_split=True) needs scales along tokens for wgrad, which one scale per "
-                "tensor does not cast; use granularity='rowwise' or 'block'"
-            )
-
-    def _check_microscaling(self) -> None:
-        """Validate the microscaling fields (see the class docstring)."""
-        for name in ("weight_block_2d", "wgrad_hadamard", "stochastic_grad_rounding"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Recipe.{name}={getattr(self, name)!r} is not valid; use True or False")
-        layers = self.high_precision_layers
-        if isinstance(layers, str) or not isinstance(layers, (tuple, list)) or not all(
-            isinstance(pattern, str) for pattern in layers
-        ):
-            raise ValueError(
-                f"Recipe.high_precision_layers={layers!r} is not valid; use a tuple of fnmatch patterns "
-                "of layer names, e.g. ('blocks.11.*',)"
-            )
-        object.__setattr__(self, "high_precision_layers", tuple(layers))
-        micro = self.microscaling
-        if micro is Microscaling.NONE:
-            knobs = [name for name in ("weight_block_2d", "wgrad_hadamard", "stochastic_grad_rounding")
-                     if getattr(self, name)]
-            if knobs:
-                raise ValueError(
-                    f"Recipe({', '.join(f'{name}=True' for name in knobs)}) needs a microscaled format; "
-                    "use Recipe.preset('nvfp4') or set microscaling='mxfp8' or 'nvfp4'"
-                )
-            return
-        block = MICRO_BLOCK_SIZES[micro]
-        wrong = []
-        if self.granularity is not Granularity.BLOCK or self.block_size != block:
-            wrong.append(f"granularity='block', block_size={block}")
-        if self.scaling is not Scaling.CURRENT:
-            wrong.append("scaling='current'")
-        if micro is Microscaling.MXFP8 and not self.power_of_2_scales:
-            wrong.append("power_of_2_scales=True (E8M0 scales are powers of two)")
-        if micro is Microscaling.NVFP4 and (self.power_of_2_scales or self.margin):
-            wrong.append("power_of_2_scales=False and margin=0 (NVFP4 scales are E4M3)")
-        if micro is Microscaling.MXFP8 and self.stochastic_grad_rounding:
-            wrong.append("stochastic_grad_rounding=False (it rounds FP4 gradients)")
-        if self.activations is not ActivationFormat.HIGH:
-            wrong.append("activations='high'")
-        if wrong:
-            raise ValueError(
-                f"Recipe(microscaling={micro.value!r}) needs {'; '.join(wrong)}; "
-                f"start from Recipe.preset({micro.value!r})"
-            )
+        check_microscaling(self)
+        check_outlier_split(self)
 
     @property
     def square_weight_blocks(self) -> bool:
@@ -397,18 +204,15 @@ class Recipe:
         Raises:
             ValueError: an unknown name; the message lists the valid ones.
         """
-        recipe_name = _as_enum(RecipeName, "name", name, label=f"Recipe.preset({name!r})")
+        recipe_name = as_enum(RecipeName, "name", name, label=f"Recipe.preset({name!r})")
         if recipe_name is RecipeName.TENSORWISE:
-            return cls()
+            return Recipe()
         if recipe_name is RecipeName.MXFP8:
-            return cls(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=Granularity.BLOCK,
-                       block_size=MICRO_BLOCK_SIZES[Microscaling.MXFP8], microscaling=Microscaling.MXFP8)
+            return MXFP8Recipe()
         if recipe_name is RecipeName.NVFP4:
-            return cls(fp8_format=Fp8Format.E4M3, granularity=Granularity.BLOCK,
-                       block_size=MICRO_BLOCK_SIZES[Microscaling.NVFP4], microscaling=Microscaling.NVFP4,
-                       weight_block_2d=True, wgrad_hadamard=True, stochastic_grad_rounding=True)
+            return NVFP4Recipe()
         granularity = Granularity.ROWWISE if recipe_name is RecipeName.ROWWISE else Granularity.BLOCK
-        return cls(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=granularity)
+        return Recipe(fp8_format=Fp8Format.E4M3, power_of_2_scales=True, granularity=granularity)
 
     @property
     def scale_block_size(self) -> int:
@@ -454,12 +258,20 @@ class Recipe:
 
         Raises:
             TypeError: a name that is not a field of ``Recipe``; the message lists them.
-            ValueError: a value the field cannot take (see the class docstring).
+            ValueError: a value the field cannot take (see the class docstring), or a
+                change of a field that this recipe's format family fixes.
         """
-        fields = [field.name for field in dataclasses.fields(self)]
+        fields = {item.name: item for item in dataclasses.fields(self)}
         unknown = sorted(set(changes) - set(fields))
         if unknown:
             raise TypeError(f"Recipe.replace got unknown fields {unknown}; the fields are {', '.join(fields)}")
+        for name in [name for name in changes if not fields[name].init]:
+            if changes.pop(name) != getattr(self, name):
+                raise ValueError(
+                    f"{type(self).__name__} fixes {name}={getattr(getattr(self, name), 'value', getattr(self, name))!r}: "
+                    "another value is "
+                    "another format; start from Recipe() or Recipe.preset(...) for it"
+                )
         return dataclasses.replace(self, **changes)
 
     def for_gemms(
@@ -469,7 +281,7 @@ class Recipe:
         ``override_linear_precision`` and ``outlier_split`` as ``wgrad_outlier_split``;
         current scaling where a finer granularity cannot keep delayed scaling's one amax
         history per tensor."""
-        granularity = _as_enum(Granularity, "granularity", granularity)
+        granularity = as_enum(Granularity, "granularity", granularity)
         delayed = self.scaling is Scaling.DELAYED and granularity is not Granularity.TENSORWISE
         return self.replace(
             granularity=granularity,
@@ -482,3 +294,57 @@ class Recipe:
     def history_len(self) -> int:
         """Entries of amax history a layer keeps: the recipe's length when delayed, else 1."""
         return self.amax_history_len if self.scaling is Scaling.DELAYED else 1
+
+
+def _fixed(value: Any) -> Any:
+    """A field a format family decides: not an argument of the family's constructor."""
+    return field(default=value, init=False)
+
+
+@dataclass(frozen=True)
+class MXFP8Recipe(Recipe):
+    """MXFP8 (Transformer Engine's MXFP8BlockScaling): E4M3 elements with one E8M0
+    (power-of-two) scale per 1 x 32 tile along each GEMM's contraction dimension,
+    weights included. The format fixes ``fp8_format``, ``scaling``,
+    ``power_of_2_scales``, ``granularity``, ``block_size``, ``microscaling``,
+    ``stochastic_grad_rounding`` and ``activations``; the other fields are ``Recipe``'s,
+    with its defaults. ``MXFP8Recipe() == Recipe.preset("mxfp8")``.
+    """
+
+    fp8_format: Fp8Format = _fixed(Fp8Format.E4M3)
+    scaling: Scaling = _fixed(Scaling.CURRENT)
+    power_of_2_scales: bool = _fixed(True)
+    granularity: Granularity = _fixed(Granularity.BLOCK)
+    block_size: int = _fixed(MICRO_BLOCK_SIZES[Microscaling.MXFP8])
+    activations: ActivationFormat = _fixed(ActivationFormat.HIGH)
+    microscaling: Microscaling = _fixed(Microscaling.MXFP8)
+    stochastic_grad_rounding: bool = _fixed(False)
+
+
+@dataclass(frozen=True)
+class NVFP4Recipe(Recipe):
+    """NVFP4 (Transformer Engine's NVFP4BlockScaling): E2M1 elements, an E4M3 scale per
+    1 x 16 tile and one tensor scale; by default 16 x 16 weight blocks, the random
+    Hadamard transform on wgrad's operands and stochastic rounding of gradients, each a
+    field to turn off. The format fixes ``fp8_format``, ``scaling``,
+    ``power_of_2_scales``, ``margin``, ``granularity``, ``block_size``, ``microscaling``
+    and ``activations``. ``NVFP4Recipe() == Recipe.preset("nvfp4")``.
+    """
+
+    fp8_format: Fp8Format = _fixed(Fp8Format.E4M3)
+    scaling: Scaling = _fixed(Scaling.CURRENT)
+    margin: int = _fixed(0)
+    power_of_2_scales: bool = _fixed(False)
+    granularity: Granularity = _fixed(Granularity.BLOCK)
+    block_size: int = _fixed(MICRO_BLOCK_SIZES[Microscaling.NVFP4])
+    activations: ActivationFormat = _fixed(ActivationFormat.HIGH)
+    microscaling: Microscaling = _fixed(Microscaling.NVFP4)
+    weight_block_2d: bool = True
+    wgrad_hadamard: bool = True
+    stochastic_grad_rounding: bool = True
+
+
+FAMILIES: dict[Microscaling, type[Recipe]] = {
+    Microscaling.NONE: Recipe, Microscaling.MXFP8: MXFP8Recipe, Microscaling.NVFP4: NVFP4Recipe,
+}
+"""The recipe class of each format family."""

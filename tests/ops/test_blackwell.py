@@ -1,13 +1,15 @@
 """The MXFP8 and NVFP4 recipes: GEMMs, Fp8Linear, their knobs, training, state and report
 (emulated on the CPU, as on any device before sm_100)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import amp8
 from amp8 import Recipe
-from amp8.config import Microscaling
+from amp8.config import Microscaling, MXFP8Recipe, NVFP4Recipe
 from amp8.config.gemms import Gemm
 from amp8.nn import Fp8Linear, TensorRole
 from amp8.ops.gemm import fp8_gemm
@@ -89,16 +91,31 @@ def test_presets(name, block, two_d, hadamard, stochastic) -> None:
     assert recipe.power_of_2_scales is (name == "mxfp8")
 
 
+BAD_MICROSCALED_CHANGES = [
+    ("mxfp8", {"block_size": 128}, "granularity='block', block_size=32", "MXFP8Recipe fixes block_size=32"),
+    ("nvfp4", {"granularity": "rowwise"}, "granularity='block', block_size=16", "NVFP4Recipe fixes granularity='block'"),
+    ("mxfp8", {"power_of_2_scales": False}, "power_of_2_scales=True", "MXFP8Recipe fixes power_of_2_scales=True"),
+    ("nvfp4", {"margin": 1}, "margin=0", "NVFP4Recipe fixes margin=0"),
+    ("mxfp8", {"stochastic_grad_rounding": True}, "stochastic_grad_rounding=False",
+     "MXFP8Recipe fixes stochastic_grad_rounding=False"),
+    ("nvfp4", {"scaling": "none"}, "scaling='current'", "NVFP4Recipe fixes scaling='current'"),
+    ("nvfp4", {"activations": "fp8"}, "activations='high'", "NVFP4Recipe fixes activations='high'"),
+]
+
+
+@pytest.mark.parametrize(("base", "changes", "old_message", "message"), BAD_MICROSCALED_CHANGES)
+def test_a_format_family_refuses_to_change_what_its_format_fixes(base, changes, old_message, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        Recipe.preset(base).replace(**changes)
+    fields = {**{field.name: getattr(Recipe.preset(base), field.name) for field in dataclasses.fields(Recipe)}, **changes}
+    with pytest.warns(DeprecationWarning, match=f"use amp8.config.{type(Recipe.preset(base)).__name__}"):
+        with pytest.raises(ValueError, match=old_message):  # the deprecated spelling checks the same
+            Recipe(**fields)
+
+
 @pytest.mark.parametrize(
     ("base", "changes", "message"),
     [
-        ("mxfp8", {"block_size": 128}, "granularity='block', block_size=32"),
-        ("nvfp4", {"granularity": "rowwise"}, "granularity='block', block_size=16"),
-        ("mxfp8", {"power_of_2_scales": False}, "power_of_2_scales=True"),
-        ("nvfp4", {"margin": 1}, "margin=0"),
-        ("mxfp8", {"stochastic_grad_rounding": True}, "stochastic_grad_rounding=False"),
-        ("nvfp4", {"scaling": "none"}, "scaling='current'"),
-        ("nvfp4", {"activations": "fp8"}, "activations='high'"),
         ("deepseek", {"wgrad_hadamard": True}, "needs a microscaled format; use Recipe.preset"),
         ("tensorwise", {"microscaling": "mxfp4"}, "'none', 'mxfp8', 'nvfp4'"),
         ("nvfp4", {"high_precision_layers": "head"}, "tuple of fnmatch patterns"),
@@ -108,6 +125,24 @@ def test_presets(name, block, two_d, hadamard, stochastic) -> None:
 def test_bad_recipes_say_what_to_do(base, changes, message) -> None:
     with pytest.raises(ValueError, match=message):
         Recipe.preset(base).replace(**changes)
+
+
+@pytest.mark.parametrize("family", [MXFP8Recipe, NVFP4Recipe])
+def test_a_format_family_takes_no_field_its_format_fixes(family: type[Recipe]) -> None:
+    fixed = [field.name for field in dataclasses.fields(family) if not field.init]
+    assert {"granularity", "block_size", "microscaling", "scaling"} <= set(fixed)
+    with pytest.raises(TypeError, match="granularity"):
+        family(granularity="rowwise")
+    assert family() == Recipe.preset(family().microscaling.value)
+    assert family().replace(granularity="block") == family(), "an unchanged fixed field is no change"
+
+
+def test_the_old_spelling_of_a_microscaled_recipe_still_runs_with_a_deprecation() -> None:
+    mxfp8 = Recipe.preset("mxfp8")
+    fields = {field.name: getattr(mxfp8, field.name) for field in dataclasses.fields(Recipe)}
+    with pytest.warns(DeprecationWarning, match=r"Recipe\(microscaling='mxfp8'\) is deprecated"):
+        old = Recipe(**fields)
+    assert {name: getattr(old, name) for name in fields} == fields
 
 
 # -- NVFP4 knobs --------------------------------------------------------------------------
