@@ -19,7 +19,8 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import OutputHead
 from amp8.config.validation import check_model_and_optimizer
 from amp8.monitor.console import default_console
-from amp8.monitor.weight_stats import SHORT_DTYPES, weight_cast_stats
+from amp8.monitor.report_table import human_bytes, print_table
+from amp8.monitor.weight_stats import weight_cast_stats
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import resolve_selection
 from amp8.nn.swap import (
@@ -187,7 +188,7 @@ class PrecisionReport:
             lines.append(
                 "largest: "
                 + ", ".join(
-                    f"{row['name']} {_human_bytes(row['bytes'])} ({100 * row['bytes'] / total:.0f}%)"
+                    f"{row['name']} {human_bytes(row['bytes'])} ({100 * row['bytes'] / total:.0f}%)"
                     for row in biggest
                 )
             )
@@ -217,40 +218,7 @@ class PrecisionReport:
 
     def print(self, console: Any = None) -> None:
         """Print the report as a rich table, with notes and totals below it."""
-        from rich.table import Table
-
-        console = console or default_console()
-        # Show a column only when some row has a value in it (no "master" before O3).
-        columns = [(title, key) for title, key in _COLUMNS
-                   if key in _ALWAYS_SHOWN or any(row[key] is not None for row in self.rows)]
-        # The scale range is shown where some tensor has scales finer than per tensor.
-        if all(row["granularity"] in (None, "tensorwise") for row in self.rows):
-            columns = [(title, key) for title, key in columns if key != "scale_min"]
-        # The GEMMs' precision is shown where some layer's differs from its recipe.
-        if not self.moves() and all(row.get("gemms") in (None, row["granularity"]) for row in self.rows):
-            columns = [(title, key) for title, key in columns if key != "gemms"]
-        table = Table(title="amp8 precision report")
-        for title, key in columns:
-            # Names and headers fold onto more lines rather than being cut short.
-            table.add_column(title, justify="right" if key in _NUMERIC else "left", overflow="fold")
-        notes: list[str] = []
-        for row in self.rows:
-            cells = {key: _cell(row, key) for _, key in columns}
-            if row["note"]:
-                notes.append(f"{row['name']}: {row['note']}")
-                cells["layer"] += f" [{len(notes)}]"
-            table.add_row(*cells.values())
-        console.print(table)
-        for index, note in enumerate(notes, start=1):
-            console.print(f"[{index}] {note}", highlight=False, markup=False)
-        for move in self.moves():
-            console.print(
-                f"step {move['step']}: {move['layer']} {move['before']} -> {move['after']} ({move['reason']})",
-                highlight=False, markup=False,
-            )
-        console.print(self.summary(), highlight=False)
-        for line in self.highlights():
-            console.print(f"  {line}", highlight=False, markup=False)
+        print_table(self, console or default_console())
 
     def summary(self) -> str:
         """One line: parameters, FP8 share, bytes/param against the FP32-Adam baseline."""
@@ -268,43 +236,6 @@ class PrecisionReport:
         return text + "."
 
 
-def _human_bytes(count: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GiB"
-
-
-def _cell(row: dict[str, Any], key: str) -> str:
-    """The display text of one cell."""
-    value = row[key]
-    if key == "bytes":
-        return f"{value / row['numel']:.2f}"
-    if key == "shape":
-        return "x".join(map(str, value))
-    if value is None:
-        return "-"
-    if key in ("underflow", "saturated"):
-        return f"{100 * value:.2g}%"
-    if key in ("scale", "amax"):
-        return f"{value:.3g}"
-    if key == "scale_min":
-        return f"{value:.3g}..{row['scale_max']:.3g}"
-    return SHORT_DTYPES.get(value, str(value))
-
-
-_COLUMNS = (
-    ("parameter", "name"), ("shape", "shape"), ("layer", "layer"), ("weight", "weight"),
-    ("grad", "grad"), ("master", "master"), ("m", "exp_avg"), ("v", "exp_avg_sq"),
-    ("granularity", "granularity"), ("GEMMs", "gemms"), ("format", "format"), ("block", "block"),
-    ("scale", "scale"), ("scale range", "scale_min"),
-    ("amax", "amax"), ("underflow", "underflow"),
-    ("saturated", "saturated"), ("B/param", "bytes"),
-)
-_ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
-_NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
 _STATS = (
     "granularity", "gemms", "moves", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated",
     "format", "block",

@@ -1,0 +1,85 @@
+"""The precision report as a rich table: which columns show, and each cell's text."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from amp8.monitor.weight_stats import SHORT_DTYPES
+
+if TYPE_CHECKING:
+    from amp8.monitor.report import PrecisionReport
+
+def human_bytes(count: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    """The display text of one cell."""
+    value = row[key]
+    if key == "bytes":
+        return f"{value / row['numel']:.2f}"
+    if key == "shape":
+        return "x".join(map(str, value))
+    if value is None:
+        return "-"
+    if key in ("underflow", "saturated"):
+        return f"{100 * value:.2g}%"
+    if key in ("scale", "amax"):
+        return f"{value:.3g}"
+    if key == "scale_min":
+        return f"{value:.3g}..{row['scale_max']:.3g}"
+    return SHORT_DTYPES.get(value, str(value))
+
+
+_COLUMNS = (
+    ("parameter", "name"), ("shape", "shape"), ("layer", "layer"), ("weight", "weight"),
+    ("grad", "grad"), ("master", "master"), ("m", "exp_avg"), ("v", "exp_avg_sq"),
+    ("granularity", "granularity"), ("GEMMs", "gemms"), ("format", "format"), ("block", "block"),
+    ("scale", "scale"), ("scale range", "scale_min"),
+    ("amax", "amax"), ("underflow", "underflow"),
+    ("saturated", "saturated"), ("B/param", "bytes"),
+)
+_ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
+_NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
+
+def print_table(report: "PrecisionReport", console: Any) -> None:
+    """Print ``report`` on ``console`` as a rich table, with notes, the controller's moves
+    and totals below it."""
+    from rich.table import Table
+
+    # Show a column only when some row has a value in it (no "master" before O3).
+    columns = [(title, key) for title, key in _COLUMNS
+               if key in _ALWAYS_SHOWN or any(row[key] is not None for row in report.rows)]
+    # The scale range is shown where some tensor has scales finer than per tensor.
+    if all(row["granularity"] in (None, "tensorwise") for row in report.rows):
+        columns = [(title, key) for title, key in columns if key != "scale_min"]
+    # The GEMMs' precision is shown where some layer's differs from its recipe.
+    if not report.moves() and all(row.get("gemms") in (None, row["granularity"]) for row in report.rows):
+        columns = [(title, key) for title, key in columns if key != "gemms"]
+    table = Table(title="amp8 precision report")
+    for title, key in columns:
+        # Names and headers fold onto more lines rather than being cut short.
+        table.add_column(title, justify="right" if key in _NUMERIC else "left", overflow="fold")
+    notes: list[str] = []
+    for row in report.rows:
+        cells = {key: _cell(row, key) for _, key in columns}
+        if row["note"]:
+            notes.append(f"{row['name']}: {row['note']}")
+            cells["layer"] += f" [{len(notes)}]"
+        table.add_row(*cells.values())
+    console.print(table)
+    for index, note in enumerate(notes, start=1):
+        console.print(f"[{index}] {note}", highlight=False, markup=False)
+    for move in report.moves():
+        console.print(
+            f"step {move['step']}: {move['layer']} {move['before']} -> {move['after']} ({move['reason']})",
+            highlight=False, markup=False,
+        )
+    console.print(report.summary(), highlight=False)
+    for line in report.highlights():
+        console.print(f"  {line}", highlight=False, markup=False)
