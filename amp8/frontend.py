@@ -11,7 +11,7 @@ from amp8.config.levels import OptLevel, Precision, resolve_level
 from amp8.config.recipe import ActivationFormat, Granularity, Microscaling, OutputHead, Recipe
 from amp8.distributed.agreement import check_ranks_agree
 from amp8.distributed.data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from amp8.distributed.ddp import guard_ddp, leave_to_amp8
+from amp8.distributed.ddp import data_parallel_group, guard_ddp, leave_to_amp8
 from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
@@ -112,7 +112,8 @@ def initialize(
     Data parallel: called in every process of a ``torch.distributed`` group of more than
     one rank (``process_group``, default the world), it copies rank 0's parameters and
     buffers to all ranks, and the returned optimizer averages every gradient over the
-    ranks in FP8 before each step. At O1 and O2 the model may then be wrapped in
+    ranks in FP8 before each step (through the ``amp8.distributed.GradientReduction``
+    attached to it, its ``gradient_average``). At O1 and O2 the model may then be wrapped in
     ``DistributedDataParallel`` (apex's order) and the DDP handed to
     ``amp8.distributed.register_ddp``: DDP averages the other gradients, through
     ``amp8.distributed.fp8_compress_hook``, and amp8 the FP8 weights' (see
@@ -157,14 +158,12 @@ def _check_controller(controller: Controller, optimizer: torch.optim.Optimizer |
 
 
 def _decision_group(model: nn.Module, process_group: dist.ProcessGroup | None) -> DataParallelGroup | None:
-    """The data-parallel group whose ranks must take the same decisions: amp8's own
-    where the layers have one, else one over ``process_group`` (None on one process)."""
+    """The data-parallel group whose ranks must take the same decisions: the one
+    ``_initialize`` set up for the model, else one over ``process_group`` (None on one
+    process)."""
     if process_group_size(process_group) <= 1:
         return None
-    for module in model.modules():
-        if isinstance(module, StoredWeightModule) and module.stored_weight.data_parallel is not None:
-            return module.stored_weight.data_parallel
-    return DataParallelGroup(process_group)
+    return data_parallel_group(model) or DataParallelGroup(process_group)
 
 
 def _initialize(
@@ -218,9 +217,6 @@ def _initialize(
     if distributed:
         broadcast_module(model, process_group)
         data_parallel = DataParallelGroup(process_group)
-        for module in model.modules():
-            if isinstance(module, StoredWeightModule):
-                module.stored_weight.data_parallel = data_parallel
     master_weights = {}
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:
@@ -233,20 +229,23 @@ def _initialize(
         shard_weights(model, layers.values(), data_parallel)  # new weight Parameters
         for layer in layers.values():
             layer.mark_weight_sharded()
+        # Each rank keeps the master weights of its rows.
+        master_weights = {
+            layer: real.flatten()[slice(*data_parallel.shard_range(real.shape))]  # type: ignore[union-attr]
+            for layer, real in master_weights.items()
+        }
     if distributed:
         leave_to_amp8(model)
         guard_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]
     if optimizer is None:
         return model, None
-    replaced = {old: layer.weight for old, layer in layers.items()}
-    reduction = None
-    if data_parallel is not None:  # the optimizer's gradients, averaged over the ranks
-        params = [replaced.get(p, p) for group in optimizer.param_groups for p in group["params"]]
-        reduction = GradientReduction(data_parallel, params)
-    return model, LowBitAdam.from_optimizer(
-        optimizer, level, replaced=replaced, reduction=reduction,
+    low_bit = LowBitAdam.from_optimizer(
+        optimizer, level, replaced={old: layer.weight for old, layer in layers.items()},
         master_weights={layer.weight: real for layer, real in master_weights.items()},
     )
+    if data_parallel is not None:  # the optimizer's gradients, averaged over the ranks
+        GradientReduction.attach(low_bit, data_parallel)
+    return model, low_bit
 
 
 def default_recipe(level: OptLevel, distributed: bool = False) -> Recipe:
