@@ -11,7 +11,7 @@ from amp8.config.levels import OptLevel, Precision, resolve_level
 from amp8.config.recipe import ActivationFormat, Granularity, Microscaling, OutputHead, Recipe
 from amp8.distributed.agreement import check_ranks_agree
 from amp8.distributed.data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from amp8.distributed.ddp import guard_ddp, leave_to_amp8
+from amp8.distributed.ddp import data_parallel_group, guard_ddp, leave_to_amp8
 from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
@@ -110,7 +110,9 @@ def initialize(
             (``amp8.frontend.default_recipe``; docs/recipes.md).
         module_filter: ``(module, fqn) -> bool``; a layer it refuses stays as it is.
         process_group: the data-parallel group (default: the world, when initialized
-            with more than one rank); rank 0's parameters and buffers are copied to all.
+            with more than one rank); rank 0's parameters and buffers are copied to all,
+            and an ``amp8.distributed.GradientReduction`` is attached to the returned
+            optimizer (its ``gradient_average``) to average gradients in FP8.
         layer_selection: "auto" (the device's speed rule,
             ``amp8.nn.selection.DEFAULT_RULES``), "all", or an
             ``amp8.nn.selection.SpeedRule``.
@@ -149,14 +151,12 @@ def _check_controller(controller: Controller, optimizer: torch.optim.Optimizer |
 
 
 def _decision_group(model: nn.Module, process_group: dist.ProcessGroup | None) -> DataParallelGroup | None:
-    """The data-parallel group whose ranks must take the same decisions: amp8's own
-    where the layers have one, else one over ``process_group`` (None on one process)."""
+    """The data-parallel group whose ranks must take the same decisions: the one
+    ``_initialize`` set up for the model, else one over ``process_group`` (None on one
+    process)."""
     if process_group_size(process_group) <= 1:
         return None
-    for module in model.modules():
-        if isinstance(module, StoredWeightModule) and module.stored_weight.data_parallel is not None:
-            return module.stored_weight.data_parallel
-    return DataParallelGroup(process_group)
+    return data_parallel_group(model) or DataParallelGroup(process_group)
 
 
 def _initialize(
@@ -210,9 +210,6 @@ def _initialize(
     if distributed:
         broadcast_module(model, process_group)
         data_parallel = DataParallelGroup(process_group)
-        for module in model.modules():
-            if isinstance(module, StoredWeightModule):
-                module.stored_weight.data_parallel = data_parallel
     master_weights = {}
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:
@@ -225,20 +222,23 @@ def _initialize(
         shard_weights(model, layers.values(), data_parallel)  # new weight Parameters
         for layer in layers.values():
             layer.mark_weight_sharded()
+        # Each rank keeps the master weights of its rows.
+        master_weights = {
+            layer: real.flatten()[slice(*data_parallel.shard_range(real.shape))]  # type: ignore[union-attr]
+            for layer, real in master_weights.items()
+        }
     if distributed:
         leave_to_amp8(model)
         guard_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]
     if optimizer is None:
         return model, None
-    replaced = {old: layer.weight for old, layer in layers.items()}
-    reduction = None
-    if data_parallel is not None:  # the optimizer's gradients, averaged over the ranks
-        params = [replaced.get(p, p) for group in optimizer.param_groups for p in group["params"]]
-        reduction = GradientReduction(data_parallel, params)
-    return model, LowBitAdam.from_optimizer(
-        optimizer, level, replaced=replaced, reduction=reduction,
+    low_bit = LowBitAdam.from_optimizer(
+        optimizer, level, replaced={old: layer.weight for old, layer in layers.items()},
         master_weights={layer.weight: real for layer, real in master_weights.items()},
     )
+    if data_parallel is not None:  # the optimizer's gradients, averaged over the ranks
+        GradientReduction.attach(low_bit, data_parallel)
+    return model, low_bit
 
 
 def default_recipe(level: OptLevel, distributed: bool = False) -> Recipe:

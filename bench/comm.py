@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, folder: str, width: int, steps: int, mode: st
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # over the sharded Parameters
     else:
         model, optimizer = amp8.initialize(model, optimizer, opt_level=mode[-2:].upper())
-        stats = optimizer.data_parallel.stats
+        stats = optimizer.gradient_average.data_parallel.stats
     times, wire_before = [], None
     for step in range(steps + 2):
         if step == 2:  # two warm-up steps

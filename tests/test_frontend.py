@@ -170,9 +170,19 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).read_weight, AttributeError, "master_weight"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).write_weight, AttributeError, "update_weight"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), fp8_layers=[]), TypeError, "finds the FP8 weights"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), data_parallel=None), TypeError,
+         r"GradientReduction\.attach\(optimizer, amp8\.distributed\.data_parallel_group\(model\)\)"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), overlap_communication=False), TypeError,
+         r"GradientReduction\.attach\(optimizer, data_parallel, overlap=False\)"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), reduction=None), TypeError,
+         r"optimizer\.attach_gradient_average\(reduction\)"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).reduction, AttributeError,
+         r"optimizer\.gradient_average"),
+        (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).data_parallel, AttributeError,
+         r"optimizer\.gradient_average\.data_parallel"),
     ],
     ids=["DataParallel", "from-import DataParallel", "Slot", "from-import Slot", "read_weight", "write_weight",
-         "fp8_layers"],
+         "fp8_layers", "data_parallel=", "overlap_communication=", "reduction=", ".reduction", ".data_parallel"],
 )
 def test_removed_names_name_their_replacement(use, error: type, replacement: str) -> None:
     with pytest.raises(error, match=f"was removed: .*{replacement}"):

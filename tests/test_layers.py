@@ -34,10 +34,6 @@ LAYERS: dict[str, int] = {
 a lower layer. Parts of one layer do not import each other."""
 
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("amp8.optim.adam", "amp8.distributed.data_parallel"):
-        "LowBitAdam still takes data_parallel and reduction; gradient reduction is to attach itself",
-    ("amp8.optim.adam", "amp8.distributed.reduction"):
-        "LowBitAdam still takes data_parallel and reduction; gradient reduction is to attach itself",
     ("amp8", "amp8.tools.experiments.compare"): "amp8.compare loads the experiments on first call only",
 }
 """Imports against the order, each with why it is there (DESIGN.md, "Layout")."""

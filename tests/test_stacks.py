@@ -182,7 +182,7 @@ def _train_data_parallel(rank: int, world: int, level: str, wrap: str, preset: s
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
         losses.append(float(loss))
-    stats = model[0].stored_weight.data_parallel.stats
+    stats = amp8.distributed.data_parallel_group(model).stats
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "losses": losses,
@@ -284,7 +284,7 @@ def _ddp_options_and_no_sync(rank: int, world: int) -> dict:
     model = _WithUnusedHead()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2", recipe=amp8.Recipe())
     ddp = amp8.distributed.register_ddp(nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
-    stats = model.body[0].stored_weight.data_parallel.stats
+    stats = amp8.distributed.data_parallel_group(model).stats
     generator = torch.Generator().manual_seed(7 + rank)
     inside_no_sync = []
     for _ in range(3):

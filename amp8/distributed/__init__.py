@@ -4,7 +4,7 @@ the user's ``DistributedDataParallel`` (``register_ddp``, ``fp8_compress_hook``)
 from amp8.config.validation import removed_name
 from amp8.distributed.comm_hook import fp8_compress_hook
 from amp8.distributed.data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from amp8.distributed.ddp import register_ddp
+from amp8.distributed.ddp import data_parallel_group, register_ddp
 from amp8.distributed.fp8_collectives import (
     WIRE_DTYPE, WireStats, fp8_all_gather, fp8_all_reduce_mean, fp8_reduce_scatter_mean,
 )
@@ -29,6 +29,7 @@ __all__ = [
     "WIRE_DTYPE",
     "WireStats",
     "broadcast_module",
+    "data_parallel_group",
     "fp8_compress_hook",
     "fp8_all_gather",
     "fp8_all_reduce_mean",

@@ -60,7 +60,8 @@ from torch import nn
 
 from amp8.distributed.comm_hook import fp8_compress_hook
 from amp8.distributed.data_parallel import DataParallelGroup
-from amp8.nn.hooks import remove_forward_hooks
+from amp8.distributed.reduction import GradientReduction
+from amp8.nn.hooks import forward_pre_hook_owners, remove_forward_hooks
 from amp8.tensor.stored import StoredWeight, stored_weight
 
 DDP = nn.parallel.DistributedDataParallel
@@ -143,15 +144,32 @@ def _amp8_group(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tu
     handles = _amp8_handles(model)
     sharded = any(handle.sharded for handle in handles)
     if optimizer is not None:
-        data_parallel = getattr(optimizer, "data_parallel", None)
-        if not isinstance(data_parallel, DataParallelGroup):
+        reduction = getattr(optimizer, "gradient_average", None)
+        if not isinstance(reduction, GradientReduction):
             raise TypeError(
                 "register_ddp(ddp, optimizer): optimizer must be the one amp8.initialize returned in a "
                 f"process group of more than one rank, got {type(optimizer).__name__}"
             )
-        return data_parallel, sharded
-    data_parallel = next((handle.data_parallel for handle in handles if handle.data_parallel is not None), None)
-    return data_parallel, sharded
+        return reduction.data_parallel, sharded
+    # Without the optimizer, the group is found for a model with FP8 weights only, as the
+    # guard's message says (register_ddp's docstring).
+    return (data_parallel_group(model) if handles else None), sharded
+
+
+def data_parallel_group(model: nn.Module) -> DataParallelGroup | None:
+    """The data-parallel group ``amp8.initialize`` set up for ``model`` (or for a module
+    inside it): the ranks its optimizer averages gradients over, whose byte counter
+    (``stats``) counts what amp8 sends. None where amp8 averages nothing (one process,
+    O0, ``FP8_COMPUTE_ONLY``).
+
+    The group is the one ``initialize`` gave the model's ``DdpGuard``, found among the
+    model's forward pre-hooks: the model carries no other record of it, and amp8 keeps no
+    table of models."""
+    for module in model.modules():
+        for owner in forward_pre_hook_owners(module):
+            if isinstance(owner, DdpGuard):
+                return owner.data_parallel
+    return None
 
 
 def _check_left_to_amp8(ddp: nn.parallel.DistributedDataParallel) -> None:

@@ -1,7 +1,9 @@
 """``GradientReduction``: one optimizer's gradients averaged over data-parallel ranks,
 FP8 on the wire.
 
-``amp8.initialize`` builds one over the optimizer's parameters in a process group. The
+``amp8.initialize`` attaches one to the optimizer it returns in a process group
+(``GradientReduction.attach``): it averages the optimizer's parameters, and the optimizer
+calls it through ``amp8.optim.gradients.GradientAverage``, which it implements. The
 gradients tell it when they are final (a stored weight's grad-ready hook, any other
 parameter's post-accumulate-grad hook), and each bucket's FP8 all-to-all starts during
 backward; the optimizer only calls ``synchronize()`` before its step and reads the
@@ -25,11 +27,13 @@ from torch.utils.hooks import RemovableHandle
 
 from amp8.distributed.buckets import GradientBuckets
 from amp8.distributed.data_parallel import DataParallelGroup, agree_on_delayed_scales
+from amp8.optim.adam import LowBitAdam
 from amp8.tensor.stored import StoredWeight, float_grad, stored_weight
 
 
 class GradientReduction:
-    """Averages the gradients of ``params`` over the ranks of ``data_parallel``.
+    """Averages the gradients of ``params`` over the ranks of ``data_parallel`` (an
+    ``amp8.optim.gradients.GradientAverage``; ``attach`` builds one for an optimizer).
 
     Args:
         data_parallel: the process group and its byte counter.
@@ -52,6 +56,56 @@ class GradientReduction:
         if overlap:
             self._register_hooks()
         data_parallel.at_backward_end.append(self.synchronize)
+
+    @classmethod
+    def attach(
+        cls, optimizer: LowBitAdam, data_parallel: DataParallelGroup, *, overlap: bool = True
+    ) -> "GradientReduction":
+        """Average ``optimizer``'s gradients over ``data_parallel``: a reduction over its
+        parameters, in order, attached with ``optimizer.attach_gradient_average``;
+        returns it. ``amp8.initialize`` calls this in a process group; for a
+        ``LowBitAdam`` built by hand over a model ``amp8.initialize`` returned there,
+        call it with that model's group, ``amp8.distributed.data_parallel_group(model)``,
+        before the first step.
+
+        Args:
+            optimizer: the ``LowBitAdam``, on every rank.
+            data_parallel: the process group and its byte counter.
+            overlap: start each bucket's FP8 all-to-all during backward, as soon as its
+                gradients are final (else all of them at ``step``).
+
+        Raises:
+            TypeError: ``optimizer`` is not a ``LowBitAdam`` or ``data_parallel`` not a
+                ``DataParallelGroup``.
+            RuntimeError, ValueError: what ``LowBitAdam.attach_gradient_average`` raises
+                (the reduction's hooks are removed again).
+        """
+        if not isinstance(optimizer, LowBitAdam):
+            raise TypeError(
+                f"GradientReduction.attach takes an amp8.optim.LowBitAdam, got {type(optimizer).__name__}"
+            )
+        if not isinstance(data_parallel, DataParallelGroup):
+            raise TypeError(
+                "GradientReduction.attach takes an amp8.distributed.DataParallelGroup (the model's: "
+                f"amp8.distributed.data_parallel_group(model)), got {type(data_parallel).__name__}"
+            )
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        reduction = cls(data_parallel, params, overlap=overlap)
+        try:
+            optimizer.attach_gradient_average(reduction)
+        except BaseException:
+            reduction.remove()
+            raise
+        return reduction
+
+    def remove(self) -> None:
+        """Stop listening: remove the hooks this reduction registered (on the gradients
+        and at the end of backward)."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+        if self.synchronize in self.data_parallel.at_backward_end:
+            self.data_parallel.at_backward_end.remove(self.synchronize)
 
     def is_sharded(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is a weight FSDP2 shards (its gradient is reduce-scattered)."""
@@ -146,6 +200,15 @@ class GradientReduction:
         """``zero_grad``: end the round and drop whatever is in flight."""
         self.end_round()
         self.buckets.reset()
+
+    # -- agreement the optimizer needs ------------------------------------------------
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank."""
+        return self.data_parallel.any_rank(flag)
+
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of ``values`` over the ranks."""
+        return self.data_parallel.max_over_ranks(values)
 
 
 def _notify_ready(grad_ready: Callable[[nn.Parameter], None], param: nn.Parameter, _weight: nn.Parameter) -> None:

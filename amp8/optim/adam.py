@@ -8,8 +8,9 @@ master weights (O3). A step with any non-finite gradient changes nothing and is 
 in ``skipped_steps``.
 
 The optimizer does Adam and nothing else: it reaches FP8 layers' weights only through
-their ``amp8.tensor.StoredWeight`` handles, and in data parallel it calls a
-``amp8.distributed.GradientReduction`` that averages the gradients. Each tensor's update runs
+their ``amp8.tensor.StoredWeight`` handles, and in data parallel it calls the object
+attached to average its gradients (an ``amp8.optim.gradients.GradientAverage``, such as
+``amp8.distributed.GradientReduction``) and knows nothing of process groups. Each tensor's update runs
 either as the reference below (``_update``: one eager torch operation at a time) or
 fused (``amp8/optim/fused.py`` compiled by ``torch.compile``). Stochastic rounding draws
 counter-based noise (``amp8/quant/noise.py``): draw number ``n`` of the optimizer uses
@@ -28,21 +29,20 @@ from torch import nn
 
 from amp8.config.levels import O1, OptLevel, resolve_level
 from amp8.config.validation import removed_name
-from amp8.distributed.data_parallel import DataParallelGroup
-from amp8.distributed.reduction import GradientReduction
 from amp8.optim import checkpoint
 from amp8.optim import fused as fused_step
 from amp8.optim import state as state_storage
 from amp8.optim.fused import cpp_compiler_found
 from amp8.optim.fused_update import fused_update
+from amp8.optim.gradients import GradientAverage
 from amp8.optim.state import MOMENTS
 from amp8.optim.stored_state import StoredState
 from amp8.optim.support import (
-    REMOVED_METHODS, check_hyperparameters, check_options, check_removed_options, check_state_precision,
+    REMOVED_ATTRIBUTES, check_hyperparameters, check_options, check_removed_options, check_state_precision,
     check_supported, torch_groups,
 )
 from amp8.quant import scaling
-from amp8.tensor.scaled import is_sharded
+from amp8.tensor.scaled import local_tensor
 from amp8.tensor.stored import StoredWeight, float_grad, stored_weight
 
 DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
@@ -63,15 +63,6 @@ class LowBitAdam(torch.optim.Optimizer):
         state_block_size: elements per scale of low-bit moments (0: one scale per tensor).
         seed: seeds the stochastic rounding of FP16 weights (an int >= 0; saved in
             ``state_dict`` with the count of draws so far).
-        data_parallel: the process group to average gradients over in FP8 (default: the
-            one ``amp8.initialize`` found for these weights, if any); at a level that
-            shards the optimizer (O3), each rank keeps the master weights and moments of
-            its rows of every FP8 layer's weight, whose FP8 data FSDP2 must already shard
-            (``amp8.distributed.fsdp.shard_weights``; ``amp8.initialize`` does it).
-        overlap_communication: in data parallel, start each bucket's FP8 all-to-all
-            during backward, as soon as its gradients are final (else all at ``step``).
-        reduction: the ``GradientReduction`` over exactly these parameters to use
-            (``amp8.initialize`` builds it); default: one built over ``data_parallel``.
         fused: run each tensor's update as one ``torch.compile``d function
             (``amp8.optim.fused``): True anywhere (the CPU compiles it to C++), False
             never, None (default) for parameters on CUDA, and on the CPU for an
@@ -83,9 +74,17 @@ class LowBitAdam(torch.optim.Optimizer):
             not apply (the chunks of weights sharded over data-parallel ranks), those
             tensors take the reference step. Both round with the same noise; they agree
             up to the compiler's reordering of float32 arithmetic.
-        master_weights: ``{weight Parameter: full float32 weight}`` to take O3's master
+        master_weights: ``{weight Parameter: float32 weight}`` to take O3's master
             weights from, where the layers already store less precise FP8 weights
-            (default: each layer's stored weight).
+            (default: each layer's stored weight); for a weight sharded over ranks,
+            this rank's rows of it.
+
+    Data parallel: gradients are averaged by an object attached after construction
+    (``attach_gradient_average``; ``amp8.initialize`` attaches an
+    ``amp8.distributed.GradientReduction``, and ``GradientReduction.attach`` does it for an
+    optimizer built by hand). At a level that shards the optimizer (O3), where FSDP2
+    shards the FP8 layers' weights (``amp8.initialize`` does it), each rank keeps the
+    master weights and moments of its rows of each of them.
     """
 
     def __init__(
@@ -101,9 +100,6 @@ class LowBitAdam(torch.optim.Optimizer):
         level: OptLevel | str = O1,
         state_block_size: int = DEFAULT_STATE_BLOCK_SIZE,
         seed: int = 0,
-        data_parallel: DataParallelGroup | None = None,
-        overlap_communication: bool = True,
-        reduction: GradientReduction | None = None,
         fused: bool | None = None,
         master_weights: Mapping[nn.Parameter, torch.Tensor] | None = None,
         **removed: Any,
@@ -132,22 +128,10 @@ class LowBitAdam(torch.optim.Optimizer):
         )
         self._fused_steps = fused_step.FusedAdam()
         self.skipped_steps = 0
-        if reduction is None:
-            if data_parallel is None:
-                data_parallel = next((h.data_parallel for h in self.weights.values() if h.data_parallel), None)
-            if data_parallel is not None:
-                reduction = GradientReduction(data_parallel, params_in_order, overlap=overlap_communication)
-        elif reduction.params != params_in_order:
-            raise ValueError("the GradientReduction must cover exactly this optimizer's parameters, in order")
-        self.reduction = reduction
-        unsharded = [p for p in self.weights if self._is_sharded(p) and not is_sharded(p)]
-        if unsharded:
-            raise ValueError(
-                f"opt level {level.name} in data parallel keeps each rank's rows of the FP8 "
-                f"weights, but an FP8 layer's weight of shape {tuple(unsharded[0].shape)} is "
-                "not sharded; let amp8.initialize build the optimizer, or shard the weights "
-                "with amp8.distributed.fsdp.shard_weights first"
-            )
+        self._average: GradientAverage | None = None
+        self._stepped = False
+        if self.sharded:
+            self._check_all_sharded()
         # State is complete from the start, so a fresh optimizer's state_dict has the
         # structure a checkpoint loads into (torch.distributed.checkpoint needs that).
         master_weights = master_weights or {}
@@ -184,49 +168,115 @@ class LowBitAdam(torch.optim.Optimizer):
             maximize=defaults.get("maximize", False), level=level, **options,
         )
 
-    # -- data parallel (the reduction averages; the optimizer only calls it) ----------
+    # -- data parallel (the attached average averages; the optimizer only calls it) ---
+    def attach_gradient_average(self, average: GradientAverage) -> None:
+        """Have ``average`` average this optimizer's gradients over data-parallel ranks:
+        each step synchronizes it first, skips on every rank when any rank has a
+        non-finite gradient, and ends its round last. ``amp8.initialize`` attaches an
+        ``amp8.distributed.GradientReduction``; for an optimizer built by hand use
+        ``amp8.distributed.GradientReduction.attach``. Attaching the attached one again
+        does nothing.
+
+        Raises:
+            TypeError: ``average`` lacks a method of ``GradientAverage``.
+            RuntimeError: another average is attached already, or the optimizer has taken
+                a step (the ranks' weights may differ already).
+            ValueError: the opt level shards the optimizer (O3) and an FP8 layer's weight
+                is not sharded over the ranks.
+        """
+        if average is self._average:
+            return
+        if not isinstance(average, GradientAverage):
+            raise TypeError(
+                f"attach_gradient_average takes an amp8.optim.gradients.GradientAverage (such as "
+                f"amp8.distributed.GradientReduction), got {type(average).__name__}"
+            )
+        if self._average is not None:
+            raise RuntimeError(
+                f"this LowBitAdam's gradients are averaged by a {type(self._average).__name__} "
+                "already; attach one average per optimizer"
+            )
+        if self._stepped:
+            raise RuntimeError(
+                "attach the gradient average before the optimizer's first step: the ranks "
+                "have stepped on gradients of their own since, and their weights may differ"
+            )
+        if self.level.shard_optimizer:
+            self._check_all_sharded()
+        self._average = average
+
     @property
-    def data_parallel(self) -> DataParallelGroup | None:
-        """The process group gradients are averaged over, or None."""
-        return None if self.reduction is None else self.reduction.data_parallel
+    def gradient_average(self) -> GradientAverage | None:
+        """What averages the gradients over data-parallel ranks (see
+        ``attach_gradient_average``), or None."""
+        return self._average
 
     @property
     def sharded(self) -> bool:
-        """Whether FP8 layers' master weights and moments are sharded over ranks."""
-        return self.reduction is not None and self.level.shard_optimizer
+        """Whether FP8 layers' master weights and moments are sharded over ranks: the
+        opt level shards the optimizer and FSDP2 shards the weights."""
+        return self.level.shard_optimizer and any(handle.sharded for handle in self.weights.values())
 
     def _is_sharded(self, param: nn.Parameter) -> bool:
-        return self.sharded and param in self.weights and not self.weights[param].fixed_storage
+        handle = self.weights.get(param)
+        return self.level.shard_optimizer and handle is not None and handle.sharded
+
+    def _check_all_sharded(self) -> None:
+        """Raise unless every FP8 layer's weight (but fixed-storage tables) is sharded."""
+        unsharded = [p for p, handle in self.weights.items() if not (handle.sharded or handle.fixed_storage)]
+        if unsharded:
+            raise ValueError(
+                f"opt level {self.level.name} in data parallel keeps each rank's rows of the FP8 "
+                f"weights, but an FP8 layer's weight of shape {tuple(unsharded[0].shape)} is "
+                "not sharded; let amp8.initialize build the optimizer, or shard the weights "
+                "with amp8.distributed.fsdp.shard_weights first"
+            )
 
     def no_sync(self) -> ContextManager[None]:
         """Context for the backward passes of gradient-accumulation micro-batches except
         the last: they start no communication (as ``DistributedDataParallel.no_sync``)."""
-        return self.reduction.no_sync() if self.reduction is not None else contextlib.nullcontext()
+        return self._average.no_sync() if self._average is not None else contextlib.nullcontext()
 
     def synchronize(self) -> None:
-        """Average every gradient over the data-parallel ranks, FP8 on the wire (see
-        ``amp8.distributed.GradientReduction``). ``step`` calls this when needed; call it
-        yourself before anything that must see averaged gradients, such as clipping."""
-        if self.reduction is not None:
-            self.reduction.synchronize()
+        """Average every gradient over the data-parallel ranks (see
+        ``attach_gradient_average``). ``step`` calls this when needed; call it yourself
+        before anything that must see averaged gradients, such as clipping."""
+        if self._average is not None:
+            self._average.synchronize()
+
+    def _sharded_average(self) -> GradientAverage:
+        """The attached average, which the weights sharded over ranks need (their
+        gradients and scales come from all ranks)."""
+        if self._average is None:
+            raise RuntimeError(
+                "this LowBitAdam keeps each rank's rows of FP8 weights that FSDP2 shards over "
+                "data-parallel ranks, and no gradient average is attached to it: before the first "
+                "step call amp8.distributed.GradientReduction.attach(optimizer, "
+                "amp8.distributed.data_parallel_group(model)), or let amp8.initialize build the optimizer"
+            )
+        return self._average
 
     def _own_chunk(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
         """The part of ``value`` whose state this rank keeps: all of it, or for a sharded
-        weight this rank's rows, flat. ``value`` is shaped like ``param``, or is already
-        this rank's rows (what a sharded ``StoredWeight.read`` returns)."""
+        weight this rank's rows, flat (``value`` must hold those rows already, as a
+        sharded ``StoredWeight.read`` returns them)."""
         if not self._is_sharded(param):
             return value
-        if value.shape != param.shape:
-            return value.flatten()
-        start, end = self.data_parallel.shard_range(param.shape)  # type: ignore[union-attr]
-        return value.flatten()[start:end]
+        rows = local_tensor(param)
+        if value.numel() != rows.numel():
+            raise ValueError(
+                f"the weight of shape {tuple(param.shape)} is sharded over data-parallel ranks and "
+                f"this rank holds {rows.numel()} of its elements, but its master weight has "
+                f"{value.numel()}; pass this rank's rows in master_weights"
+            )
+        return value.flatten()
 
     # -- gradients -------------------------------------------------------------------
     def gradient(self, param: nn.Parameter) -> torch.Tensor | None:
         """The float32 gradient of ``param``: its FP8 weight gradient or ``param.grad``
         (this rank's chunk of the averaged gradient for a sharded weight)."""
         if self._is_sharded(param):
-            return self.reduction.averaged_chunk(param)  # type: ignore[union-attr]
+            return self._sharded_average().averaged_chunk(param)
         return float_grad(param)
 
     def stored_gradients(self) -> list[torch.Tensor]:
@@ -237,7 +287,7 @@ class LowBitAdam(torch.optim.Optimizer):
             for param in group["params"]:
                 handle = self.weights.get(param)
                 if self._is_sharded(param):
-                    grad = self.reduction.averaged_chunk(param)  # type: ignore[union-attr]
+                    grad = self._sharded_average().averaged_chunk(param)
                 elif handle is not None:
                     scaled = handle.grad()
                     grad = None if scaled is None else scaled.data
@@ -254,8 +304,8 @@ class LowBitAdam(torch.optim.Optimizer):
         for handle in self.weights.values():
             if handle.sharded:
                 handle.clear_grad()
-        if self.reduction is not None:
-            self.reduction.reset()
+        if self._average is not None:
+            self._average.reset()
 
     # -- weights and noise (see StoredState) ---------------------------------------
     @property
@@ -273,8 +323,8 @@ class LowBitAdam(torch.optim.Optimizer):
         self.stored.rounding_counter = value
 
     def __getattr__(self, name: str) -> Any:
-        """Removed methods fail naming what replaces them."""
-        raise removed_name(type(self).__name__, name, REMOVED_METHODS)
+        """Removed methods and attributes fail naming what replaces them."""
+        raise removed_name(type(self).__name__, name, REMOVED_ATTRIBUTES)
 
     def master_weight(self, param: nn.Parameter) -> torch.Tensor:
         """The most precise real float32 values of ``param`` this rank has: its master
@@ -295,10 +345,13 @@ class LowBitAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.sharded:
+            self._sharded_average()  # fails before anything changes
+        self._stepped = True
         self.synchronize()
         nonfinite = not bool(scaling.all_finite(self.stored_gradients()))
-        if self.data_parallel is not None:
-            nonfinite = self.data_parallel.any_rank(nonfinite)
+        if self._average is not None:
+            nonfinite = self._average.any_rank(nonfinite)
         if not nonfinite:
             for group in self.param_groups:
                 for param in group["params"]:
@@ -311,11 +364,11 @@ class LowBitAdam(torch.optim.Optimizer):
                     if grad is not None:
                         self._update(param, grad, group)
             if self.sharded:
-                self.stored.store_sharded_weights(self.state, self.data_parallel.max_over_ranks)  # type: ignore[union-attr]
+                self.stored.store_sharded_weights(self.state, self._sharded_average().max_over_ranks)
         else:
             self.skipped_steps += 1
-        if self.reduction is not None:
-            self.reduction.end_round()
+        if self._average is not None:
+            self._average.end_round()
         return loss
 
     def _runs_fused(self, param: nn.Parameter) -> bool:

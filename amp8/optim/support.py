@@ -81,10 +81,20 @@ def check_options(seed: Any, fused: Any, state_block_size: Any) -> None:
 REMOVED_OPTIONS = {
     "fp8_layers": "LowBitAdam finds the FP8 weights among its parameters itself (amp8.initialize attaches "
     "an amp8.tensor.StoredWeight to each): pass model.parameters()",
+    "data_parallel": "gradient averaging attaches itself to the optimizer (amp8.initialize does it); for a "
+    "LowBitAdam built by hand, call amp8.distributed.GradientReduction.attach(optimizer, "
+    "amp8.distributed.data_parallel_group(model))",
+    "overlap_communication": "pass overlap where the averaging is attached: "
+    "amp8.distributed.GradientReduction.attach(optimizer, data_parallel, overlap=False)",
+    "reduction": "attach it after construction with optimizer.attach_gradient_average(reduction), or build "
+    "and attach one with amp8.distributed.GradientReduction.attach(optimizer, data_parallel)",
 }
-REMOVED_METHODS = {
+REMOVED_ATTRIBUTES = {
     "read_weight": "use optimizer.master_weight(param) (the layer's read_weight() is unchanged)",
     "write_weight": "use optimizer.update_weight(param, value) (the layer's write_weight() is unchanged)",
+    "reduction": "use optimizer.gradient_average (the attached amp8.distributed.GradientReduction)",
+    "data_parallel": "use optimizer.gradient_average.data_parallel (the group of the attached "
+    "amp8.distributed.GradientReduction), or amp8.distributed.data_parallel_group(model)",
 }
 
 

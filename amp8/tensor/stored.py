@@ -92,9 +92,6 @@ class StoredWeight:
         self.storage = storage
         self.fixed_storage = fixed_storage
         self.sharded = False  # set by ``shard`` (see amp8.distributed.fsdp)
-        # The data-parallel group amp8.initialize found (an amp8.distributed.DataParallelGroup), so an
-        # optimizer built over these weights averages their gradients over it.
-        self.data_parallel: Any = None
         self._held_grad: WeightGrad | None = None
         self._grad_ready_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
         self._hooked: weakref.ref[nn.Parameter] | None = None  # the Parameter that runs them
@@ -102,11 +99,10 @@ class StoredWeight:
             self.mark(module.weight)
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy (``copy.deepcopy`` of the model) starts with no gradient, no hooks and
-        no process group: those belong to the original's optimizer and run."""
+        """A copy (``copy.deepcopy`` of the model) starts with no gradient and no hooks:
+        those belong to the original's optimizer and run."""
         state = self.__dict__.copy()
-        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), data_parallel=None, _hooked=None,
-                     _module_ref=self._module)
+        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=self._module)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

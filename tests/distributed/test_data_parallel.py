@@ -52,12 +52,12 @@ def _levels(rank: int, world: int) -> dict:
                 for p in model.parameters():
                     p.add_(1.0)
         model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=amp8.Recipe())
-        optimizer.data_parallel.stats.bytes_by_kind.clear()
+        optimizer.gradient_average.data_parallel.stats.bytes_by_kind.clear()
         _train(model, optimizer, 5, rank, world)
         results[level] = {
             "state": multiprocess.full_state(model),
-            "bytes_per_step": optimizer.data_parallel.stats.total / 5,
-            "bytes_by_kind": {k: v / 5 for k, v in optimizer.data_parallel.stats.bytes_by_kind.items()},
+            "bytes_per_step": optimizer.gradient_average.data_parallel.stats.total / 5,
+            "bytes_by_kind": {k: v / 5 for k, v in optimizer.gradient_average.data_parallel.stats.bytes_by_kind.items()},
             "report": amp8.report(model, optimizer).to_dict(),
             "weights": {
                 name: {
@@ -277,8 +277,8 @@ def _overlap(rank: int, world: int) -> dict:
         for level in ("O2", "O3"):
             model = _model()
             model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=amp8.Recipe())
-            if not overlap:  # as LowBitAdam(..., overlap_communication=False) would be
-                for handle in optimizer.reduction.hook_handles:
+            if not overlap:  # as GradientReduction.attach(..., overlap=False) would be
+                for handle in optimizer.gradient_average.hook_handles:
                     handle.remove()
             started_during_backward = []
             for step in range(3):
@@ -288,7 +288,7 @@ def _overlap(rank: int, world: int) -> dict:
                     context = optimizer.no_sync() if micro == 0 else torch.enable_grad()
                     with context:
                         (model(x) - y).pow(2).mean().backward()
-                    started_during_backward.append(optimizer.reduction.buckets.started)
+                    started_during_backward.append(optimizer.gradient_average.buckets.started)
                 optimizer.step()
             results[(overlap, level)] = {
                 "state": {k: v for k, v in multiprocess.full_state(model).items() if not k.endswith((".scale", ".amax_history"))},
@@ -310,6 +310,63 @@ def test_overlapped_reduction_matches_the_reduction_at_step(tmp_path) -> None:
                 if value.element_size() == 1:
                     value, other = value.view(torch.uint8), other.view(torch.uint8)
                 assert torch.equal(value, other), f"{level}: {key}"
+
+
+def _hand_built(rank: int, world: int) -> dict:
+    """LowBitAdam built by hand over models initialize made data parallel, its gradient
+    average attached with GradientReduction.attach, beside the optimizer initialize builds."""
+    results = {}
+    managed = _model()
+    managed, optimizer = amp8.initialize(managed, torch.optim.AdamW(managed.parameters(), lr=1e-2), "O2",
+                                         recipe=amp8.Recipe())
+    built, _ = amp8.initialize(_model(), None, "O2", recipe=amp8.Recipe())
+    hand_built = amp8.optim.LowBitAdam(built.parameters(), lr=1e-2, weight_decay=0.01, decoupled_weight_decay=True,
+                                       level="O2")
+    group = amp8.distributed.data_parallel_group(built)
+    reduction = amp8.distributed.GradientReduction.attach(hand_built, group)
+    results["attached"] = hand_built.gradient_average is reduction and reduction.data_parallel is group
+    _train(managed, optimizer, 3, rank, world)
+    _train(built, hand_built, 3, rank, world)
+    results["o2"] = {"managed": multiprocess.full_state(managed), "hand_built": multiprocess.full_state(built)}
+    listeners = len(group.at_backward_end)
+    try:
+        amp8.distributed.GradientReduction.attach(hand_built, group)
+    except RuntimeError as error:
+        results["second_attach"] = str(error)
+    results["listeners_kept"] = len(group.at_backward_end) == listeners
+
+    sharded, _ = amp8.initialize(_model(), None, "O3", recipe=amp8.Recipe())
+    sharded_optimizer = amp8.optim.LowBitAdam(sharded.parameters(), lr=1e-2, level="O3")
+    try:
+        _train(sharded, sharded_optimizer, 1, rank, world)
+    except RuntimeError as error:
+        results["o3_unattached"] = str(error)
+    amp8.distributed.GradientReduction.attach(sharded_optimizer, amp8.distributed.data_parallel_group(sharded))
+    results["o3_losses"] = _train(sharded, sharded_optimizer, 3, rank, world, start=1)
+    results["o3_state"] = multiprocess.full_state(sharded)
+    return results
+
+
+@pytest.mark.multiprocess
+def test_hand_built_optimizer_averages_once_its_reduction_is_attached(tmp_path) -> None:
+    results = multiprocess.run(_hand_built, tmp_path)
+    for result in results:
+        assert result["attached"]
+        for key, value in result["o2"]["managed"].items():
+            other = result["o2"]["hand_built"][key]
+            if value.element_size() == 1:
+                value, other = value.view(torch.uint8), other.view(torch.uint8)
+            assert torch.equal(value, other), key
+        assert "averaged by a GradientReduction already" in result["second_attach"]
+        assert result["listeners_kept"], "a refused attach must leave no reduction listening"
+        assert "amp8.distributed.GradientReduction.attach(optimizer" in result["o3_unattached"]
+        assert result["o3_losses"][-1] < result["o3_losses"][0]
+    # Input and output-gradient scales follow each rank's own data: they may differ.
+    for key in (k for k in results[0]["o3_state"] if not k.endswith((".scale", ".amax_history"))):
+        value, other = results[0]["o3_state"][key], results[1]["o3_state"][key]
+        if value.element_size() == 1:
+            value, other = value.view(torch.uint8), other.view(torch.uint8)
+        assert torch.equal(value, other), f"ranks differ in {key}"
 
 
 def test_sharded_o3_with_fine_granularity_is_refused(two_rank_results) -> None:

@@ -90,7 +90,7 @@ def _registration(rank: int, world: int) -> dict[str, Any]:
     own.register_comm_hook(None, _counting_hook(calls))
     found["second_hook"] = _error(lambda: register_ddp(own))
     register_ddp(own, comm_hook=False)
-    stats = model[0].stored_weight.data_parallel.stats
+    stats = amp8.distributed.data_parallel_group(model).stats
     _step(own, optimizer, seed=10 + rank)
     found["own_hook_calls"] = len(calls)
     found["own_hook_fp8_bytes"] = dict(stats.bytes_by_kind)
