@@ -59,6 +59,7 @@ def train(config: Config = Config()) -> tuple[list[float], torch.nn.Module, torc
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     model, optimizer = amp8.initialize(model, optimizer, opt_level=config.opt_level)
+    amp8.distributed.register_ddp_when_wrapped(model)  # under torchrun the Trainer wraps it in DDP
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))  # after initialize
     with tempfile.TemporaryDirectory() as output_dir:
         args = TrainingArguments(

@@ -42,6 +42,7 @@ class Regressor(lightning.LightningModule):
         net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
         optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr)
         self.net, self.amp8_optimizer = amp8.initialize(net, optimizer, opt_level=config.opt_level)
+        amp8.distributed.register_ddp_when_wrapped(self)  # Lightning's DDP strategy wraps this module
 
     def training_step(self, batch: list[torch.Tensor], batch_index: int) -> torch.Tensor:
         x, target = batch  # (B, 64), (B, 32)

@@ -116,9 +116,10 @@ def _assert_clipped(pre: list[float], post: list[float], max_norm: float) -> Non
 
 
 # -- Hugging Face Trainer ------------------------------------------------------------------
-def _hf_trainer(level: str, folder: Path) -> dict[str, Any]:
+def _hf_trainer(level: str, folder: Path, max_norm: float = MAX_NORM) -> dict[str, Any]:
     """Train with ``transformers.Trainer`` (its defaults for clipping; accumulation 2);
-    per step the logged loss and grad norm, and the norm left after clipping."""
+    per step the logged loss and grad norm, and the norm left after clipping. In a process
+    group the Trainer wraps the model in DDP, registered at its first forward."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class Record(TrainerCallback):
@@ -137,20 +138,48 @@ def _hf_trainer(level: str, folder: Path) -> dict[str, Any]:
     x, target = _data()
     dataset = [{"x": x[i], "labels": target[i]} for i in range(len(x))]
     model, optimizer, scheduler = _build(level)
+    amp8.distributed.register_ddp_when_wrapped(model)  # nothing in one process
     record = Record()
     args = TrainingArguments(
         output_dir=str(folder), use_cpu=True, save_strategy="no", report_to=[], seed=0,
         per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
-        max_grad_norm=MAX_NORM, max_steps=4, logging_steps=1, disable_tqdm=True,
+        max_grad_norm=max_norm, max_steps=4, logging_steps=1, disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset, optimizers=(optimizer, scheduler),
                       callbacks=[record])
     trainer.train()
     steps = [log for log in record.logs if "grad_norm" in log]
+    group = amp8.distributed.data_parallel_group(model)
     return {
         "losses": [log["loss"] for log in steps], "norms": [log["grad_norm"] for log in steps],
         "clipped": record.clipped, "grad_types": record.grad_types, "model": model,
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "registered": group is not None and group.ddp is trainer.model_wrapped,
     }
+
+
+def _hf_trainer_rank(rank: int, world: int, level: str, folder: str, max_norm: float) -> dict[str, Any]:
+    """One rank of a two-process ``Trainer`` run (``torchrun``'s environment)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
+    result = _hf_trainer(level, Path(folder) / str(rank), max_norm)
+    model = result.pop("model")
+    result["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    result["seen"] = len(model.seen)
+    return result
+
+
+@pytest.mark.multiprocess
+def test_hf_trainer_two_processes_register_its_ddp_and_agree(tmp_path: Path) -> None:
+    max_norm = 0.5  # averaged gradients are smaller than one rank's: clip lower so it acts
+    ranks = multiprocess.run(_hf_trainer_rank, tmp_path, "O2", str(tmp_path), max_norm)
+    for r in ranks:
+        assert r["wrapper"] == "DistributedDataParallel" and r["registered"], (r["wrapper"], r["registered"])
+        assert r["seen"] == 4 * ACCUMULATION
+    assert ranks[0]["norms"] == ranks[1]["norms"], "both ranks see the norm of the averaged gradients"
+    _assert_clipped(ranks[0]["norms"], ranks[0]["clipped"], max_norm)
+    for name, value in ranks[0]["params"].items():
+        assert_bitwise_equal(value, ranks[1]["params"][name])
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -4,7 +4,7 @@ the user's ``DistributedDataParallel`` (``register_ddp``, ``fp8_compress_hook``)
 from amp8.config.validation import removed_name
 from amp8.distributed.comm_hook import fp8_compress_hook
 from amp8.distributed.data_parallel import DataParallelGroup, broadcast_module, process_group_size
-from amp8.distributed.ddp import data_parallel_group, register_ddp
+from amp8.distributed.ddp import data_parallel_group, register_ddp, register_ddp_when_wrapped
 from amp8.distributed.fp8_collectives import (
     WIRE_DTYPE, WireStats, fp8_all_gather, fp8_all_reduce_mean, fp8_reduce_scatter_mean,
 )
@@ -36,4 +36,5 @@ __all__ = [
     "fp8_reduce_scatter_mean",
     "process_group_size",
     "register_ddp",
+    "register_ddp_when_wrapped",
 ]

@@ -32,6 +32,16 @@ either DDP's private record of the module it is running or a look at the Python 
 stack; the first is not torch's public API, and the second is good enough to refuse a
 setup but not to build the run's reduction on (a compiled forward cannot walk the stack).
 
+Trainers that build the DDP themselves (Hugging Face ``Trainer`` through Accelerate,
+Lightning's DDP strategy) give the user no point between wrapping and the first forward.
+``register_ddp_when_wrapped(module)``, called on the module the trainer will wrap, is the
+explicit call for them: it puts amp8's names in that module's ignore list (the trainer may
+wrap a module that holds the amp8 model, as Lightning wraps the ``LightningModule``) and
+has the guard below register the DDP it finds at the first forward, with the same checks
+and hooks as ``register_ddp``. The first forward with grad must run eagerly for that: a
+forward compiled whole skips the guard (as it skips the refusal below), so register the
+DDP of such a trainer with ``register_ddp``.
+
 An unregistered DDP fails. ``initialize`` puts a forward pre-hook on the model
 (``DdpGuard``) that looks up the Python call stack for ``DistributedDataParallel.forward``
 running this model (public frame attributes, ``inspect``). A DDP found there that was not
@@ -131,6 +141,36 @@ def register_ddp(
     ddp.register_forward_pre_hook(watch.before_forward)
     ddp.register_forward_hook(watch.after_forward)
     return ddp
+
+
+def register_ddp_when_wrapped(module: nn.Module, *, comm_hook: bool = True) -> nn.Module:
+    """Have the ``DistributedDataParallel`` that a trainer builds around ``module``
+    registered with amp8 at its first forward, as ``register_ddp`` would; returns ``module``.
+
+    For trainers that wrap the model in DDP themselves (Hugging Face ``Trainer``,
+    Lightning): call it in every process after ``amp8.initialize``, on the module the
+    trainer wraps, the model ``initialize`` returned or a module holding it (a
+    ``LightningModule``). amp8's FP8 weights and buffers join that module's DDP ignore
+    list, and the first forward with grad that a DDP runs (eagerly; see the module
+    docstring) registers it. Nothing happens where amp8 reduces nothing (O0,
+    ``FP8_COMPUTE_ONLY``, one process).
+
+    Args:
+        module: the module the trainer will wrap in DDP.
+        comm_hook: as for ``register_ddp``: register ``fp8_compress_hook`` on the DDP.
+
+    Raises:
+        RuntimeError: the model's FP8 weights are sharded (O3 brings FSDP2).
+    """
+    guards = [owner for inner in module.modules() for owner in forward_pre_hook_owners(inner)
+              if isinstance(owner, DdpGuard)]
+    for guard in guards:
+        if guard.sharded:
+            raise RuntimeError(_SHARDED_MESSAGE)
+        guard.register_with_comm_hook = comm_hook
+    if guards:
+        leave_to_amp8(module)
+    return module
 
 
 def _amp8_handles(model: nn.Module) -> list[StoredWeight]:
@@ -247,6 +287,9 @@ class DdpGuard:
     def __init__(self, data_parallel: DataParallelGroup, sharded: bool) -> None:
         self.data_parallel = data_parallel
         self.sharded = sharded
+        # None: refuse an unregistered DDP; a bool: register it (register_ddp_when_wrapped)
+        # with that comm_hook.
+        self.register_with_comm_hook: bool | None = None
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: raise if an unregistered DDP (or any DDP at O3) runs ``module``."""
@@ -257,6 +300,11 @@ class DdpGuard:
             return
         if self.sharded:
             raise RuntimeError(_SHARDED_MESSAGE)
+        if self.register_with_comm_hook is not None:
+            register_ddp(ddp, comm_hook=self.register_with_comm_hook)
+            # The DDP's own forward pre-hooks ran before this forward registered them.
+            self.data_parallel.backward_sync = bool(ddp.require_backward_grad_sync)
+            return
         fix = "amp8.distributed.register_ddp(ddp)" if _amp8_handles(module) else "amp8.distributed.register_ddp(ddp, optimizer)"
         raise RuntimeError(
             "a DistributedDataParallel runs this amp8 model but was not registered with amp8: "

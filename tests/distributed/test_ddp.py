@@ -13,7 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import amp8
-from amp8.distributed import DataParallelGroup, fp8_all_reduce_mean, fp8_compress_hook, register_ddp
+from amp8.distributed import (
+    DataParallelGroup, fp8_all_reduce_mean, fp8_compress_hook, register_ddp, register_ddp_when_wrapped,
+)
 from amp8.distributed.ddp import running_ddp, tensors_in
 from conftest import assert_bitwise_equal
 from multiprocess import run
@@ -107,11 +109,38 @@ def _registration(rank: int, world: int) -> dict[str, Any]:
     register_ddp(plain, optimizer)
     found["no_fp8_layer_trains"] = _error(lambda: _step(plain, optimizer, seed=20 + rank)) == ""
 
+    # A trainer wraps the model, or a module holding it (Lightning's LightningModule), itself.
+    explicit_model, explicit_optimizer = _initialized()
+    explicit = register_ddp(DDP(explicit_model))
+    for name, wrap in (("model", lambda net: net), ("holder", _Holder)):
+        model, optimizer = _initialized()
+        wrapped = register_ddp_when_wrapped(wrap(model))
+        late = DDP(wrapped)
+        group = amp8.distributed.data_parallel_group(model)
+        found[f"{name}_unregistered_before_forward"] = group.ddp is None
+        _step(late, optimizer, seed=30 + rank)
+        found[f"{name}_registered_at_first_forward"] = group.ddp is late and bool(late._comm_hooks)
+        found[f"{name}_state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(explicit, explicit_optimizer, seed=30 + rank)
+    found["explicit_state"] = {k: v.clone() for k, v in explicit_model.state_dict().items()}
+
     model, optimizer = _initialized("O3", recipe=amp8.Recipe())
+    found["o3_when_wrapped"] = _error(lambda: register_ddp_when_wrapped(model))
     sharded = DDP(model)
     found["o3_register"] = _error(lambda: register_ddp(sharded))
     found["o3_forward"] = _error(lambda: sharded(torch.randn(4, 32)))
     return found
+
+
+class _Holder(nn.Module):
+    """A module that holds the amp8 model, as a LightningModule does."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +188,22 @@ def test_model_without_fp8_layers_registers_through_its_optimizer(registration: 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("wrapped", ["model", "holder"])
+def test_a_ddp_a_trainer_builds_is_registered_at_its_first_forward(registration: list[dict], wrapped: str) -> None:
+    first, second = registration
+    for rank in registration:
+        assert rank[f"{wrapped}_unregistered_before_forward"]
+        assert rank[f"{wrapped}_registered_at_first_forward"], "registered, with amp8's comm hook"
+    for key, value in first[f"{wrapped}_state"].items():
+        if not key.endswith(("scale", "amax_history")):  # the inputs' scales are each rank's own
+            assert torch.equal(second[f"{wrapped}_state"][key], value), f"ranks differ in {key}"
+        for rank in registration:
+            assert torch.equal(rank["explicit_state"][key], rank[f"{wrapped}_state"][key]), f"{key}: not register_ddp's"
+
+
+@pytest.mark.multiprocess
 def test_ddp_around_an_o3_model_is_refused(registration: list[dict]) -> None:
-    for key in ("o3_register", "o3_forward"):
+    for key in ("o3_register", "o3_forward", "o3_when_wrapped"):
         assert "sharded with FSDP2" in registration[0][key] and "O1/O2 under DDP" in registration[0][key]
 
 
