@@ -16,10 +16,11 @@ from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
 from amp8.nn.embedding import LowBitEmbedding
+from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import LayerSelection, resolve_selection
 from amp8.nn.stored_module import StoredWeightModule
-from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_linear_layers
+from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_experts, swap_linear_layers
 from amp8.ops.gemm import check_fp8_device
 from amp8.optim.adam import LowBitAdam
 from amp8.optim.support import check_state_precision, check_supported
@@ -67,7 +68,9 @@ def _check_call(
         )
     for device_type in {param.device.type for param in model.parameters()}:
         resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
-    already = next(((name, m) for name, m in model.named_modules() if isinstance(m, StoredWeightModule)), None)
+    already = next(
+        ((name, m) for name, m in model.named_modules() if isinstance(m, (StoredWeightModule, Fp8Experts))), None
+    )
     if already is not None:
         raise ValueError(
             f"model is already initialized by amp8 (found {type(already[1]).__name__} at {already[0]!r}); "
@@ -97,7 +100,12 @@ def initialize(
     At O1 and above, every ``nn.Linear`` whose features are multiples of 16, whose weight
     is its own, that ``module_filter(module, fqn)`` accepts (all, by default) and that
     ``layer_selection`` expects to be faster in FP8 becomes an ``Fp8Linear`` that reuses
-    its Parameters. ``layer_selection="auto"`` applies the speed rule of the device the
+    its Parameters (but a MoE router, which stays in high precision). Mixture-of-experts
+    experts modules (transformers' ``MixtralExperts`` and the like, found by structure:
+    ``amp8.nn.experts_layout``) that ``module_filter`` accepts become ``Fp8Experts`` (the
+    speed rules, measured on dense layers, do not apply to them): their GEMMs run in FP8,
+    their Parameters stay as parameters outside FP8 layers are stored; one amp8 cannot run
+    stays as it is, with a warning. ``layer_selection="auto"`` applies the speed rule of the device the
     layer is on (``amp8.nn.selection.DEFAULT_RULES``: every layer on the CPU, where FP8 is
     emulated for its numerics; large enough layers on CUDA), ``"all"`` takes every
     eligible layer, and an ``amp8.nn.selection.SpeedRule`` (e.g. one measured with ``bench/linear.py
@@ -209,6 +217,11 @@ def _initialize(
         layer_selection,
         recipe.high_precision_layers,
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
+    )
+    # The experts' Parameters keep the storage of parameters outside FP8 layers: only
+    # their GEMMs change.
+    swap_experts(
+        model, lambda experts: Fp8Experts.from_module(experts, recipe), module_filter, recipe.high_precision_layers
     )
     layers = fp8_layers(model)
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
