@@ -104,10 +104,10 @@ def initialize(
     experts modules (transformers' ``MixtralExperts`` and the like, found by structure:
     ``amp8.nn.experts_layout``) that ``module_filter`` accepts become ``Fp8Experts`` (the
     speed rules, measured on dense layers, do not apply to them): their GEMMs run in FP8,
-    their Parameters stay as parameters outside FP8 layers are stored; one amp8 cannot run
-    stays as it is, with a warning. ``layer_selection="auto"`` applies the speed rule of the device the
-    layer is on (``amp8.nn.selection.DEFAULT_RULES``: every layer on the CPU, where FP8 is
-    emulated for its numerics; large enough layers on CUDA), ``"all"`` takes every
+    their Parameters stay as parameters outside FP8 layers are stored; one amp8 cannot
+    run stays as it is, with a warning. ``layer_selection="auto"`` applies the speed rule
+    of the device the layer is on (``amp8.nn.selection.DEFAULT_RULES``: every layer on
+    the CPU, where FP8 is emulated for its numerics; large enough layers on CUDA), ``"all"`` takes every
     eligible layer, and an ``amp8.nn.selection.SpeedRule`` (e.g. one measured with ``bench/linear.py
     --sweep``) applies that rule; the optimizer (``torch.optim.Adam`` or
     ``AdamW``) is replaced by a ``LowBitAdam`` with the same param groups. O0 returns

@@ -22,7 +22,7 @@ from torch import nn
 
 from amp8.config.recipe import Recipe, Scaling
 from amp8.nn.experts_function import _Fp8ExpertsFunction
-from amp8.nn.experts_layout import LAYOUT_ATTRIBUTE, ExpertsLayout, experts_layout, experts_reason
+from amp8.nn.experts_layout import ExpertsLayout, experts_layout, experts_reason
 from amp8.nn.function import LinearGemmConfig, output_dtype
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
 from amp8.ops.grouped_gemm import ExpertGroups
@@ -78,9 +78,9 @@ class Fp8Experts(nn.Module):
     dtype.
 
     Every GEMM of both projections runs in FP8 under ``recipe`` as an ``Fp8Linear``'s
-    would, expert by expert, except that the casts take current scales (delayed scaling
-    keeps one amax history per tensor) and record nothing, and wgrad's outlier split
-    and health watching are not applied.
+    would, expert by expert on its tokens, except that the casts take current scales
+    (delayed scaling keeps one amax history per tensor), record nothing and are not
+    watched (``amp8.Controller`` does not move the experts' GEMMs).
     """
 
     def __init__(self, experts: nn.Module, layout: ExpertsLayout, recipe: Recipe) -> None:
@@ -207,6 +207,3 @@ def _experts_recipe(recipe: Recipe) -> Recipe:
     """``recipe`` with current scaling where it is delayed: the experts' casts keep no
     amax history."""
     return recipe.replace(scaling=Scaling.CURRENT) if recipe.scaling is Scaling.DELAYED else recipe
-
-
-__all__ = ["LAYOUT_ATTRIBUTE", "ExpertsLayout", "Fp8Experts", "Routing"]

@@ -144,10 +144,11 @@ def swap_experts(
     """Replace the experts modules of ``model`` (found by structure, see
     ``amp8.nn.experts_layout``) by ``make_fp8(experts)``, children before parents.
 
-    As for ``swap_linear_layers``, ``module_filter(module, fqn)`` and the patterns of
-    ``high_precision_layers`` may keep one in high precision; the speed rules of layer
-    selection do not apply (they are measured on dense layers). One amp8 cannot run in
-    FP8 (``experts_reason``) is kept too, with a warning that names it and why.
+    As for ``swap_linear_layers``, ``module_filter(module, fqn)`` (called with the experts
+    module) and the patterns of ``high_precision_layers`` may keep one in high precision;
+    the speed rules of layer selection do not apply (they are measured on dense layers).
+    One amp8 cannot run in FP8 (``experts_reason``) is kept too, with a warning that names
+    it and why, unless the filter or a pattern keeps it anyway.
 
     Returns:
         ``{fqn: reason}`` for every experts module left in high precision.
@@ -155,18 +156,18 @@ def swap_experts(
     shared = shared_weight_names(model)
 
     def reason(experts: nn.Module, fqn: str) -> str | None:
-        layout = experts_layout(experts)
-        found = experts_reason(experts, layout, shared)  # type: ignore[arg-type]
-        if found is not None:
-            warnings.warn(
-                f"amp8: the experts {fqn!r} ({type(experts).__name__}) stay in high precision: {found}. "
-                "amp8.nn.ExpertsLayout documents what amp8 runs in FP8",
-                stacklevel=2,
-            )
-            return found
         if module_filter is not None and not module_filter(experts, fqn):
             return "excluded by module_filter"
-        return recipe_pattern_reason(fqn, high_precision_layers)
+        found = recipe_pattern_reason(fqn, high_precision_layers)
+        if found is None:
+            found = experts_reason(experts, experts_layout(experts), shared)  # type: ignore[arg-type]
+            if found is not None:  # the user asked for FP8 here: say why it cannot be
+                warnings.warn(
+                    f"amp8: the experts {fqn!r} ({type(experts).__name__}) stay in high precision: {found}. "
+                    "amp8.nn.ExpertsLayout documents what amp8 runs in FP8",
+                    stacklevel=2,
+                )
+        return found
 
     def is_experts(child: nn.Module) -> bool:
         return not isinstance(child, Fp8Experts) and experts_layout(child) is not None

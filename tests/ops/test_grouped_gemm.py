@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from amp8 import Recipe, _compat
-from amp8.config.formats import E4M3, E5M2
+from amp8.config.formats import E5M2
 from amp8.config.gemms import Gemm
 from amp8.nn.quantizer import CastRule, Quantizer, TensorRole
 from amp8.ops.gemm import fp8_gemm
