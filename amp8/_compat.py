@@ -10,7 +10,8 @@ module (``native_rowwise_scaled_mm``, ``COMPILED_SHARDED_LAYERS.available()``,
 In every supported release, so not listed: the FP8 dtypes ``float8_e4m3fn`` and
 ``float8_e5m2``, the microscaling dtypes ``float8_e8m0fnu`` and ``float4_e2m1fn_x2``,
 tensorwise ``torch._scaled_mm`` on the CPU, tensorwise, rowwise and block-scaled
-``torch._scaled_mm`` on CUDA, and FSDP2's public API (``torch.distributed.fsdp``'s
+``torch._scaled_mm`` on CUDA, rowwise ``torch._scaled_grouped_mm`` on CUDA (sm_90 and
+sm_100: ``native_grouped_scaled_mm``), and FSDP2's public API (``torch.distributed.fsdp``'s
 ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy`` and the
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` extension of tensor subclasses).
 """
@@ -100,6 +101,17 @@ def fsdp_module_types() -> tuple[type, ...]:
     from torch.distributed.fsdp import FSDPModule
 
     return (FSDPModule,)
+
+
+_GROUPED_SCALED_MM_CAPABILITIES = ((9, 0), (10, 0))  # the GPUs torch builds its rowwise grouped FP8 kernel for
+
+
+def native_grouped_scaled_mm(device: torch.device) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` runs FP8 operands with rowwise scales on
+    ``device``: CUDA GPUs of compute capability 9.0 or 10.0 (torch has no CPU kernel)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) in _GROUPED_SCALED_MM_CAPABILITIES
 
 
 def native_rowwise_scaled_mm(device: torch.device) -> bool:

@@ -11,6 +11,7 @@ from amp8.config.validation import check_model_and_optimizer
 from amp8.distributed.ddp import amp8_names, stop_watching
 from amp8.nn.activations import detach_activation_storage
 from amp8.nn.embedding import LowBitEmbedding
+from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
 from amp8.tensor.scaled import is_sharded
 
@@ -25,8 +26,9 @@ def export(
 ) -> nn.Module:
     """A deep copy of ``model`` with every ``Fp8Linear`` replaced by an ``nn.Linear``
     (and every ``LowBitEmbedding`` by an ``nn.Embedding``) holding the layer's real
-    weight, cast to ``dtype``, and none of amp8's hooks (FP8 saved activations, the DDP
-    guard): a plain PyTorch model. The original is not changed.
+    weight, every ``Fp8Experts`` by the model's own experts module it replaced (holding
+    its Parameters), cast to ``dtype``, and none of amp8's hooks (FP8 saved activations,
+    the DDP guard): a plain PyTorch model. The original is not changed.
 
     Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
 
@@ -71,8 +73,16 @@ def export(
             plain.weight.copy_(real)
             if getattr(layer, "bias", None) is not None:
                 plain.bias.copy_(layer.bias)  # type: ignore[union-attr]
-        parent_name, _, child_name = name.rpartition(".")
-        parent = exported.get_submodule(parent_name) if parent_name else exported
-        setattr(parent, child_name, plain)
+        _replace(exported, name, plain)
         layer.weight_grad = None
+    experts = [name for name, module in exported.named_modules() if isinstance(module, Fp8Experts)]
+    for name in experts:
+        _replace(exported, name, exported.get_submodule(name).to_module())
     return exported.to(dtype)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` where ``model``'s submodule ``name`` is."""
+    parent_name, _, child_name = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child_name, module)

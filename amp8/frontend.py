@@ -16,10 +16,11 @@ from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
 from amp8.nn.embedding import LowBitEmbedding
+from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import LayerSelection, resolve_selection
 from amp8.nn.stored_module import StoredWeightModule
-from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_linear_layers
+from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_experts, swap_linear_layers
 from amp8.ops.gemm import check_fp8_device
 from amp8.optim.adam import LowBitAdam
 from amp8.optim.support import check_state_precision, check_supported
@@ -67,7 +68,9 @@ def _check_call(
         )
     for device_type in {param.device.type for param in model.parameters()}:
         resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
-    already = next(((name, m) for name, m in model.named_modules() if isinstance(m, StoredWeightModule)), None)
+    already = next(
+        ((name, m) for name, m in model.named_modules() if isinstance(m, (StoredWeightModule, Fp8Experts))), None
+    )
     if already is not None:
         raise ValueError(
             f"model is already initialized by amp8 (found {type(already[1]).__name__} at {already[0]!r}); "
@@ -94,8 +97,9 @@ def initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``.
 
-    Eligible ``nn.Linear`` layers become ``amp8.nn.Fp8Linear`` layers that reuse their
-    Parameters, and Adam/AdamW becomes ``amp8.optim.LowBitAdam`` with the same param
+    Eligible ``nn.Linear`` layers become ``amp8.nn.Fp8Linear`` layers and mixture-of-experts
+    experts modules (found by structure, ``amp8.nn.experts_layout``) ``amp8.nn.Fp8Experts``,
+    each reusing its Parameters, and Adam/AdamW becomes ``amp8.optim.LowBitAdam`` with the same param
     groups (docs/levels.md). Use the returned objects from here on and build LR
     schedulers after this call. In a ``torch.distributed`` group, call it in every
     process with the bare model; at O1/O2 wrap the result in ``DistributedDataParallel``
@@ -201,6 +205,11 @@ def _initialize(
         layer_selection,
         recipe.high_precision_layers,
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
+    )
+    # The experts' Parameters keep the storage of parameters outside FP8 layers: only
+    # their GEMMs change.
+    swap_experts(
+        model, lambda experts: Fp8Experts.from_module(experts, recipe), module_filter, recipe.high_precision_layers
     )
     layers = fp8_layers(model)
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else

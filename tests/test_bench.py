@@ -227,3 +227,28 @@ def test_stress_layers_outliers_change_nothing_in_exact_arithmetic() -> None:
     assert max(largest) > 2.0**40, "the outliers reach the residual stream"
     for stressed_param, plain in zip(stressed, train(False)):
         assert torch.equal(stressed_param, plain)
+
+
+# -- bench/moe_gemm.py -------------------------------------------------------------------
+@pytest.mark.slow  # a benchmark run end to end (its quick case)
+def test_moe_gemm_quick_times_every_variant_side_by_side(tmp_path: Path) -> None:
+    moe_gemm = load_bench("moe_gemm")
+    path = moe_gemm.main(["--quick", "--device", "cpu", "--warmup", "0", "--rounds", "1", "--out", str(tmp_path)])
+    record = json.loads(path.read_text())
+    assert path == tmp_path / "moe-gemm-cpu.json" and record["baseline"] == moe_gemm.BASELINE
+    (row,) = record["rows"]
+    variants = {moe_gemm.BASELINE, moe_gemm.GROUPED, *moe_gemm.CANDIDATES}
+    assert set(row["ms"]) == variants and all(ms > 0 for ms in row["ms"].values())
+    assert set(row["ratio_to_baseline"]) == variants - {moe_gemm.BASELINE}
+
+
+def test_moe_gemm_variants_compute_the_same_experts() -> None:
+    moe_gemm = load_bench("moe_gemm")
+    torch.manual_seed(0)
+    loop = moe_gemm.LoopExperts(4, 32, 16)
+    grouped = moe_gemm.GroupedExperts(4, 32, 16)
+    grouped.load_state_dict(loop.state_dict())
+    index, weights = moe_gemm.routing(24, 4, 2, "skewed", torch.device("cpu"))
+    x = torch.randn(24, 32)
+    torch.testing.assert_close(grouped(x, index, weights), loop(x, index, weights), atol=1e-5, rtol=1e-5,
+                               msg="the grouped reference computes the loop's experts")

@@ -47,6 +47,12 @@ ALLOWED: dict[str, str] = {
     ),
     # -- beyond the scope: torch features amp8 builds on ---------------------------------------
     "torch._scaled_mm": "the FP8 GEMM (cuBLASLt on CUDA, a reference kernel on the CPU); amp8/ops only",
+    "torch._scaled_grouped_mm": (
+        "the grouped FP8 GEMM of MoE experts (CUDA sm_90 and sm_100); amp8/ops only. Its meta kernel "
+        "repeats the CUDA kernel's checks, so amp8 checks the grouped call's arguments on the CPU too; the "
+        "public torch.nn.functional.scaled_grouped_mm calls _scaled_grouped_mm_v2, which torch 2.13 gives "
+        "no meta kernel"
+    ),
     "torch.Tensor._make_wrapper_subclass": (
         "how a tensor subclass holding FP8 data and scales (WeightGrad) presents the weight's "
         "shape and dtype; the constructor torch documents for wrapper subclasses"

@@ -21,6 +21,8 @@ from amp8.config.validation import check_model_and_optimizer
 from amp8.monitor.console import default_console
 from amp8.monitor.report_table import human_bytes, print_table
 from amp8.monitor.weight_stats import weight_cast_stats
+from amp8.nn.experts import Fp8Experts
+from amp8.nn.experts_layout import routers
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import resolve_selection
 from amp8.nn.swap import (
@@ -53,6 +55,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     ))
     keeps_heads = any(isinstance(m, Fp8Linear) and m.recipe.output_head is OutputHead.HIGH for m in model.modules())
     heads = output_heads(model) if keeps_heads else {}
+    routing = routers(model)
     owners: dict[int, tuple[nn.Module, str | None]] = {}
     for fqn, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -60,6 +63,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
             if type(module) is nn.Linear and param_name == "weight":
                 note = (
                     high_precision_reason(module, shared)
+                    or routing.get(id(module))
                     or _default_rule_reason(module)
                     or output_head_reason(module, heads)
                     or recipe_pattern_reason(fqn, kept_by_recipe)
@@ -67,6 +71,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                 )
             elif type(module) is nn.Embedding and param_name == "weight":
                 note = embedding_reason(module, shared)
+            elif isinstance(module, Fp8Experts):
+                note = _EXPERTS_NOTE
             owner = owners.setdefault(id(param), (module, note))
             if note and owner[1] is None:
                 # A tied weight: the row belongs to its first owner (the embedding), but
@@ -75,6 +81,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     return owners
 
 
+_EXPERTS_NOTE = "MoE experts: GEMMs in FP8; weight, gradient and optimizer state as other parameters"
 _LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row): a lookup, not a GEMM"
 
 

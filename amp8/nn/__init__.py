@@ -1,12 +1,14 @@
-"""FP8 layers and the module swap that installs them."""
+"""FP8 layers (linear, embedding, experts) and the module swap that installs them."""
 
 from amp8.config.validation import removed_name
 from amp8.nn.embedding import LowBitEmbedding
+from amp8.nn.experts import Fp8Experts
+from amp8.nn.experts_layout import ExpertsLayout
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
 from amp8.nn.stored_module import StoredWeightModule
 from amp8.nn.swap import (
-    ModuleFilter, embedding_reason, high_precision_reason, shared_weight_names, swap_embeddings,
+    ModuleFilter, embedding_reason, high_precision_reason, shared_weight_names, swap_embeddings, swap_experts,
     swap_linear_layers,
 )
 
@@ -20,6 +22,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CastRule",
+    "ExpertsLayout",
+    "Fp8Experts",
     "Fp8Linear",
     "LinearQuantizers",
     "LowBitEmbedding",
@@ -31,5 +35,6 @@ __all__ = [
     "high_precision_reason",
     "shared_weight_names",
     "swap_embeddings",
+    "swap_experts",
     "swap_linear_layers",
 ]

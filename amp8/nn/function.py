@@ -263,6 +263,34 @@ def _weight_grad(
             quantizers.grad_output.watch(_pad_rows(g2, GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
             quantizers.input.watch(_pad_rows(_real(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
         return g2.float().t() @ _real(wgrad_input)
+    g_t, x_rows, outliers = wgrad_operands(wgrad_input, g2, g8, quantizers, config)
+    grad_w = fp8_gemm(g_t, x_rows, torch.float32, Gemm.WGRAD)
+    return grad_w if outliers is None else grad_w + outliers
+
+
+def wgrad_operands(
+    wgrad_input: torch.Tensor | ScaledTensor,
+    g2: torch.Tensor,
+    g8: ScaledTensor | None,
+    quantizers: LinearQuantizers,
+    config: LinearGemmConfig,
+) -> tuple[ScaledTensor, ScaledTensor, torch.Tensor | None]:
+    """The FP8 operands of the weight-gradient GEMM ``g2^T @ x2`` and the float32
+    contribution of the outlier tokens it takes out (None where it splits none).
+
+    Args:
+        wgrad_input: the forward's FP8 input (M, K) where it was kept, else the
+            high-precision input.
+        g2: the (M, N) output gradient.
+        g8: its tensorwise FP8 cast (tensorwise recipes), else None.
+        quantizers: the casts of each role.
+        config: the GEMMs' config (``config.high_wgrad`` False).
+
+    Returns:
+        ``(g_t, x_rows, outliers)``: the (N, M') output gradient, row-major, and the
+        (M', K) input, column-major, with M' = M padded with zero rows to a multiple of
+        ``GEMM_ALIGNMENT``; scales along M except under one scale per tensor.
+    """
     outliers = None
     if config.tensorwise:
         x8: ScaledTensor = wgrad_input  # type: ignore[assignment]
@@ -279,11 +307,7 @@ def _weight_grad(
             _pad_rows(x2, GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_INPUT)
         )
     g_t = g_rows.t()  # (N, M)
-    grad_w = fp8_gemm(
-        g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)),
-        torch.float32, Gemm.WGRAD,
-    )
-    return grad_w if outliers is None else grad_w + outliers
+    return g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)), outliers
 
 
 def split_outlier_tokens(

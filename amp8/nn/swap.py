@@ -1,16 +1,20 @@
-"""Explicit, filterable replacement of ``nn.Linear`` layers by FP8 ones.
+"""Explicit, filterable replacement of ``nn.Linear`` layers and experts modules by FP8
+ones (and of embeddings by low-bit ones).
 
 Nothing in torch is patched: the swap walks the model's children and re-binds the
-attributes of the parent modules that held eligible ``nn.Linear`` layers.
+attributes of the parent modules that held eligible modules.
 """
 
 from __future__ import annotations
 
+import warnings
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
 from torch import nn
 
+from amp8.nn.experts import Fp8Experts
+from amp8.nn.experts_layout import experts_layout, experts_reason, routers
 from amp8.nn.selection import LayerSelection, resolve_selection
 from amp8.quant.scale_layout import GEMM_ALIGNMENT
 
@@ -117,9 +121,10 @@ def swap_linear_layers(
         )
     shared = shared_weight_names(model)
     heads = output_heads(model) if keep_output_heads else {}
+    routing = routers(model)
 
     def reason(linear: nn.Linear, fqn: str) -> str | None:
-        found = high_precision_reason(linear, shared)
+        found = high_precision_reason(linear, shared) or routing.get(id(linear))
         rule = resolve_selection(layer_selection, linear.weight.device.type)
         if found is None and rule is not None:
             found = rule.reason(linear)
@@ -127,7 +132,47 @@ def swap_linear_layers(
             found = "excluded by module_filter"
         return found or output_head_reason(linear, heads) or recipe_pattern_reason(fqn, high_precision_layers)
 
-    return _swap_children(model, nn.Linear, reason, make_fp8)
+    return _swap_children(model, lambda child: type(child) is nn.Linear, reason, make_fp8)
+
+
+def swap_experts(
+    model: nn.Module,
+    make_fp8: Callable[[nn.Module], nn.Module],
+    module_filter: ModuleFilter | None = None,
+    high_precision_layers: tuple[str, ...] = (),
+) -> dict[str, str]:
+    """Replace the experts modules of ``model`` (found by structure, see
+    ``amp8.nn.experts_layout``) by ``make_fp8(experts)``, children before parents.
+
+    As for ``swap_linear_layers``, ``module_filter(module, fqn)`` (called with the experts
+    module) and the patterns of ``high_precision_layers`` may keep one in high precision;
+    the speed rules of layer selection do not apply (they are measured on dense layers).
+    One amp8 cannot run in FP8 (``experts_reason``) is kept too, with a warning that names
+    it and why, unless the filter or a pattern keeps it anyway.
+
+    Returns:
+        ``{fqn: reason}`` for every experts module left in high precision.
+    """
+    shared = shared_weight_names(model)
+
+    def reason(experts: nn.Module, fqn: str) -> str | None:
+        if module_filter is not None and not module_filter(experts, fqn):
+            return "excluded by module_filter"
+        found = recipe_pattern_reason(fqn, high_precision_layers)
+        if found is None:
+            found = experts_reason(experts, experts_layout(experts), shared)  # type: ignore[arg-type]
+            if found is not None:  # the user asked for FP8 here: say why it cannot be
+                warnings.warn(
+                    f"amp8: the experts {fqn!r} ({type(experts).__name__}) stay in high precision: {found}. "
+                    "amp8.nn.ExpertsLayout documents what amp8 runs in FP8",
+                    stacklevel=2,
+                )
+        return found
+
+    def is_experts(child: nn.Module) -> bool:
+        return not isinstance(child, Fp8Experts) and experts_layout(child) is not None
+
+    return _swap_children(model, is_experts, reason, make_fp8)
 
 
 def embedding_reason(embedding: nn.Embedding, shared: dict[int, list[str]]) -> str | None:
@@ -156,16 +201,19 @@ def swap_embeddings(model: nn.Module, make_low_bit: Callable[[nn.Embedding], nn.
         ``{fqn: reason}`` for every ``nn.Embedding`` left as it is.
     """
     shared = shared_weight_names(model)
-    return _swap_children(model, nn.Embedding, lambda embedding, fqn: embedding_reason(embedding, shared), make_low_bit)
+    return _swap_children(
+        model, lambda child: type(child) is nn.Embedding,
+        lambda embedding, fqn: embedding_reason(embedding, shared), make_low_bit,
+    )
 
 
 def _swap_children(
     model: nn.Module,
-    kind: type[nn.Module],
+    matches: Callable[[nn.Module], bool],
     reason: Callable[[Any, str], str | None],
     make: Callable[[Any], nn.Module],
 ) -> dict[str, str]:
-    """Replace every child of exactly type ``kind`` (children before parents) for which
+    """Replace every child that ``matches`` (children before parents) for which
     ``reason(child, fqn)`` is None by ``make(child)``; ``{fqn: reason}`` of the others."""
     kept: dict[str, str] = {}
 
@@ -173,7 +221,7 @@ def _swap_children(
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
             visit(child, fqn)
-            if type(child) is not kind:
+            if not matches(child):
                 continue
             found = reason(child, fqn)
             if found is None:
