@@ -1,5 +1,6 @@
-"""FP8 communication for data parallelism over stock torch.distributed, and amp8 under
-the user's ``DistributedDataParallel`` (``register_ddp``, ``fp8_compress_hook``)."""
+"""FP8 communication for data parallelism over stock torch.distributed, amp8 under
+the user's ``DistributedDataParallel`` (``register_ddp``, ``fp8_compress_hook``), and
+tensor-parallel styles for amp8's FP8 layers (``Fp8ColwiseParallel``, ``Fp8RowwiseParallel``)."""
 
 from amp8.config.validation import removed_name
 from amp8.distributed.comm_hook import fp8_compress_hook
@@ -10,6 +11,7 @@ from amp8.distributed.fp8_collectives import (
 )
 from amp8.distributed.layout import ShardLayout
 from amp8.distributed.reduction import GradientReduction
+from amp8.distributed.tensor_parallel import Fp8ColwiseParallel, Fp8RowwiseParallel
 
 _REMOVED = {
     "DataParallel": "use amp8.distributed.DataParallelGroup (a process group and its byte counter); amp8.initialize "
@@ -24,6 +26,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DataParallelGroup",
+    "Fp8ColwiseParallel",
+    "Fp8RowwiseParallel",
     "GradientReduction",
     "ShardLayout",
     "WIRE_DTYPE",

@@ -118,6 +118,18 @@ class StoredWeightModule(nn.Module):
         self.stored_weight.shard(self.weight)
         self._build_grad_routes()
 
+    def narrow_weight(self, dim: int, start: int, length: int) -> None:
+        """Keep only ``length`` rows (``dim=0``) or columns (``dim=1``) of the stored
+        weight from ``start``, at the same scale, in a new ``weight`` Parameter (autograd
+        keeps a Parameter's shape): one rank's shard under tensor parallelism (see
+        ``amp8.distributed.tensor_parallel``). Build the optimizer afterwards."""
+        old = self.weight
+        self.weight = nn.Parameter(old.detach().narrow(dim, start, length).clone(), requires_grad=old.requires_grad)
+        if self.weight_storage is not Precision.AS_IS:
+            self.stored_weight.mark(self.weight)
+        self.drop_weight_cache()
+        self._build_grad_routes()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in ("_grad_sink", "_grad_bridge", "_grad_routes_for"):  # rebuilt in __setstate__
@@ -234,7 +246,9 @@ class StoredWeightModule(nn.Module):
             return
         raise RuntimeError(
             f"the weight of an amp8 {type(self).__name__} was replaced after amp8.initialize "
-            "(by fully_shard, or by assigning a new Parameter); for FSDP2 use opt_level='O3' "
+            "(by fully_shard, a stock tensor-parallel style, or by assigning a new Parameter); for "
+            "tensor parallelism use amp8.distributed.Fp8ColwiseParallel and Fp8RowwiseParallel, "
+            "for FSDP2 use opt_level='O3' "
             "in a process group, where amp8 applies fully_shard itself, or "
             "DistributedDataParallel at O1/O2, wrapped after amp8.initialize and registered with "
             "amp8.distributed.register_ddp"
