@@ -27,6 +27,8 @@ LAYOUTS = ("replicated", "sequence")
 WORLDS = (2, 4)
 BATCH, SEQUENCE, HIDDEN, FFN = 2, 8, 64, 128
 STEPS = 3
+# Training runs at both levels on two ranks, at O2 on four (the test time budget).
+TRAINED_LEVELS = {2: LEVELS, 4: ("O2",)}
 
 
 def _plan(layout: str, stats: WireStats | None = None) -> dict[str, Any]:
@@ -125,7 +127,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                 results["cases"][(level, recipe, layout)] = {
                     "tp": local, "one_process": one_process, "wire": dict(stats.bytes_by_kind),
                 }
-        for layout in LAYOUTS:
+        for layout in LAYOUTS if level in TRAINED_LEVELS[world] else ():
             tp = parallelize_module(_amp8(level, "rowwise", mesh), mesh["tp"], _plan(layout))
             results["training"][(level, layout)] = {"tp_losses": _train(tp, level, rank, world, layout),
                                                     "tp": _weights(tp)}
@@ -214,6 +216,8 @@ def test_sequence_parallel_gathers_fp8_bytes(launched: tuple[int, list[Any]], re
 @pytest.mark.parametrize("level", LEVELS)
 def test_training_follows_one_process(launched: tuple[int, list[Any]], level: str, layout: str) -> None:
     world, results = launched
+    if level not in TRAINED_LEVELS[world]:
+        pytest.skip(f"trained at {TRAINED_LEVELS[world]} on {world} ranks")
     runs = [result["training"][(level, layout)] for result in results]
     for rank, one in enumerate(runs[1:], start=1):
         assert one["tp_losses"] == runs[0]["tp_losses"], f"rank {rank} saw other losses"
