@@ -222,7 +222,7 @@ def _initialize(
     master_weights = {}
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:
-            master_weights = {layer: layer.read_weight() for layer in layers.values()}
+            master_weights = {layer: layer.read_weight() for layer in layers.values() if layer.weight.requires_grad}
         for layer in layers.values():
             layer.set_weight_storage(level.weight)
     if distributed and level.shard_optimizer:
