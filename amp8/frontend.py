@@ -15,6 +15,7 @@ from amp8.distributed.ddp import data_parallel_group, guard_ddp, leave_to_amp8
 from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
+from amp8.nn.adapters import adopt_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
@@ -206,6 +207,7 @@ def _initialize(
         recipe.high_precision_layers,
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
     )
+    adopt_lora_layers(model)  # PEFT's LoRA layers over the new FP8 bases: merging is refused, with the fix
     # The experts' Parameters keep the storage of parameters outside FP8 layers: only
     # their GEMMs change.
     swap_experts(

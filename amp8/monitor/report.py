@@ -21,6 +21,7 @@ from amp8.config.validation import check_model_and_optimizer
 from amp8.monitor.console import default_console
 from amp8.monitor.report_table import human_bytes, print_table
 from amp8.monitor.weight_stats import weight_cast_stats
+from amp8.nn.adapters import adapter_modules
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import routers
 from amp8.nn.linear import Fp8Linear
@@ -59,6 +60,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     keeps_heads = any(isinstance(m, Fp8Linear) and m.recipe.output_head is OutputHead.HIGH for m in model.modules())
     heads = output_heads(model) if keeps_heads else {}
     routing = routers(model)
+    adapters = adapter_modules(model)
     owners: dict[int, tuple[nn.Module, str | None]] = {}
     for fqn, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -67,6 +69,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                 note = (
                     high_precision_reason(module, shared)
                     or routing.get(id(module))
+                    or adapters.get(id(module))
                     or _default_rule_reason(module)
                     or output_head_reason(module, heads)
                     or recipe_pattern_reason(fqn, kept_by_recipe)
@@ -131,11 +134,13 @@ class PrecisionReport:
         """The same, over the weights of FP8 layers only (0 when there are none)."""
         return self._per_param([row for row in self.rows if row["fp8"]])
 
-    @property
-    def frozen_bytes_per_param(self) -> float:
+    def frozen_bytes_per_param(self, fp8_layers_only: bool = False) -> float:
         """The same, over frozen parameters only (0 when there are none): the bytes a
-        frozen base costs in fine-tuning."""
-        return self._per_param([row for row in self.rows if row.get("frozen")])
+        frozen base costs in fine-tuning; with ``fp8_layers_only``, over the frozen
+        weights of FP8 layers."""
+        return self._per_param([
+            row for row in self.rows if row.get("frozen") and (row["fp8"] or not fp8_layers_only)
+        ])
 
     @property
     def fp8_share(self) -> float:
@@ -223,7 +228,7 @@ class PrecisionReport:
             "rows": self.rows,
             "bytes_per_param": self.bytes_per_param,
             "fp8_bytes_per_param": self.fp8_bytes_per_param,
-            "frozen_bytes_per_param": self.frozen_bytes_per_param,
+            "frozen_bytes_per_param": self.frozen_bytes_per_param(),
             "fp8_share": self.fp8_share,
             "baseline_bytes_per_param": self.baseline_bytes_per_param,
             "skipped_steps": self.skipped_steps,
@@ -249,7 +254,7 @@ class PrecisionReport:
             text += f" vs {baseline} for FP32 Adam ({baseline / total:.2f}x less)"
         frozen = sum(row["numel"] for row in self.rows if row.get("frozen"))
         if frozen:
-            text += f"; {frozen:,} frozen at {self.frozen_bytes_per_param:.2f} bytes/param"
+            text += f"; {frozen:,} frozen at {self.frozen_bytes_per_param():.2f} bytes/param"
         if self.activation_bytes_per_token is not None:
             text += f"; {self.activation_bytes_per_token:,.0f} activation bytes/token saved for backward"
         if self.skipped_steps is not None:

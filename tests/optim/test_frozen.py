@@ -123,3 +123,9 @@ def test_fp8_compute_only_trains_beside_frozen_weights_with_any_optimizer(given:
     assert_bitwise_equal(model[0].weight.detach(), frozen_before)
     assert not torch.equal(model[2].weight.detach(), trained_before)
     assert not optimizer.state.get(model[0].weight)  # type: ignore[union-attr]
+
+
+def test_export_keeps_frozen_weights_frozen() -> None:
+    model, _ = amp8.initialize(_model(), None, "O3")
+    exported = amp8.export(model)
+    assert [p.requires_grad for p in exported.parameters()] == [p.requires_grad for p in model.parameters()]
