@@ -15,7 +15,7 @@ from amp8.distributed.ddp import data_parallel_group, guard_ddp, leave_to_amp8
 from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
-from amp8.nn.adapters import adopt_lora_layers
+from amp8.nn.adapters import adopt_lora_layers, check_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
@@ -77,6 +77,8 @@ def _check_call(
             f"model is already initialized by amp8 (found {type(already[1]).__name__} at {already[0]!r}); "
             "call amp8.initialize once, on a model that has not been through it"
         )
+    if level.weight is not Precision.AS_IS:
+        check_lora_layers(model)
     if optimizer is not None and level.takes_over_optimizer:
         check_supported(optimizer)
     for device in {param.device for param in model.parameters()}:

@@ -196,3 +196,27 @@ def test_adapter_gradients_on_an_fp8_base_hold_the_dense_floors(level: str) -> N
     assert set(fp8) == set(exact) and len(fp8) == 2 * len(TARGETS)
     for name in exact:
         assert_sqnr_at_least(exact[name], fp8[name], 20.0)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_dora_on_a_scaled_base_is_refused_with_the_fix(order: str) -> None:
+    """DoRA reads the base weight directly: on amp8's scaled storage it would read
+    ``w * scale``; refused in either order, before initialize changes anything."""
+    config = peft.LoraConfig(r=RANK, target_modules=TARGETS, use_dora=True)
+    model = _llama()
+    if order == "amp8-first":
+        model, _ = amp8.initialize(model, None, "O1")
+        with pytest.raises(ValueError, match=r"DoraLinearVariant.*plain LoRA"):
+            peft.get_peft_model(model, amp8.nn.register_lora(config))
+        return
+    model = peft.get_peft_model(model, config)
+    with pytest.raises(ValueError, match=r"DoraLinearVariant.*O1-compute"):
+        amp8.initialize(model, None, "O3")
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules()), "a refused call changes nothing"
+
+
+def test_an_init_that_rewrites_the_base_is_refused_on_an_amp8_base() -> None:
+    model, _ = amp8.initialize(_llama(), None, "O2")
+    config = peft.LoraConfig(r=RANK, target_modules=TARGETS, init_lora_weights="olora")
+    with pytest.raises(ValueError, match=r"init_lora_weights='olora' rewrites the base weight"):
+        peft.get_peft_model(model, amp8.nn.register_lora(config))

@@ -34,6 +34,42 @@ def adapter_modules(model: nn.Module) -> dict[int, str]:
     return found
 
 
+PLAIN_LORA_INITS = (True, False, "gaussian")
+"""``LoraConfig.init_lora_weights`` values that draw the adapters alone; the others (PiSSA,
+OLoRA, LoftQ, CorDA, EVA, ...) rewrite the base weight, which amp8 stores scaled."""
+
+
+def lora_variant_reason(variants: list[str], init_lora_weights: Any) -> str | None:
+    """Why a LoRA layer with these ``variants`` (DoRA and the like, by name) and this
+    ``init_lora_weights`` cannot sit on a base whose weight amp8 stores scaled, or None."""
+    if variants:
+        return (
+            f"the LoRA variant(s) {', '.join(variants)} read the base weight directly, which amp8 stores as "
+            "FP16 or FP8 times a scale"
+        )
+    if init_lora_weights not in PLAIN_LORA_INITS:
+        return f"init_lora_weights={init_lora_weights!r} rewrites the base weight, which amp8 stores scaled"
+    return None
+
+
+def check_lora_layers(model: nn.Module) -> None:
+    """Refuse, before ``amp8.initialize`` changes anything, a PEFT LoRA layer with a
+    variant (DoRA, ...) over an ``nn.Linear`` the swap would store scaled.
+
+    Raises:
+        ValueError: naming the layer, the variant and the fixes.
+    """
+    for fqn, module in model.named_modules():
+        variants = getattr(module, "lora_variant", None)
+        if isinstance(variants, dict) and variants and type(getattr(module, "base_layer", None)) is nn.Linear:
+            names = sorted({type(variant).__name__ for variant in variants.values()})
+            raise ValueError(
+                f"{fqn!r}: {lora_variant_reason(names, True)}; use plain LoRA on an amp8 base (no use_dora or other "
+                "variant), opt_level='O1-compute' (FP8 GEMMs, weights as they are), or keep the layer out of FP8 "
+                "with module_filter"
+            )
+
+
 def lora_custom_modules() -> dict[type[nn.Module], type[nn.Module]]:
     """The mapping PEFT's ``LoraConfig._register_custom_module`` takes for amp8's layers
     (``{Fp8Linear: Fp8LoraLinear}``); see ``register_lora``.

@@ -16,6 +16,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 from amp8.config.levels import Precision
+from amp8.nn.adapters import lora_variant_reason
 from amp8.nn.stored_module import StoredWeightModule
 
 
@@ -32,6 +33,25 @@ class Fp8LoraLinear(LoraLinear):
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         return base.in_features, base.out_features
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any, **kwargs: Any) -> None:
+        """PEFT's, after refusing what would read or rewrite a base amp8 stores scaled.
+
+        Raises:
+            ValueError: a LoRA variant (DoRA, ...) or an ``init_lora_weights`` that
+                rewrites the base (PiSSA, OLoRA, ...) on a base stored in FP16 or FP8.
+        """
+        base = self.get_base_layer()
+        if isinstance(base, StoredWeightModule) and base.weight_storage is not Precision.AS_IS:
+            variant = self.resolve_lora_variant(config=config)
+            names = [] if variant is None else [type(variant).__name__]
+            reason = lora_variant_reason(names, config.init_lora_weights)
+            if reason is not None:
+                raise ValueError(
+                    f"{reason}; use plain LoRA (init_lora_weights=True or 'gaussian', no use_dora or other variant) "
+                    "on an amp8 base, or apply this LoRA before amp8.initialize at opt_level='O1-compute'"
+                )
+        super().update_layer(adapter_name, r, lora_alpha, config=config, **kwargs)
 
     @classmethod
     def from_lora_layer(cls, layer: LoraLinear) -> "Fp8LoraLinear":
