@@ -220,3 +220,26 @@ def test_an_init_that_rewrites_the_base_is_refused_on_an_amp8_base() -> None:
     config = peft.LoraConfig(r=RANK, target_modules=TARGETS, init_lora_weights="olora")
     with pytest.raises(ValueError, match=r"init_lora_weights='olora' rewrites the base weight"):
         peft.get_peft_model(model, amp8.nn.register_lora(config))
+
+
+def test_saved_adapters_load_onto_an_amp8_base(tmp_path: Any) -> None:
+    model, _ = _lora_model("amp8-first", "O3")
+    with torch.no_grad():
+        for layer in _lora_layers(model):
+            layer.lora_B["default"].weight.normal_(0, 0.05)
+    model.save_pretrained(tmp_path)
+    base, _ = amp8.initialize(_llama(), None, "O3")
+    config = amp8.nn.register_lora(peft.LoraConfig.from_pretrained(tmp_path))
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path, config=config)
+    assert all(type(layer) is Fp8LoraLinear for layer in _lora_layers(loaded))
+    assert_bitwise_equal(loaded(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+
+
+def test_an_embedding_peft_adapts_stays_as_the_model_has_it() -> None:
+    config = peft.LoraConfig(r=RANK, target_modules=["q_proj", "embed_tokens"])
+    model, optimizer = amp8.initialize(peft.get_peft_model(_llama(), config), None, "O2")
+    embedding = model.base_model.model.model.embed_tokens
+    assert type(embedding.base_layer) is nn.Embedding and embedding.base_layer.weight.dtype == torch.float32
+    assert type(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer) is Fp8Linear
+    rows = {row["name"]: row for row in amp8.report(model).rows}
+    assert "PEFT adapts and merges into it" in rows["base_model.model.model.embed_tokens.base_layer.weight"]["note"]

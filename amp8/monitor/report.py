@@ -21,7 +21,7 @@ from amp8.config.validation import check_model_and_optimizer
 from amp8.monitor.console import default_console
 from amp8.monitor.report_table import human_bytes, print_table
 from amp8.monitor.weight_stats import weight_cast_stats
-from amp8.nn.adapters import adapter_modules
+from amp8.nn.adapters import adapted_embeddings, adapter_modules
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import routers
 from amp8.nn.linear import Fp8Linear
@@ -60,7 +60,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     keeps_heads = any(isinstance(m, Fp8Linear) and m.recipe.output_head is OutputHead.HIGH for m in model.modules())
     heads = output_heads(model) if keeps_heads else {}
     routing = routers(model)
-    adapters = adapter_modules(model)
+    adapters, adapted = adapter_modules(model), adapted_embeddings(model)
     owners: dict[int, tuple[nn.Module, str | None]] = {}
     for fqn, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -76,7 +76,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                     or "not selected for FP8 (module_filter or layer_selection)"
                 )
             elif type(module) is nn.Embedding and param_name == "weight":
-                note = embedding_reason(module, shared)
+                note = embedding_reason(module, shared) or adapted.get(id(module))
             elif isinstance(module, Fp8Experts):
                 note = _EXPERTS_NOTE
             owner = owners.setdefault(id(param), (module, note))

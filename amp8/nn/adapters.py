@@ -16,6 +16,7 @@ from typing import Any, Callable
 from torch import nn
 
 from amp8.nn.linear import Fp8Linear
+from amp8.nn.lora_rules import lora_variant_reason
 
 
 def adapter_modules(model: nn.Module) -> dict[int, str]:
@@ -34,22 +35,16 @@ def adapter_modules(model: nn.Module) -> dict[int, str]:
     return found
 
 
-PLAIN_LORA_INITS = (True, False, "gaussian")
-"""``LoraConfig.init_lora_weights`` values that draw the adapters alone; the others (PiSSA,
-OLoRA, LoftQ, CorDA, EVA, ...) rewrite the base weight, which amp8 stores scaled."""
-
-
-def lora_variant_reason(variants: list[str], init_lora_weights: Any) -> str | None:
-    """Why a LoRA layer with these ``variants`` (DoRA and the like, by name) and this
-    ``init_lora_weights`` cannot sit on a base whose weight amp8 stores scaled, or None."""
-    if variants:
-        return (
-            f"the LoRA variant(s) {', '.join(variants)} read the base weight directly, which amp8 stores as "
-            "FP16 or FP8 times a scale"
-        )
-    if init_lora_weights not in PLAIN_LORA_INITS:
-        return f"init_lora_weights={init_lora_weights!r} rewrites the base weight, which amp8 stores scaled"
-    return None
+def adapted_embeddings(model: nn.Module) -> dict[int, str]:
+    """``{id(embedding): why}`` for every ``nn.Embedding`` a PEFT tuner layer adapts (its
+    ``base_layer``): PEFT's embedding LoRA merges into the table's ``weight.data``, so amp8
+    keeps the table as it is rather than store it scaled."""
+    return {
+        id(module.base_layer): f"base of {type(module).__name__} {fqn!r} (PEFT adapts and merges into it)"
+        for fqn, module in model.named_modules()
+        if isinstance(getattr(type(module), "adapter_layer_names", None), tuple)
+        and type(getattr(module, "base_layer", None)) is nn.Embedding
+    }
 
 
 def check_lora_layers(model: nn.Module) -> None:

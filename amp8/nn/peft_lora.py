@@ -16,7 +16,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 from amp8.config.levels import Precision
-from amp8.nn.adapters import lora_variant_reason
+from amp8.nn.lora_rules import lora_variant_reason
 from amp8.nn.stored_module import StoredWeightModule
 
 

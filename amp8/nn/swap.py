@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from amp8.nn.adapters import adapter_modules
+from amp8.nn.adapters import adapted_embeddings, adapter_modules
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import experts_layout, experts_reason, routers
 from amp8.nn.selection import LayerSelection, resolve_selection
@@ -197,16 +197,18 @@ def embedding_reason(embedding: nn.Embedding, shared: dict[int, list[str]]) -> s
 
 
 def swap_embeddings(model: nn.Module, make_low_bit: Callable[[nn.Embedding], nn.Module]) -> dict[str, str]:
-    """Replace ``nn.Embedding`` children of ``model`` that ``embedding_reason`` allows by
+    """Replace ``nn.Embedding`` children of ``model`` that ``embedding_reason`` allows, and
+    that no PEFT layer adapts (``amp8.nn.adapters.adapted_embeddings``), by
     ``make_low_bit(embedding)``.
 
     Returns:
         ``{fqn: reason}`` for every ``nn.Embedding`` left as it is.
     """
     shared = shared_weight_names(model)
+    adapted = adapted_embeddings(model)
     return _swap_children(
         model, lambda child: type(child) is nn.Embedding,
-        lambda embedding, fqn: embedding_reason(embedding, shared), make_low_bit,
+        lambda embedding, fqn: embedding_reason(embedding, shared) or adapted.get(id(embedding)), make_low_bit,
     )
 
 
