@@ -1,7 +1,7 @@
 """LoRA fine-tuning (Hugging Face PEFT) of a small Llama on an FP8 base.
 
     pip install "amp8[hf]" peft
-    python examples/lora_finetune.py                      # O3, 30 steps, about 10 s on a laptop CPU
+    python examples/lora_finetune.py                      # O3, 30 steps, about 15 s on 2 CPU cores
     python examples/lora_finetune.py --opt-level O1 --order lora-first
 
 The base's projections become amp8 ``Fp8Linear`` layers and are frozen: at O3 they hold
