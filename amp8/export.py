@@ -10,6 +10,7 @@ from torch import nn
 from amp8.config.validation import check_model_and_optimizer
 from amp8.distributed.ddp import amp8_names, stop_watching
 from amp8.nn.activations import detach_activation_storage
+from amp8.nn.adapters import release_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
@@ -28,7 +29,8 @@ def export(
     (and every ``LowBitEmbedding`` by an ``nn.Embedding``) holding the layer's real
     weight, every ``Fp8Experts`` by the model's own experts module it replaced (holding
     its Parameters), cast to ``dtype``, and none of amp8's hooks (FP8 saved activations,
-    the DDP guard): a plain PyTorch model. The original is not changed.
+    the DDP guard): a plain PyTorch model. The original is not changed. PEFT's LoRA layers
+    stay, as PEFT's own, over the plain bases: ``merge_and_unload()`` on the result merges.
 
     Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
 
@@ -73,11 +75,14 @@ def export(
             plain.weight.copy_(real)
             if getattr(layer, "bias", None) is not None:
                 plain.bias.copy_(layer.bias)  # type: ignore[union-attr]
+                plain.bias.requires_grad_(layer.bias.requires_grad)  # type: ignore[union-attr]
+        plain.weight.requires_grad_(layer.weight.requires_grad)  # a frozen base stays frozen
         _replace(exported, name, plain)
         layer.weight_grad = None
     experts = [name for name, module in exported.named_modules() if isinstance(module, Fp8Experts)]
     for name in experts:
         _replace(exported, name, exported.get_submodule(name).to_module())
+    release_lora_layers(exported)  # PEFT's own LoRA layers again, over the plain bases
     return exported.to(dtype)
 
 

@@ -15,6 +15,7 @@ from amp8.distributed.ddp import data_parallel_group, guard_ddp, leave_to_amp8
 from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
+from amp8.nn.adapters import adopt_lora_layers, check_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
@@ -76,6 +77,8 @@ def _check_call(
             f"model is already initialized by amp8 (found {type(already[1]).__name__} at {already[0]!r}); "
             "call amp8.initialize once, on a model that has not been through it"
         )
+    if level.weight is not Precision.AS_IS:
+        check_lora_layers(model)
     if optimizer is not None and level.takes_over_optimizer:
         check_supported(optimizer)
     for device in {param.device for param in model.parameters()}:
@@ -206,6 +209,7 @@ def _initialize(
         recipe.high_precision_layers,
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
     )
+    adopt_lora_layers(model)  # PEFT's LoRA layers over the new FP8 bases: merging is refused, with the fix
     # The experts' Parameters keep the storage of parameters outside FP8 layers: only
     # their GEMMs change.
     swap_experts(
@@ -222,7 +226,7 @@ def _initialize(
     master_weights = {}
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:
-            master_weights = {layer: layer.read_weight() for layer in layers.values()}
+            master_weights = {layer: layer.read_weight() for layer in layers.values() if layer.weight.requires_grad}
         for layer in layers.values():
             layer.set_weight_storage(level.weight)
     if distributed and level.shard_optimizer:

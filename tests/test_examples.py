@@ -97,3 +97,18 @@ def test_lightning_example_trains() -> None:
     before, after, module = example.train(example.Config(max_steps=10, samples=128))
     assert after < 0.8 * before, f"loss {before:.4f} -> {after:.4f}"
     assert module.amp8_optimizer.skipped_steps == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("order", ["amp8-first", "lora-first"])
+def test_lora_finetune_example_trains_the_adapters_on_an_fp8_base(order: str) -> None:
+    pytest.importorskip("peft", reason="the LoRA example needs peft: pip install 'amp8[dev]'")
+    import amp8
+
+    example = _load("lora_finetune")
+    losses, model, optimizer = example.train(example.Config(order=order, steps=4, batch_size=2))
+    assert losses[-1] < losses[0], losses
+    report = amp8.report(model, optimizer)
+    assert report.frozen_bytes_per_param(fp8_layers_only=True) <= 1.1, report.summary()
+    merged = amp8.export(model).merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.q_proj) is torch.nn.Linear

@@ -21,6 +21,7 @@ from amp8.config.validation import check_model_and_optimizer
 from amp8.monitor.console import default_console
 from amp8.monitor.report_table import human_bytes, print_table
 from amp8.monitor.weight_stats import weight_cast_stats
+from amp8.nn.adapters import adapted_embeddings, adapter_modules
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import routers
 from amp8.nn.linear import Fp8Linear
@@ -33,6 +34,9 @@ from amp8.tensor.stored import stored_weight
 
 FP32_ADAM_BYTES_PER_PARAM = 16
 """FP32 weight + FP32 gradient + FP32 first and second moments."""
+
+FROZEN = "frozen"
+"""The grad column of a parameter with ``requires_grad=False``."""
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
@@ -56,6 +60,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     keeps_heads = any(isinstance(m, Fp8Linear) and m.recipe.output_head is OutputHead.HIGH for m in model.modules())
     heads = output_heads(model) if keeps_heads else {}
     routing = routers(model)
+    adapters, adapted = adapter_modules(model), adapted_embeddings(model)
     owners: dict[int, tuple[nn.Module, str | None]] = {}
     for fqn, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -64,13 +69,14 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                 note = (
                     high_precision_reason(module, shared)
                     or routing.get(id(module))
+                    or adapters.get(id(module))
                     or _default_rule_reason(module)
                     or output_head_reason(module, heads)
                     or recipe_pattern_reason(fqn, kept_by_recipe)
                     or "not selected for FP8 (module_filter or layer_selection)"
                 )
             elif type(module) is nn.Embedding and param_name == "weight":
-                note = embedding_reason(module, shared)
+                note = embedding_reason(module, shared) or adapted.get(id(module))
             elif isinstance(module, Fp8Experts):
                 note = _EXPERTS_NOTE
             owner = owners.setdefault(id(param), (module, note))
@@ -92,7 +98,8 @@ class PrecisionReport:
     Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
     weights of FP8 layers), note (why a Linear weight stays in high precision, or None),
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
-    None), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
+    None; grad is "frozen" for a parameter with ``requires_grad=False``), frozen (True
+    for those: they hold no gradient and no optimizer state), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
     "block, wgrad high", after ``amp8.Controller`` moved it), moves (the controller's
     moves of the layer as dicts: step, before, after, reason), format and block
     (microscaled layers: the format of the forward GEMM's weight operand as
@@ -126,6 +133,14 @@ class PrecisionReport:
     def fp8_bytes_per_param(self) -> float:
         """The same, over the weights of FP8 layers only (0 when there are none)."""
         return self._per_param([row for row in self.rows if row["fp8"]])
+
+    def frozen_bytes_per_param(self, fp8_layers_only: bool = False) -> float:
+        """The same, over frozen parameters only (0 when there are none): the bytes a
+        frozen base costs in fine-tuning; with ``fp8_layers_only``, over the frozen
+        weights of FP8 layers."""
+        return self._per_param([
+            row for row in self.rows if row.get("frozen") and (row["fp8"] or not fp8_layers_only)
+        ])
 
     @property
     def fp8_share(self) -> float:
@@ -213,6 +228,7 @@ class PrecisionReport:
             "rows": self.rows,
             "bytes_per_param": self.bytes_per_param,
             "fp8_bytes_per_param": self.fp8_bytes_per_param,
+            "frozen_bytes_per_param": self.frozen_bytes_per_param(),
             "fp8_share": self.fp8_share,
             "baseline_bytes_per_param": self.baseline_bytes_per_param,
             "skipped_steps": self.skipped_steps,
@@ -236,6 +252,9 @@ class PrecisionReport:
             text += f" ({self.fp8_bytes_per_param:.2f} over FP8 layers)"
         if total:
             text += f" vs {baseline} for FP32 Adam ({baseline / total:.2f}x less)"
+        frozen = sum(row["numel"] for row in self.rows if row.get("frozen"))
+        if frozen:
+            text += f"; {frozen:,} frozen at {self.frozen_bytes_per_param():.2f} bytes/param"
         if self.activation_bytes_per_token is not None:
             text += f"; {self.activation_bytes_per_token:,.0f} activation bytes/token saved for backward"
         if self.skipped_steps is not None:
@@ -280,8 +299,9 @@ def report(
             weight_bytes = handle.nbytes
             stats: dict[str, Any] = dict.fromkeys(_STATS)
             if fp8_layer is not None:
-                read = getattr(optimizer, "master_weight", None)
-                stats = weight_cast_stats(fp8_layer, read(param) if read is not None else fp8_layer.read_weight())
+                has_master = "master" in state.get(param, {})  # a frozen weight has none
+                real = optimizer.master_weight(param) if has_master else fp8_layer.read_weight()  # type: ignore[union-attr]
+                stats = weight_cast_stats(fp8_layer, real)
             else:
                 note = note or _LOW_BIT_TABLE_NOTE
         else:
@@ -304,7 +324,8 @@ def report(
             "fp8": fp8_layer is not None,
             "note": note,
             "weight": short_name(param.dtype),
-            "grad": short_name(grad_dtype),
+            "grad": FROZEN if not param.requires_grad else short_name(grad_dtype),
+            "frozen": not param.requires_grad,
             "master": state_dtype("master"),
             "exp_avg": state_dtype("exp_avg"),
             "exp_avg_sq": state_dtype("exp_avg_sq"),

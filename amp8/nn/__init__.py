@@ -1,6 +1,7 @@
 """FP8 layers (linear, embedding, experts) and the module swap that installs them."""
 
 from amp8.config.validation import removed_name
+from amp8.nn.adapters import adapter_modules, register_lora
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import ExpertsLayout
@@ -31,8 +32,10 @@ __all__ = [
     "Quantizer",
     "StoredWeightModule",
     "TensorRole",
+    "adapter_modules",
     "embedding_reason",
     "high_precision_reason",
+    "register_lora",
     "shared_weight_names",
     "swap_embeddings",
     "swap_experts",

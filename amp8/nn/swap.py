@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from amp8.nn.adapters import adapted_embeddings, adapter_modules
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import experts_layout, experts_reason, routers
 from amp8.nn.selection import LayerSelection, resolve_selection
@@ -105,7 +106,8 @@ def swap_linear_layers(
 
     Children are visited before their parents and every candidate is passed to
     ``module_filter(module, fqn)`` with its full dotted name. A layer FP8 cannot run
-    (see ``high_precision_reason``) is never swapped, whatever the filter says; nor is
+    (see ``high_precision_reason``) is never swapped, whatever the filter says, nor is an
+    adapter of a PEFT layer (LoRA's ``lora_A``, ``lora_B``: ``amp8.nn.adapters``); nor is
     one that the speed rule of ``layer_selection`` (for the device the layer's weight is
     on, see ``amp8.nn.selection``) finds too small to gain from FP8, nor one whose name
     matches an ``fnmatch`` pattern of ``high_precision_layers`` (``Recipe``'s), nor,
@@ -122,9 +124,10 @@ def swap_linear_layers(
     shared = shared_weight_names(model)
     heads = output_heads(model) if keep_output_heads else {}
     routing = routers(model)
+    adapters = adapter_modules(model)
 
     def reason(linear: nn.Linear, fqn: str) -> str | None:
-        found = high_precision_reason(linear, shared) or routing.get(id(linear))
+        found = high_precision_reason(linear, shared) or routing.get(id(linear)) or adapters.get(id(linear))
         rule = resolve_selection(layer_selection, linear.weight.device.type)
         if found is None and rule is not None:
             found = rule.reason(linear)
@@ -194,16 +197,18 @@ def embedding_reason(embedding: nn.Embedding, shared: dict[int, list[str]]) -> s
 
 
 def swap_embeddings(model: nn.Module, make_low_bit: Callable[[nn.Embedding], nn.Module]) -> dict[str, str]:
-    """Replace ``nn.Embedding`` children of ``model`` that ``embedding_reason`` allows by
+    """Replace ``nn.Embedding`` children of ``model`` that ``embedding_reason`` allows, and
+    that no PEFT layer adapts (``amp8.nn.adapters.adapted_embeddings``), by
     ``make_low_bit(embedding)``.
 
     Returns:
         ``{fqn: reason}`` for every ``nn.Embedding`` left as it is.
     """
     shared = shared_weight_names(model)
+    adapted = adapted_embeddings(model)
     return _swap_children(
         model, lambda child: type(child) is nn.Embedding,
-        lambda embedding, fqn: embedding_reason(embedding, shared), make_low_bit,
+        lambda embedding, fqn: embedding_reason(embedding, shared) or adapted.get(id(embedding)), make_low_bit,
     )
 
 

@@ -85,6 +85,10 @@ class LowBitAdam(torch.optim.Optimizer):
     optimizer built by hand). At a level that shards the optimizer (O3), where FSDP2
     shards the FP8 layers' weights (``amp8.initialize`` does it), each rank keeps the
     master weights and moments of its rows of each of them.
+
+    Frozen parameters (``requires_grad=False`` when the optimizer is built) get no state:
+    no moments, no master weight, no update; an O3 layer's frozen weight stays FP8 and
+    exactly as loaded. One unfrozen later takes its state at its first step.
     """
 
     def __init__(
@@ -134,9 +138,11 @@ class LowBitAdam(torch.optim.Optimizer):
             self._check_all_sharded()
         # State is complete from the start, so a fresh optimizer's state_dict has the
         # structure a checkpoint loads into (torch.distributed.checkpoint needs that).
+        # A frozen parameter (``requires_grad=False``) gets none: no moments, no master.
         master_weights = master_weights or {}
         for param in params_in_order:
-            self.stored.init(param, self.state[param], master_weights.get(param))
+            if param.requires_grad:
+                self.stored.init(param, self.state[param], master_weights.get(param))
 
     @classmethod
     def from_optimizer(
@@ -355,6 +361,12 @@ class LowBitAdam(torch.optim.Optimizer):
         if not nonfinite:
             for group in self.param_groups:
                 for param in group["params"]:
+                    if not self.state.get(param):
+                        if not param.requires_grad:
+                            continue  # frozen: no state, no update
+                        # Frozen when this optimizer was built, trainable since: its state
+                        # starts now (at O3 its master from the FP8 weight).
+                        self.stored.init(param, self.state[param], None)
                     if self._runs_fused(param) and fused_update(
                         self._fused_steps, param, self.weights.get(param), self.state[param], group,
                         lambda: self.stored.update_noise_key(param),

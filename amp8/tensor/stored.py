@@ -122,7 +122,15 @@ class StoredWeight:
         the grad-ready hooks after each backward has accumulated into ``param.grad``."""
         setattr(param, _ATTRIBUTE, self)
         if self._hooked is None or self._hooked() is not param:
-            param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
+            # torch refuses a hook on a frozen tensor; registered for a moment while it
+            # requires grad, the hook stays and serves if the weight is unfrozen later.
+            frozen = not param.requires_grad
+            try:
+                param.requires_grad_(True)
+                param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
+            finally:
+                if frozen:
+                    param.requires_grad_(False)
             self._hooked = weakref.ref(param)
 
     def shard(self, param: nn.Parameter) -> None:
