@@ -16,7 +16,8 @@ import amp8
 from amp8.distributed import (
     DataParallelGroup, fp8_all_reduce_mean, fp8_compress_hook, register_ddp, register_ddp_when_wrapped,
 )
-from amp8.distributed.ddp import running_ddp, tensors_in
+from amp8.distributed.ddp import running_ddp
+from amp8.distributed.ddp_watch import tensors_in
 from conftest import assert_bitwise_equal
 from multiprocess import run
 
