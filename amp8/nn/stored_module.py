@@ -20,7 +20,7 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe
 from amp8.quant.checks import check_loaded_scales
 from amp8.tensor.scaled import ScaledTensor
-from amp8.tensor.stored import StoredWeight, stored_weight
+from amp8.tensor.stored import StoredWeight, requiring_grad, stored_weight
 from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
 
 
@@ -273,14 +273,8 @@ def _bridge(weight: nn.Parameter, shape: tuple[int, ...], layout: Any) -> torch.
     """The gradient bridge of ``weight``: built while ``weight`` requires grad (for a
     moment, if it does not now), so that it serves whenever the weight trains."""
     sink = WeightGradInFlight.zeros(shape, layout, weight.dtype, weight.device)
-    frozen = not weight.requires_grad
-    with torch.enable_grad():
-        try:
-            weight.requires_grad_(True)
-            return _GradBridge.apply(weight, sink)
-        finally:
-            if frozen:
-                weight.requires_grad_(False)
+    with requiring_grad(weight):
+        return _GradBridge.apply(weight, sink)
 
 
 RECIPE_METADATA = "amp8_recipe"

@@ -17,9 +17,11 @@ finds with its own collectives): backward returns it to a sink, which hands it t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -63,6 +65,22 @@ def encode_fp16(value: torch.Tensor, noise_key: torch.Tensor | int | None = None
 def stored_weight(param: torch.Tensor) -> "StoredWeight | None":
     """The handle of an FP8 layer's weight Parameter, or None for any other tensor."""
     return getattr(param, _ATTRIBUTE, None)
+
+
+@contextlib.contextmanager
+def requiring_grad(param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``param`` with ``requires_grad`` on inside the block and as it was after it.
+
+    torch refuses a grad hook on a frozen tensor and records no graph through one; what is
+    built for a frozen weight this way stays, and serves if the weight is unfrozen later.
+    """
+    frozen = not param.requires_grad
+    try:
+        with torch.enable_grad():
+            yield param.requires_grad_(True)
+    finally:
+        if frozen:
+            param.requires_grad_(False)
 
 
 class StoredWeight:
@@ -122,15 +140,8 @@ class StoredWeight:
         the grad-ready hooks after each backward has accumulated into ``param.grad``."""
         setattr(param, _ATTRIBUTE, self)
         if self._hooked is None or self._hooked() is not param:
-            # torch refuses a hook on a frozen tensor; registered for a moment while it
-            # requires grad, the hook stays and serves if the weight is unfrozen later.
-            frozen = not param.requires_grad
-            try:
-                param.requires_grad_(True)
+            with requiring_grad(param):
                 param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
-            finally:
-                if frozen:
-                    param.requires_grad_(False)
             self._hooked = weakref.ref(param)
 
     def shard(self, param: nn.Parameter) -> None:

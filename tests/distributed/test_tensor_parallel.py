@@ -4,7 +4,6 @@ one-process amp8 run; one launch per world size serves every case."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import amp8
-from amp8.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, WireStats
+from amp8.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, GradientReduction, WireStats, data_parallel_group
 from amp8.quant.scaling import sqnr
 from conftest import mlp
 from multiprocess import run
@@ -29,6 +28,8 @@ BATCH, SEQUENCE, HIDDEN, FFN = 2, 8, 64, 128
 STEPS = 3
 # Training runs at both levels on two ranks, at O2 on four (the test time budget).
 TRAINED_LEVELS = {2: LEVELS, 4: ("O2",)}
+MESH_2D = (2, 2)
+"""Data parallel x tensor parallel on the four-rank launch: rank = dp * 2 + tp."""
 TRAINING_CASES = [(world, level, layout) for world in WORLDS for level in TRAINED_LEVELS[world] for layout in LAYOUTS]
 
 
@@ -104,6 +105,35 @@ def _train(model: nn.Module, level: str, rank: int, world: int, layout: str) -> 
     return losses
 
 
+def _train_2d(level: str) -> dict[str, Any]:
+    """Train on a (data parallel, tensor parallel) mesh: each data-parallel rank takes its
+    half of every batch, amp8 averages the FP8 gradients over the data-parallel group."""
+    mesh = init_device_mesh("cpu", MESH_2D, mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model, _ = amp8.initialize(
+        mlp(HIDDEN, FFN, HIDDEN), None, level, recipe=RECIPES["rowwise"](),
+        process_group=mesh["dp"].get_group(), layer_selection="all",
+    )
+    parallelize_module(model, mesh["tp"], _plan("replicated"))
+    optimizer = amp8.optim.LowBitAdam(model.parameters(), level=level, lr=1e-2)
+    GradientReduction.attach(optimizer, data_parallel_group(model))
+    losses = []
+    for step in range(STEPS):
+        x, target = (t.chunk(MESH_2D[0])[dp_rank] for t in _data_2d(100 + step))
+        loss = (model(x) - target).pow(2).mean()
+        losses.append(float(loss))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "weights": _weights(model)}
+
+
+def _data_2d(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of the data-parallel ranks' micro-batches together."""
+    pieces = [_data(seed * MESH_2D[0] + part) for part in range(MESH_2D[0])]
+    return torch.cat([x for x, _ in pieces]), torch.cat([t for _, t in pieces])
+
+
 def _error(action: Any) -> str:
     try:
         action()
@@ -137,6 +167,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                 results["training"][(level, layout)].update(
                     one_process_losses=_train(one, level, 0, 1, "replicated"), one_process=_weights(one)
                 )
+    if world == 4:
+        results["2d"] = {level: _train_2d(level) for level in LEVELS}
     if world == 2:
         results["errors"] = {
             "alignment": _error(lambda: parallelize_module(
@@ -149,11 +181,22 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
-def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[Any]]:
-    world = request.param
-    folder: Path = tmp_path_factory.mktemp(f"tp{world}")
-    return world, run(_worker, folder, world=world)
+class Launches:
+    """The ranks' results of one launch per world size, launched when a test first asks."""
+
+    def __init__(self, folders: pytest.TempPathFactory) -> None:
+        self.folders = folders
+        self.results: dict[int, list[Any]] = {}
+
+    def __getitem__(self, world: int) -> list[Any]:
+        if world not in self.results:
+            self.results[world] = run(_worker, self.folders.mktemp(f"tp{world}"), world=world)
+        return self.results[world]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    return Launches(tmp_path_factory)
 
 
 SHARD_DIM = {"0.weight": 0, "0.bias": 0, "2.weight": 1}
@@ -184,10 +227,11 @@ FLOORS = {"y": 18.0, "x_grad": 17.0, "0.weight": 17.0, "2.weight": 17.0, "0.bias
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("world", WORLDS, ids=lambda world: f"world{world}")
 def test_outputs_and_gradients_match_one_process(
-    launched: tuple[int, list[Any]], level: str, recipe: str, layout: str
+    launches: Launches, world: int, level: str, recipe: str, layout: str
 ) -> None:
-    world, results = launched
+    results = launches[world]
     cases = [result["cases"][(level, recipe, layout)] for result in results]
     reference, one_process = _fp32_reference(), cases[0]["one_process"]
     for key, floor in FLOORS.items():
@@ -201,8 +245,9 @@ def test_outputs_and_gradients_match_one_process(
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_sequence_parallel_gathers_fp8_bytes(launched: tuple[int, list[Any]], recipe: str) -> None:
-    world, results = launched
+@pytest.mark.parametrize("world", WORLDS, ids=lambda world: f"world{world}")
+def test_sequence_parallel_gathers_fp8_bytes(launches: Launches, world: int, recipe: str) -> None:
+    results = launches[world]
     wire = results[0]["cases"][("O2", recipe, "sequence")]["wire"]
     tokens = BATCH * SEQUENCE // world
     scale_bytes = 0 if recipe == "tensorwise" else 4 * tokens  # one float32 scale per token
@@ -213,10 +258,10 @@ def test_sequence_parallel_gathers_fp8_bytes(launched: tuple[int, list[Any]], re
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("launched", "level", "layout"), TRAINING_CASES, indirect=["launched"],
+@pytest.mark.parametrize(("world", "level", "layout"), TRAINING_CASES,
                          ids=[f"world{w}-{level}-{layout}" for w, level, layout in TRAINING_CASES])
-def test_training_follows_one_process(launched: tuple[int, list[Any]], level: str, layout: str) -> None:
-    world, results = launched
+def test_training_follows_one_process(launches: Launches, world: int, level: str, layout: str) -> None:
+    results = launches[world]
     runs = [result["training"][(level, layout)] for result in results]
     for rank, one in enumerate(runs[1:], start=1):
         assert one["tp_losses"] == runs[0]["tp_losses"], f"rank {rank} saw other losses"
@@ -230,10 +275,37 @@ def test_training_follows_one_process(launched: tuple[int, list[Any]], level: st
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("launched", [2], indirect=True, ids=["world2"])
-def test_bad_plans_fail_naming_the_fix(launched: tuple[int, list[Any]]) -> None:
-    _, results = launched
-    errors = results[0]["errors"]
+@pytest.mark.parametrize("level", LEVELS)
+def test_tensor_parallel_inside_data_parallel_follows_one_process(launches: Launches, level: str) -> None:
+    """(2, 2) mesh: ranks of one tensor-parallel slot end with identical parameters, and
+    the whole model with those of one process trained on the whole batches."""
+    runs = [result["2d"][level] for result in launches[4]]
+    tp_size = MESH_2D[1]
+    for rank in range(tp_size, len(runs)):  # the same tensor-parallel shard on another data-parallel rank
+        for key, value in runs[rank]["weights"].items():
+            torch.testing.assert_close(value, runs[rank % tp_size]["weights"][key], atol=0, rtol=0,
+                                       msg=f"{key} differs between data-parallel ranks {rank % tp_size} and {rank}")
+    one = amp8.initialize(mlp(HIDDEN, FFN, HIDDEN), None, level, recipe=RECIPES["rowwise"](), layer_selection="all")[0]
+    optimizer = amp8.optim.LowBitAdam(one.parameters(), level=level, lr=1e-2)
+    one_losses = []
+    for step in range(STEPS):
+        x, target = _data_2d(100 + step)
+        loss = (one(x) - target).pow(2).mean()
+        one_losses.append(float(loss))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mean_losses = torch.tensor([run_["losses"] for run_ in runs]).mean(dim=0)  # each data-parallel half's mean
+    torch.testing.assert_close(mean_losses, torch.tensor(one_losses), rtol=2e-2, atol=0)
+    one_weights = _weights(one)
+    for key in one_weights:
+        whole = _whole([run_["weights"] for run_ in runs[:tp_size]], key, "replicated")
+        assert sqnr(one_weights[key], whole) >= 25.0, f"{key} trained away from one process"
+
+
+@pytest.mark.multiprocess
+def test_bad_plans_fail_naming_the_fix(launches: Launches) -> None:
+    errors = launches[2][0]["errors"]
     assert "shards of 24, not a multiple of 16" in errors["alignment"]
     assert "supports O1 and O2" in errors["o3"] and "opt_level='O2'" in errors["o3"]
     assert errors["module"].startswith("TypeError") and "got GELU" in errors["module"]
