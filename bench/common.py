@@ -66,19 +66,23 @@ def error_text(error: BaseException, limit: int = 500) -> str:
 
 
 def torchao_float8() -> tuple[Callable[..., Any] | None, str]:
-    """``(convert, "available: torchao <version>, tensorwise")`` where torchao's float8
-    training imports, ``convert(module, module_filter_fn=None)`` being its
-    ``convert_to_float8_training`` with the tensorwise recipe; else
-    ``(None, "unavailable: <reason>")``."""
+    """``(convert, "available: torchao <version>")`` where torchao's float8 training
+    imports, ``convert(module, recipe="tensorwise", module_filter_fn=None)`` being its
+    ``convert_to_float8_training`` with the named recipe ("tensorwise" or "rowwise");
+    else ``(None, "unavailable: <reason>")``."""
     try:
         import torchao
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        Float8LinearConfig.from_recipe_name("tensorwise")
     except Exception as error:  # ImportError, or a torchao built for another torch
         return None, f"unavailable: {error_text(error)}"
-    convert = functools.partial(convert_to_float8_training, config=config)
-    return convert, f"available: torchao {getattr(torchao, '__version__', '?')}, tensorwise"
+
+    def convert(module: Any, recipe: str = "tensorwise", module_filter_fn: Any = None) -> Any:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        return convert_to_float8_training(module, config=config, module_filter_fn=module_filter_fn)
+
+    return convert, f"available: torchao {getattr(torchao, '__version__', '?')}"
 
 
 def graph_break_count() -> int:

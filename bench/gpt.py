@@ -11,8 +11,8 @@ GPT from amp8/tools/experiments/gpt.py, tied head):
   in FP32 on the CPU, where there is no fast BF16 path;
 - amp8 O1 and O2: ``amp8.initialize(model, AdamW, level)``, the rest of the model under the
   same autocast;
-- torchao: ``convert_to_float8_training`` (tensorwise) on the projections (not the tied
-  head), torch AdamW, the same autocast, where torchao imports.
+- torchao and torchao rowwise: ``convert_to_float8_training`` (tensorwise, rowwise) on the
+  projections (not the tied head), torch AdamW, the same autocast, where torchao imports.
 Each run compiles every transformer block with torch.compile (``--compile-scope model``:
 the whole model); where that fails the error is recorded and the run falls back to eager
 on a fresh model (its ``mode`` says which ran). The first ``--warmup`` steps are
@@ -44,7 +44,7 @@ from common import (
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-RUNS = ("baseline", "amp8 O1", "amp8 O2", "torchao")
+RUNS = ("baseline", "amp8 O1", "amp8 O2", "torchao", "torchao rowwise")
 
 
 def make_batches(config: GPTConfig, batch_size: int, count: int, device: torch.device) -> list[Batch]:
@@ -71,10 +71,11 @@ def build(run: str, config: GPTConfig, device: torch.device,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), **fast)
     if run.startswith("amp8"):
         model, optimizer = amp8.initialize(model, optimizer, run.split()[-1])
-    elif run == "torchao":
+    elif run.startswith("torchao"):
         if to_torchao is None:
             raise RuntimeError("torchao is not available")
-        model = to_torchao(model, module_filter_fn=_fp8_eligible)
+        recipe = "rowwise" if run.endswith("rowwise") else "tensorwise"
+        model = to_torchao(model, recipe=recipe, module_filter_fn=_fp8_eligible)
     return model, optimizer
 
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> Path:
     batches = make_batches(config, args.batch_size, args.warmup + args.steps, device)
     results: dict[str, dict[str, Any]] = {}
     for run in RUNS:
-        if run == "torchao" and to_torchao is None:
+        if run.startswith("torchao") and to_torchao is None:
             results[run] = {"skipped": torchao_status}
             continue
         compile = None if args.no_compile else args.compile_scope

@@ -7,8 +7,9 @@
 
 Variants, side by side in one process on the same inputs: nn.Linear (the baseline: BF16
 autocast on CUDA, FP32 on the CPU, where there is no fast BF16 path), amp8's Fp8Linear,
-each eager and under torch.compile, and torchao's float8 training (tensorwise, compiled,
-as torchao recommends) where torchao imports. On CUDA every variant gets BF16 inputs and
+each eager and under torch.compile (one scale per tensor, and compiled with one scale per
+row, ``Recipe.preset("rowwise")``), and torchao's float8 training (tensorwise and rowwise,
+compiled, as torchao recommends) where torchao imports. On CUDA every variant gets BF16 inputs and
 runs under BF16 autocast. The speedup of a variant is the faster nn.Linear (eager or
 compiled) time over its time: above 1 means faster than the best baseline. A case that
 fails (a compile error, say) is recorded in the JSON with its error and the run goes on.
@@ -53,7 +54,8 @@ GRID_SIZES = (1024, 2048, 4096, 8192, 16384)
 GRID_M = 4096
 QUICK_FLOP_LIMIT = 1e11
 BASELINES = ("nn.Linear", "nn.Linear compiled")
-CANDIDATES = ("Fp8Linear", "Fp8Linear compiled", "torchao compiled")
+CANDIDATES = ("Fp8Linear", "Fp8Linear compiled", "Fp8Linear rowwise compiled", "torchao compiled",
+              "torchao rowwise compiled")
 
 
 def shapes_to_run(sweep: bool, sweep_m: int, grid: tuple[int, ...], quick: bool) -> list[Shape]:
@@ -67,10 +69,11 @@ def shapes_to_run(sweep: bool, sweep_m: int, grid: tuple[int, ...], quick: bool)
 def build(variant: str, k: int, n: int, device: torch.device, to_torchao: Callable[..., Any] | None) -> nn.Module:
     """A fresh one-layer module of ``variant`` (uncompiled), K inputs and N outputs."""
     linear = nn.Linear(k, n, device=device)
+    rowwise = "rowwise" in variant
     if variant.startswith("Fp8Linear"):
-        return Fp8Linear.from_linear(linear, Recipe())
+        return Fp8Linear.from_linear(linear, Recipe.preset("rowwise") if rowwise else Recipe())
     if variant.startswith("torchao"):
-        return to_torchao(nn.Sequential(linear))
+        return to_torchao(nn.Sequential(linear), recipe="rowwise" if rowwise else "tensorwise")
     return linear
 
 
@@ -78,7 +81,7 @@ def step_fn(
     module: nn.Module, x: torch.Tensor, grad: torch.Tensor, owner: nn.Module, autocast: bool
 ) -> Callable[[], None]:
     """One forward + backward of ``module`` (``owner`` or its compiled wrapper); clears the
-    gradients it leaves behind, FP8 weight gradients included."""
+    gradients it leaves behind (an FP8 weight's gradient is its Parameter's ``.grad``)."""
     def step() -> None:
         context = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with context:
@@ -87,9 +90,6 @@ def step_fn(
         x.grad = None
         for param in owner.parameters():
             param.grad = None
-        for layer in owner.modules():
-            if isinstance(layer, Fp8Linear):
-                layer.weight_grad = None
     return step
 
 
@@ -175,7 +175,8 @@ def print_table(rows: list[dict[str, Any]], baseline: str, device: torch.device)
     emulated = " (CPU: FP8 GEMMs are emulated, slower than FP32 by design)" if device.type == "cpu" else ""
     table = Table(title=f"Fp8Linear fwd+bwd vs {baseline} on {device_name(device)}{emulated}")
     for column in ("M", "K", "N", "nn.Linear ms", "compiled ms", "Fp8Linear ms", "compiled ms",
-                   "torchao ms", "Fp8Linear", "compiled", "torchao", "FP8 TFLOP/s"):
+                   "rowwise ms", "torchao ms", "ao rowwise ms", "Fp8Linear", "compiled", "rowwise",
+                   "torchao", "ao rowwise", "FP8 TFLOP/s"):
         table.add_column(column, justify="right")
     for row in rows:
         v = row["variants"]

@@ -46,7 +46,9 @@ def step_times(millions: int, device: torch.device, level: str, repeats: int) ->
     for param in reference.parameters():
         param.grad = torch.randn_like(param) * 1e-3
     model = square_layers(millions * 1_000_000, device)
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level)
+    model, optimizer = amp8.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), level, layer_selection="all"
+    )
     fused_optimizer = LowBitAdam.from_optimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True
     )
@@ -113,7 +115,7 @@ def bytes_per_param(name: str, level: str, device: torch.device) -> dict[str, fl
     torch.manual_seed(0)
     build, vocab = MODELS[name]
     model = build().to(device)
-    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level)
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level, layer_selection="all")
     tokens = torch.randint(0, vocab, (2, 64), device=device)
     model(tokens).float().logsumexp(-1).mean().backward()
     optimizer.step()
@@ -151,6 +153,8 @@ def main() -> None:
     console.print(timing)
 
     if args.no_memory:
+        path = write_result("optimizer", device, {"step_time": timing_rows})
+        print(f"wrote {path}")
         return
     memory_rows = {
         name: {level: bytes_per_param(name, level, device) for level in amp8.LEVELS} for name in MODELS

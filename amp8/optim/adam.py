@@ -33,6 +33,7 @@ from amp8.optim import checkpoint
 from amp8.optim import fused as fused_step
 from amp8.optim import state as state_storage
 from amp8.optim.fused import cpp_compiler_found
+from amp8.optim.foreach_step import foreach_adam_step, takes_foreach_step
 from amp8.optim.fused_update import fused_update
 from amp8.optim.gradients import GradientAverage
 from amp8.optim.state import MOMENTS
@@ -73,7 +74,10 @@ class LowBitAdam(torch.optim.Optimizer):
             ``bench/optimizer.py``). Where the fused step does
             not apply (the chunks of weights sharded over data-parallel ranks), those
             tensors take the reference step. Both round with the same noise; they agree
-            up to the compiler's reordering of float32 arithmetic.
+            up to the compiler's reordering of float32 arithmetic. Plain float32
+            parameters with float32 moments (O1's biases and norms) take the reference
+            step's arithmetic over all of them at once (``amp8.optim.foreach_step``)
+            either way.
         master_weights: ``{weight Parameter: float32 weight}`` to take O3's master
             weights from, where the layers already store less precise FP8 weights
             (default: each layer's stored weight); for a weight sharded over ranks,
@@ -360,6 +364,7 @@ class LowBitAdam(torch.optim.Optimizer):
             nonfinite = self._average.any_rank(nonfinite)
         if not nonfinite:
             for group in self.param_groups:
+                plain: dict[torch.device, list[nn.Parameter]] = {}  # by device, for the foreach step
                 for param in group["params"]:
                     if not self.state.get(param):
                         if not param.requires_grad:
@@ -367,6 +372,9 @@ class LowBitAdam(torch.optim.Optimizer):
                         # Frozen when this optimizer was built, trainable since: its state
                         # starts now (at O3 its master from the FP8 weight).
                         self.stored.init(param, self.state[param], None)
+                    if not self._is_sharded(param) and takes_foreach_step(param, self.state[param]):
+                        plain.setdefault(param.device, []).append(param)
+                        continue
                     if self._runs_fused(param) and fused_update(
                         self._fused_steps, param, self.weights.get(param), self.state[param], group,
                         lambda: self.stored.update_noise_key(param),
@@ -375,6 +383,8 @@ class LowBitAdam(torch.optim.Optimizer):
                     grad = self.gradient(param)
                     if grad is not None:
                         self._update(param, grad, group)
+                for params in plain.values():
+                    foreach_adam_step(params, [self.state[param] for param in params], group)
             if self.sharded:
                 self.stored.store_sharded_weights(self.state, self._sharded_average().max_over_ranks)
         else:

@@ -104,4 +104,7 @@ def test_cuda_gemm_matches_cpu(m, k, n) -> None:
     _, _, a8, b8, sa, sb = _operands(m, k, n, power_of_2=True)
     cpu = fp8_mm(a8, b8.t(), sa, sb, torch.float32, Gemm.WGRAD)
     gpu = fp8_mm(a8.cuda(), b8.cuda().t(), sa.cuda(), sb.cuda(), torch.float32, Gemm.WGRAD)
-    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=1e-5)
+    # Hopper's FP8 tensor cores add the products of a K-chunk at about 14 bits, aligned to
+    # the largest (measured on an H100: 3e-4 of the largest output at K=32), so the bound
+    # is relative to the output's range, not to each element.
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=2**-10 * cpu.abs().max().item(), rtol=0)

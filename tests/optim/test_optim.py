@@ -42,6 +42,31 @@ def test_matches_torch_bit_for_bit_on_fp32_parameters(case: str) -> None:
         assert_bitwise_equal(p.detach(), q.detach())
 
 
+def test_parameters_at_different_steps_match_torch_bit_for_bit() -> None:
+    """The multi-tensor step of plain parameters takes each one's own step count: a layer
+    that starts training late matches torch's single-tensor Adam too."""
+    reference, model = _high_precision_model(), _high_precision_model()
+    model.load_state_dict(reference.state_dict())
+    for late in (reference[2], model[2]):
+        late.requires_grad_(False)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    model, optimizer = amp8.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), "O1", recipe=amp8.Recipe()
+    )
+    for step in range(8):
+        if step == 3:
+            for late in (reference[2], model[2]):
+                late.requires_grad_(True)
+        x = torch.randn(8, 10)
+        for m, opt in ((reference, reference_optimizer), (model, optimizer)):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    assert optimizer.state[model[0].weight]["step"] == 8 and optimizer.state[model[2].weight]["step"] == 5
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach())
+
+
 def test_fp8_layer_step_matches_torch_within_fp16_rounding() -> None:
     """Given the same gradients, moments are bit-identical and the weight differs from an
     FP32 AdamW step only by the stochastic rounding of its FP16 storage (< one FP16 ulp)."""
