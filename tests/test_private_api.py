@@ -46,6 +46,14 @@ ALLOWED: dict[str, str] = {
         "Function's backward no other way"
     ),
     # -- beyond the scope: torch features amp8 builds on ---------------------------------------
+    **{
+        f"torch._foreach_{op}": (
+            "torch's multi-tensor kernels, one launch over a list of tensors: LowBitAdam's step of plain "
+            "float32 parameters (amp8/optim/foreach_step.py), as torch.optim.Adam(foreach=True) uses them; "
+            "torch has no public multi-tensor API"
+        )
+        for op in ("neg", "mul_", "add", "add_", "lerp_", "addcmul_", "sqrt", "div_", "addcdiv_")
+    },
     "torch._scaled_mm": "the FP8 GEMM (cuBLASLt on CUDA, a reference kernel on the CPU); amp8/ops only",
     "torch._scaled_grouped_mm": (
         "the grouped FP8 GEMM of MoE experts (CUDA sm_90 and sm_100); amp8/ops only. Its meta kernel "
