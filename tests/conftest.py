@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+
+# pytest-xdist runs the suite in one worker per core (pyproject.toml's ``-n auto``). Each
+# worker, and every process it starts, takes one thread: with torch's default of a thread
+# per core in every worker, idle threads spin against each other and the suite runs
+# several times slower.
+XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
@@ -16,6 +25,9 @@ from torch import nn
 from amp8 import Recipe
 from amp8.nn import Fp8Linear
 from amp8.quant.scaling import sqnr
+
+if XDIST_WORKER:
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 EXAMPLES = ROOT / "examples"
