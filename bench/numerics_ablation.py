@@ -66,14 +66,16 @@ REALISTIC_MODELS: Mapping[str, GPTConfig | LlamaSpec] = {
     "gpt-untied": dataclasses.replace(PRESETS["small"], tie_head=False),
     "gpt-tied": PRESETS["small"],
     "llama": LlamaSpec(),
+    "moe": LlamaSpec(n_expert=8, expert_top_k=2),
 }
 """The models of the realistic studies: the small GPT with an output head of its own (as
-most Llama-style models have) and with its head tied to the embedding, and a byte-level
+most Llama-style models have) and with its head tied to the embedding, a byte-level
 Llama from transformers (RMSNorm, rotary positions, grouped-query attention, gated MLP,
-untied head)."""
+untied head), and its mixture-of-experts sibling, a Mixtral of the same shape with 8
+experts, 2 a token."""
 
 
-REALISTIC_LR = {"gpt-untied": 1e-3, "gpt-tied": 1e-3, "llama": 1e-3}
+REALISTIC_LR = {"gpt-untied": 1e-3, "gpt-tied": 1e-3, "llama": 1e-3, "moe": 1e-3}
 """Peak learning rate per model, where runs are stable rather than chaotic: at 3e-3 over
 300 steps the GPT's null variant alone moves 0.3 %, and one FP8 run of the Llama lands
 2 % from O0 while its null variant stays within 0.02 %."""
@@ -100,7 +102,7 @@ CONFIGS: Mapping[str, CompareConfig] = {
 realistic configurations ``<model>-<corpus>`` (see ``_realistic`` and ``REALISTIC_MODELS``).
 "docs-lr0.003" (no warm-up, no decay, the language reference's prose) is the held-out
 check; "stdlib-lr0.001-warmup-wd" is ``amp8 compare``'s old setting."""
-REALISTIC_CONFIGS = tuple(name for name in CONFIGS if name.split("-")[0] in ("gpt", "llama"))
+REALISTIC_CONFIGS = tuple(name for name in CONFIGS if name.split("-")[0] in ("gpt", "llama", "moe"))
 
 DEFAULT = Recipe.preset("rowwise").replace(output_head="high")
 """What ``initialize`` uses without a recipe (but for sharded O3): E4M3 everywhere,

@@ -46,7 +46,8 @@ def _add_compare(commands: Any) -> None:
             "installed); print a table of losses and gaps to O0, write JSON and a PNG of the loss curves "
             "and of each run's gap to O0. The model is a GPT with an output head of its own, as most "
             "Llama-style models have (--model gpt-tied ties it to the embedding, where it never runs in "
-            "FP8; --model llama trains transformers' Llama). --seeds N trains every level from N seeds, "
+            "FP8; --model llama trains transformers' Llama, --model moe its mixture-of-experts sibling "
+            "Mixtral). --seeds N trains every level from N seeds, "
             "each paired with O0 from the same seed, and prints each gap as mean ± standard error with "
             "the null variant's gap (O0 from weights perturbed by 1e-6) as the noise floor. The defaults "
             "take a few minutes on a laptop CPU. --stress injects a growing outlier on the first token "
@@ -56,7 +57,8 @@ def _add_compare(commands: Any) -> None:
     compare.add_argument("--model", choices=list(MODELS), default="gpt",
                          help="gpt: the GPT with an untied output head (default); gpt-tied: its head shares the "
                               "embedding's weight and stays in high precision; llama: transformers' "
-                              "LlamaForCausalLM of the same shape (needs transformers)")
+                              "LlamaForCausalLM of the same shape; moe: transformers' MixtralForCausalLM of "
+                              "that shape, 8 experts, 2 a token (both need transformers)")
     compare.add_argument("--preset", choices=list(PRESETS), default="small",
                          help="model size, for the GPT and the Llama alike (default: small)")
     compare.add_argument("--n-layer", type=int, help="override the preset's number of blocks")
@@ -106,7 +108,7 @@ def _compare_config(args: argparse.Namespace) -> "CompareConfig":
 
     Raises:
         ValueError: a value the configuration refuses, naming it.
-        ModuleNotFoundError: --model llama without transformers, saying how to get it.
+        ModuleNotFoundError: --model llama or moe without transformers, saying how to get it.
     """
     from amp8.tools.experiments.compare import CompareConfig, model_config
     from amp8.tools.experiments.corpus import CorpusConfig

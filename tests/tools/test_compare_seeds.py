@@ -117,10 +117,13 @@ def test_png_has_a_gap_panel_with_a_zero_line() -> None:
         ("gpt-tied", GPTConfig(n_layer=3, n_head=4, n_embd=64, block_size=32, tie_head=True)),
         pytest.param("llama", LlamaSpec(n_layer=3, n_head=4, n_kv_head=2, n_embd=64, intermediate=176, block_size=32),
                      marks=pytest.mark.integration),
+        pytest.param("moe", LlamaSpec(n_layer=3, n_head=4, n_kv_head=2, n_embd=64, intermediate=176, block_size=32,
+                                      n_expert=8, expert_top_k=2),
+                     marks=pytest.mark.integration),
     ],
 )
 def test_model_config_applies_the_preset_and_overrides(name: str, expected: object) -> None:
-    if name == "llama":
+    if name in ("llama", "moe"):
         pytest.importorskip("transformers")
     assert model_config(name, "tiny", n_layer=3, block_size=32) == expected
 
@@ -128,7 +131,7 @@ def test_model_config_applies_the_preset_and_overrides(name: str, expected: obje
 def test_the_default_model_has_an_untied_head_and_the_llama_of_small_is_the_default_llama() -> None:
     assert CompareConfig().model == model_config("gpt") and not model_config("gpt").tie_head
     assert LlamaSpec.of_shape(2, 4, 128, 64) == LlamaSpec()
-    assert set(MODELS) == {"gpt", "gpt-tied", "llama"}
+    assert set(MODELS) == {"gpt", "gpt-tied", "llama", "moe"}
 
 
 def test_llama_without_transformers_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch,

@@ -353,6 +353,24 @@ def test_compare_command_trains_the_llama_with_its_head_in_fp8(tmp_path: Path) -
     assert rows["lm.lm_head.weight"]["fp8"], "an untied head is an FP8 layer like any other"
 
 
+@pytest.mark.integration
+def test_compare_command_trains_the_mixtral_with_its_experts_in_fp8(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    argv = ["compare", "--model", "moe", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--levels",
+            "O0", "O1", "--no-ablation", "--no-torchao", "--max-bytes", "65536", "--out", str(tmp_path),
+            "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert data["config"]["model"]["n_expert"] == 8 and data["config"]["model"]["expert_top_k"] == 2
+    o0, o1 = data["runs"][0], data["runs"][1]
+    assert o1["final_train_loss"] == pytest.approx(o0["final_train_loss"], rel=0.02)
+    rows = {row["name"]: row for row in o1["report"]["rows"]}
+    experts = [name for name in rows if ".experts." in name]
+    assert len(experts) == 4 and all(rows[name]["layer"] == "Fp8Experts" for name in experts)
+    assert all("GEMMs in FP8" in rows[name]["note"] for name in experts)
+    assert not rows["lm.model.layers.0.mlp.gate.weight"]["fp8"], "the router stays in high precision"
+
+
 def test_compare_command_takes_the_corpus_and_schedule(tmp_path: Path) -> None:
     argv = ["compare", "--preset", "tiny", "--steps", "2", "--batch-size", "2", "--levels", "O0",
             "--no-ablation", "--no-torchao", "--corpus", "docs", "--warmup-steps", "0", "--weight-decay", "0",

@@ -29,32 +29,38 @@ JSON_NAME = "compare.json"
 DEFAULT_OUT = "runs/compare"
 PNG_NAME = "loss_curves.png"
 _VAL_SEED = 1234  # the validation windows are the same for every run and seed
-MODELS = ("gpt", "gpt-tied", "llama")
+MODELS = ("gpt", "gpt-tied", "llama", "moe")
 """The models ``model_config`` shapes by name: the GPT with an output head of its own (as
 most Llama-style models have; the default), the GPT with its head tied to the token
-embedding (which never runs in FP8), and a byte-level Llama from transformers."""
+embedding (which never runs in FP8), a byte-level Llama from transformers, and its
+mixture-of-experts sibling, a Mixtral with ``MOE_EXPERTS`` experts, ``MOE_TOP_K`` a token."""
+MOE_EXPERTS = 8
+MOE_TOP_K = 2
 
 
 def model_config(name: str, preset: str = "small", **shape: int) -> GPTConfig | LlamaSpec:
     """The shape of model ``name`` (one of ``MODELS``) at the GPT preset ``preset``, with
     ``shape`` (``n_layer``, ``n_embd``, ``n_head``, ``block_size``) overriding the
-    preset's; the Llama takes those four and sizes the rest (``LlamaSpec.of_shape``).
+    preset's; the Llama and the Mixtral take those four and size the rest
+    (``LlamaSpec.of_shape``), the Mixtral's experts each as wide as the Llama's MLP.
 
     Raises:
         ValueError: an unknown name or preset, or a shape that is not valid.
-        ModuleNotFoundError: "llama" without transformers installed, saying how to get it.
+        ModuleNotFoundError: "llama" or "moe" without transformers installed, saying how to get it.
     """
     if name not in MODELS:
         raise ValueError(f"model {name!r} is not known; use one of {', '.join(map(repr, MODELS))}")
     gpt = dataclasses.replace(GPTConfig.from_preset(preset), tie_head=name == "gpt-tied", **shape)
-    if name != "llama":
+    if name not in ("llama", "moe"):
         return gpt
     if not llama.transformers_available():
+        family = "LlamaForCausalLM" if name == "llama" else "MixtralForCausalLM"
         raise ModuleNotFoundError(
-            "the 'llama' model is transformers' LlamaForCausalLM and transformers is not installed; "
+            f"the {name!r} model is transformers' {family} and transformers is not installed; "
             "install it with pip install 'amp8[hf]', or pick the 'gpt' model"
         )
-    return LlamaSpec.of_shape(gpt.n_layer, gpt.n_head, gpt.n_embd, gpt.block_size)
+    spec = LlamaSpec.of_shape(gpt.n_layer, gpt.n_head, gpt.n_embd, gpt.block_size)
+    return dataclasses.replace(spec, n_expert=MOE_EXPERTS, expert_top_k=MOE_TOP_K) if name == "moe" else spec
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class CompareConfig:
 
     Attributes:
         model: the model: a GPT's shape (``GPTConfig``; see ``amp8.tools.experiments.gpt.PRESETS``)
-            or a byte-level Llama's (``LlamaSpec``, needs transformers). The default is
+            or a byte-level Llama's or Mixtral's (``LlamaSpec``, needs transformers). The default is
             the "small" GPT with an untied output head, as most Llama-style models have:
             a tied head shares the embedding's weight and never runs in FP8.
         steps: optimizer steps per run.

@@ -1,10 +1,12 @@
-"""A small byte-level Llama from the ``transformers`` library, for studies on a model
-family other than amp8's own GPT.
+"""A small byte-level Llama, or its mixture-of-experts sibling Mixtral, from the
+``transformers`` library, for studies on model families other than amp8's own GPT.
 
 ``LlamaSpec`` describes the shape; ``build`` makes a ``transformers``
 ``LlamaForCausalLM`` from config (RMSNorm, rotary positions, grouped-query attention,
-a SiLU-gated MLP, and an output head of its own) wrapped so that ``forward(idx,
-targets)`` returns ``(logits, loss)`` as the GPT does. Nothing is downloaded.
+a SiLU-gated MLP, and an output head of its own), or with ``n_expert`` set a
+``MixtralForCausalLM`` (the same, with a routed mixture of SiLU-gated experts for the
+MLP), wrapped so that ``forward(idx, targets)`` returns ``(logits, loss)`` as the GPT
+does. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class LlamaSpec:
         block_size: context length in bytes.
         vocab_size: 256 for bytes.
         tie_head: the head shares the token embedding's weight (False, as in Llama).
+        n_expert: experts per MLP (0: a dense MLP, Llama; more: a Mixtral, each expert a
+            gated MLP of width ``intermediate``).
+        expert_top_k: experts each token is routed to, when ``n_expert`` is set.
     """
 
     n_layer: int = 2
@@ -50,6 +55,8 @@ class LlamaSpec:
     block_size: int = 64
     vocab_size: int = VOCAB_SIZE
     tie_head: bool = False
+    n_expert: int = 0
+    expert_top_k: int = 2
 
     def __post_init__(self) -> None:
         check_sizes(self, ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate", "block_size", "vocab_size"))
@@ -57,6 +64,11 @@ class LlamaSpec:
             raise ValueError(
                 f"LlamaSpec n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
                 "n_head must divide n_embd and n_kv_head must divide n_head"
+            )
+        if self.n_expert and not 1 <= self.expert_top_k <= self.n_expert:
+            raise ValueError(
+                f"LlamaSpec expert_top_k={self.expert_top_k} with n_expert={self.n_expert}: route each "
+                "token to between 1 and n_expert experts"
             )
         for name in ("n_embd", "intermediate"):
             if getattr(self, name) % GEMM_ALIGNMENT:
@@ -82,8 +94,12 @@ class LlamaSpec:
 
     @property
     def name(self) -> str:
-        """The shape in a few words, e.g. "Llama 2x128 (ctx 64, untied head)"."""
+        """The shape in a few words, e.g. "Llama 2x128 (ctx 64, untied head)" or "Mixtral
+        2x128 (8 experts, top 2, ctx 64, untied head)"."""
         head = "tied head" if self.tie_head else "untied head"
+        if self.n_expert:
+            experts = f"{self.n_expert} experts, top {self.expert_top_k}, "
+            return f"Mixtral {self.n_layer}x{self.n_embd} ({experts}ctx {self.block_size}, {head})"
         return f"Llama {self.n_layer}x{self.n_embd} (ctx {self.block_size}, {head})"
 
     def build(self, generator: torch.Generator | None = None) -> "ByteLlama":
@@ -96,8 +112,8 @@ class LlamaSpec:
 
 
 class ByteLlama(nn.Module):
-    """``transformers``' ``LlamaForCausalLM`` over bytes; ``forward(idx, targets)``
-    returns ``(logits, loss)``.
+    """``transformers``' ``LlamaForCausalLM`` (``MixtralForCausalLM`` where the spec has
+    experts) over bytes; ``forward(idx, targets)`` returns ``(logits, loss)``.
 
     The weights are ``transformers``' own initialization (normal, std 0.02), drawn under
     a seed taken from ``generator``, so the caller's global random state is left as it was.
@@ -110,19 +126,26 @@ class ByteLlama(nn.Module):
                 "the Llama model of the experiments needs transformers; install it with "
                 "pip install 'amp8[hf]'"
             )
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
 
         self.spec = spec
-        config = LlamaConfig(
+        shape = dict(
             vocab_size=spec.vocab_size, hidden_size=spec.n_embd, intermediate_size=spec.intermediate,
             num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head,
             num_key_value_heads=spec.n_kv_head, max_position_embeddings=spec.block_size,
             tie_word_embeddings=spec.tie_head, attn_implementation="sdpa",
         )
+        if spec.n_expert:
+            config = transformers.MixtralConfig(
+                num_local_experts=spec.n_expert, num_experts_per_tok=spec.expert_top_k, **shape
+            )
+            model_class = transformers.MixtralForCausalLM
+        else:
+            config, model_class = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device="cpu"))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.lm = LlamaForCausalLM(config)
+            self.lm = model_class(config)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
