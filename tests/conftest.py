@@ -36,13 +36,6 @@ BENCH = ROOT / "bench"
 
 # Files whose every test is of one kind, marked here rather than in the file.
 FILE_MARKERS = {"test_data_parallel.py": ("multiprocess",)}  # every test runs on two processes
-# Files whose tests share work through a module-scoped fixture (a training study, one
-# launch of several processes): each runs whole in one pytest-xdist worker
-# (``--dist loadgroup``), where split over workers every worker would redo that work.
-SHARED_WORK_FILES = frozenset({
-    "test_agreement.py", "test_convergence.py", "test_data_parallel.py", "test_ddp.py", "test_experiments.py",
-    "test_stacks.py", "test_tensor_parallel.py",
-})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,8 +50,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         for name in FILE_MARKERS.get(item.path.name, ()):
             item.add_marker(name)
-        if item.path.name in SHARED_WORK_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if any(item.get_closest_marker(name) for name in slow_markers) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
 
