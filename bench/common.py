@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import platform
 import statistics

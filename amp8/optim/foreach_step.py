@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp8.optim.state import MOMENTS, SCALE_SUFFIX
+from amp8.optim.state import MOMENTS
 
 
 def takes_foreach_step(param: nn.Parameter, param_state: dict[str, Any]) -> bool:
@@ -29,8 +29,8 @@ def takes_foreach_step(param: nn.Parameter, param_state: dict[str, Any]) -> bool
         and type(grad) is torch.Tensor  # not an FP8 weight's gradient
         and grad.dtype == torch.float32
         and not grad.is_sparse
-        and set(param_state) == {"step", *MOMENTS}
-        and all(param_state[key].dtype == torch.float32 and key + SCALE_SUFFIX not in param_state for key in MOMENTS)
+        and set(param_state) == {"step", *MOMENTS}  # no scales, no master weight
+        and all(param_state[key].dtype == torch.float32 for key in MOMENTS)
     )
 
 
