@@ -28,11 +28,12 @@ def export(
     """A deep copy of ``model`` with every ``Fp8Linear`` replaced by an ``nn.Linear``
     (and every ``LowBitEmbedding`` by an ``nn.Embedding``) holding the layer's real
     weight, every ``Fp8Experts`` by the model's own experts module it replaced (holding
-    its Parameters), cast to ``dtype``, and none of amp8's hooks (FP8 saved activations,
+    its real weights), cast to ``dtype``, and none of amp8's hooks (FP8 saved activations,
     the DDP guard): a plain PyTorch model. The original is not changed. PEFT's LoRA layers
     stay, as PEFT's own, over the plain bases: ``merge_and_unload()`` on the result merges.
 
-    Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones.
+    Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones
+    (of the FP8 layers and the experts).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not an optimizer, or
@@ -59,6 +60,11 @@ def export(
                 )
             has_master = optimizer is not None and "master" in optimizer.state.get(module.weight, {})
             real_weights[name] = masters(module.weight) if has_master else module.read_weight()
+    expert_masters = {
+        name: {handle.name: masters(handle.param) for handle in module.stored_weights()
+               if optimizer is not None and "master" in optimizer.state.get(handle.param, {})}
+        for name, module in model.named_modules() if isinstance(module, Fp8Experts)
+    }
     exported = copy.deepcopy(model)
     for module in exported.modules():
         detach_activation_storage(module)
@@ -81,7 +87,7 @@ def export(
         layer.weight_grad = None
     experts = [name for name, module in exported.named_modules() if isinstance(module, Fp8Experts)]
     for name in experts:
-        _replace(exported, name, exported.get_submodule(name).to_module())
+        _replace(exported, name, exported.get_submodule(name).to_module(expert_masters[name]))
     release_lora_layers(exported)  # PEFT's own LoRA layers again, over the plain bases
     return exported.to(dtype)
 

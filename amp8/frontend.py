@@ -210,12 +210,18 @@ def _initialize(
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
     )
     adopt_lora_layers(model)  # PEFT's LoRA layers over the new FP8 bases: merging is refused, with the fix
-    # The experts' Parameters keep the storage of parameters outside FP8 layers: only
-    # their GEMMs change.
+    # The experts' weights are stored as the FP8 layers' are, except under O3's sharded
+    # optimizer, which shards the FP8 layers' weights only: there they stay as they are.
+    experts_storage = Precision.AS_IS if distributed and level.shard_optimizer else first_storage
     swap_experts(
-        model, lambda experts: Fp8Experts.from_module(experts, recipe), module_filter, recipe.high_precision_layers
+        model, lambda experts: Fp8Experts.from_module(experts, recipe, experts_storage), module_filter,
+        recipe.high_precision_layers,
     )
     layers = fp8_layers(model)
+    stored_experts = [
+        handle for module in model.modules() if isinstance(module, Fp8Experts)
+        for handle in module.stored_weights() if handle.storage is not Precision.AS_IS
+    ]
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
         return model, optimizer
     swap_embeddings(model, lambda embedding: LowBitEmbedding.from_embedding(embedding, recipe))
@@ -224,11 +230,15 @@ def _initialize(
         broadcast_module(model, process_group)
         data_parallel = DataParallelGroup(process_group)
     master_weights = {}
+    expert_masters = {}
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:
             master_weights = {layer: layer.read_weight() for layer in layers.values() if layer.weight.requires_grad}
+            expert_masters = {h.param: h.read() for h in stored_experts if h.param.requires_grad}
         for layer in layers.values():
             layer.set_weight_storage(level.weight)
+        for handle in stored_experts:
+            handle.restore(level.weight)
     if distributed and level.shard_optimizer:
         from amp8.distributed.fsdp import shard_weights
 
@@ -247,7 +257,7 @@ def _initialize(
         return model, None
     low_bit = LowBitAdam.from_optimizer(
         optimizer, level, replaced={old: layer.weight for old, layer in layers.items()},
-        master_weights={layer.weight: real for layer, real in master_weights.items()},
+        master_weights={**{layer.weight: real for layer, real in master_weights.items()}, **expert_masters},
     )
     if data_parallel is not None:  # the optimizer's gradients, averaged over the ranks
         GradientReduction.attach(low_bit, data_parallel)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,11 +40,13 @@ def build_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def train(config: Config = Config()) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
-    """Train a few steps; returns (losses, model, optimizer)."""
+def train(
+    config: Config = Config(), build: Callable[[], torch.nn.Module] = build_model
+) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
+    """Train the causal LM ``build()`` gives a few steps; returns (losses, model, optimizer)."""
     torch.manual_seed(config.seed)
     corpus = load_corpus(CorpusConfig(max_bytes=256 * 1024))
-    model = build_model()
+    model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     model, optimizer = amp8.initialize(model, optimizer, opt_level=config.opt_level)
     generator = torch.Generator().manual_seed(config.seed)

@@ -124,7 +124,10 @@ def _load_script(path: Path, module_name: str) -> ModuleType:
 
 
 def load_example(name: str) -> ModuleType:
-    """Import ``examples/<name>.py`` as a module."""
+    """Import ``examples/<name>.py`` as a module, with examples/ on the path (as when it
+    runs as a script) for the examples it builds on."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
     return _load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 

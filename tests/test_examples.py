@@ -100,6 +100,21 @@ def test_lightning_example_trains() -> None:
 
 
 @pytest.mark.integration
+def test_moe_example_trains_a_mixtral_with_fp8_experts_at_o2s_bytes() -> None:
+    pytest.importorskip("transformers", reason="the MoE example needs transformers: pip install 'amp8[hf]'")
+    import amp8
+
+    example = _load("moe")
+    losses, model, optimizer = example.train(example.Config(steps=4, batch_size=2))
+    assert losses[-1] < losses[0], losses
+    assert isinstance(model.model.layers[0].mlp.experts, amp8.nn.Fp8Experts)
+    report = amp8.report(model, optimizer)
+    assert report.bytes_per_param <= 6.5 and report.fp8_share >= 0.95, report.summary()
+    exported = amp8.export(model, optimizer)
+    assert type(exported.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("order", ["amp8-first", "lora-first"])
 def test_lora_finetune_example_trains_the_adapters_on_an_fp8_base(order: str) -> None:
     pytest.importorskip("peft", reason="the LoRA example needs peft: pip install 'amp8[dev]'")

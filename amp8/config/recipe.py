@@ -248,10 +248,10 @@ class Recipe:
 
     def weight_grad_tile(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """The (rows, columns) tile sharing one scale in a stored weight gradient of
-        ``shape``; None for one scale per tensor."""
+        ``shape`` (of each matrix, for a stack of them); None for one scale per tensor."""
         if self.weight_grad_scaling is WeightGradScaling.ROWWISE:
-            return (1, shape[1])
-        return self.tile(shape, 1, weight=True)
+            return (1, shape[-1])
+        return self.tile(shape[-2:], 1, weight=True)
 
     def replace(self, **changes: Any) -> "Recipe":
         """A copy with ``changes`` applied and validated again.

@@ -78,7 +78,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
             elif type(module) is nn.Embedding and param_name == "weight":
                 note = embedding_reason(module, shared) or adapted.get(id(module))
             elif isinstance(module, Fp8Experts):
-                note = _EXPERTS_NOTE
+                note = _EXPERTS_NOTE if module.weight_storage is not Precision.AS_IS else _EXPERTS_AS_IS_NOTE
             owner = owners.setdefault(id(param), (module, note))
             if note and owner[1] is None:
                 # A tied weight: the row belongs to its first owner (the embedding), but
@@ -87,7 +87,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     return owners
 
 
-_EXPERTS_NOTE = "MoE experts: GEMMs in FP8; weight, gradient and optimizer state as other parameters"
+_EXPERTS_NOTE = "MoE experts: GEMMs in FP8, stored as FP8 layers' weights with scales per expert"
+_EXPERTS_AS_IS_NOTE = "MoE experts: GEMMs in FP8; weight and gradient as the model keeps them"
 _LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row): a lookup, not a GEMM"
 
 
@@ -96,7 +97,7 @@ class PrecisionReport:
     """One row per parameter, with what is really stored for it.
 
     Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
-    weights of FP8 layers), note (why a Linear weight stays in high precision, or None),
+    weights of FP8 layers and of ``Fp8Experts``, whose GEMMs run in FP8), note (why a Linear weight stays in high precision, or None),
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
     None; grad is "frozen" for a parameter with ``requires_grad=False``), frozen (True
     for those: they hold no gradient and no optimizer state), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
@@ -144,7 +145,7 @@ class PrecisionReport:
 
     @property
     def fp8_share(self) -> float:
-        """Fraction of all parameters that are weights of FP8 layers."""
+        """Fraction of all parameters that are weights of FP8 layers or FP8 experts."""
         total = sum(row["numel"] for row in self.rows)
         fp8 = sum(row["numel"] for row in self.rows if row["fp8"])
         return fp8 / total if total else 0.0
@@ -180,7 +181,9 @@ class PrecisionReport:
         rows = self.rows
         fp8_rows = [row for row in rows if row["fp8"]]
         tables = [row["name"] for row in rows if row["note"] == _LOW_BIT_TABLE_NOTE]
-        kept = [row for row in rows if row["note"] and row["note"] != _LOW_BIT_TABLE_NOTE]
+        kept = [
+            row for row in rows if row["note"] and row["note"] != _LOW_BIT_TABLE_NOTE and row["layer"] != "Fp8Experts"
+        ]
         line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
         if not fp8_rows:
             line = "FP8: none (no FP8 layers)"
@@ -321,7 +324,7 @@ def report(
             "shape": list(param.shape),
             "numel": param.numel(),
             "layer": type(module).__name__,
-            "fp8": fp8_layer is not None,
+            "fp8": fp8_layer is not None or isinstance(module, Fp8Experts),
             "note": note,
             "weight": short_name(param.dtype),
             "grad": FROZEN if not param.requires_grad else short_name(grad_dtype),

@@ -8,8 +8,10 @@ each expert computes ``down(act(gate(x)) * up(x))`` on its tokens, and the resul
 summed with the routing weights, which the router outside computed in high precision.
 The tokens are sorted by expert into padded groups (``amp8.ops.grouped_gemm.ExpertGroups``),
 and both projections run their forward, input-gradient and weight-gradient GEMMs in FP8
-through ``_Fp8ExpertsFunction``. The Parameters keep the dtype and storage the opt level
-gives to parameters outside FP8 layers, and their gradients that dtype.
+through ``_Fp8ExpertsFunction``. The Parameters are stored as an ``Fp8Linear``'s weight
+is at the opt level (``amp8.tensor.StoredWeight``, scales per expert): FP16 with one scale
+at O1 and O2, FP8 beside the optimizer's FP16 master at O3, and their gradients are FP8
+``WeightGrad`` s with each expert's own scales; at "O1-compute" they stay as they were.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from typing import Callable
 import torch
 from torch import nn
 
+from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe, Scaling
 from amp8.nn.experts_function import _Fp8ExpertsFunction
 from amp8.nn.experts_layout import ExpertsLayout, experts_layout, experts_reason
 from amp8.nn.function import LinearGemmConfig, output_dtype
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
+from amp8.nn.stored_module import StoredWeightsModule
 from amp8.ops.grouped_gemm import ExpertGroups
 from amp8.quant.hadamard import random_hadamard
+from amp8.tensor.stored import StoredWeight
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,12 @@ class Routing:
         return cls(groups, source, rows)
 
 
-class Fp8Experts(nn.Module):
+class Fp8Experts(StoredWeightsModule):
     """A mixture-of-experts layer's experts whose GEMMs run in FP8, grouped per expert.
 
-    Build one with ``Fp8Experts.from_module(experts, recipe)``; ``to_module()`` gives
-    the module it replaced back, holding this module's Parameters (``amp8.export`` uses
-    it). ``forward(hidden_states, top_k_index, top_k_weights)`` takes what the experts
+    Build one with ``Fp8Experts.from_module(experts, recipe, weight_storage)``;
+    ``to_module()`` gives the module it replaced back, holding this module's weights
+    (``amp8.export`` uses it). ``forward(hidden_states, top_k_index, top_k_weights)`` takes what the experts
     module took: (tokens, H) hidden states, the (tokens, k) experts each token goes to
     and their (tokens, k) routing weights; it returns (tokens, H) in the hidden states'
     dtype.
@@ -81,17 +86,26 @@ class Fp8Experts(nn.Module):
     would, expert by expert on its tokens, except that the casts take current scales
     (delayed scaling keeps one amax history per tensor), record nothing and are not
     watched (``amp8.Controller`` does not move the experts' GEMMs).
+
+    ``weight_storage`` stores both Parameters as ``StoredWeight`` s do an ``Fp8Linear``'s
+    weight (``Precision.FP16`` or ``FP8``, with ``{name}_scale`` buffers and scales per
+    expert matrix), their gradients as FP8 ``WeightGrad`` s with each expert's own scales;
+    ``Precision.AS_IS`` leaves both as they are.
     """
 
-    def __init__(self, experts: nn.Module, layout: ExpertsLayout, recipe: Recipe) -> None:
+    def __init__(
+        self, experts: nn.Module, layout: ExpertsLayout, recipe: Recipe, weight_storage: Precision = Precision.AS_IS,
+    ) -> None:
         super().__init__()
         self.layout = layout
         gate_up: nn.Parameter = getattr(experts, layout.gate_up)
         self.num_experts, double, self.hidden_dim = gate_up.shape
         self.intermediate_dim = double // 2
-        self.register_parameter(layout.gate_up, gate_up)
-        self.register_parameter(layout.down, getattr(experts, layout.down))
         self.recipe = _experts_recipe(recipe)
+        self._stored = tuple(
+            self._add_stored_weight(name, getattr(experts, name), self.recipe, weight_storage)
+            for name in (layout.gate_up, layout.down)
+        )
         self._rules = tuple(CastRule.for_role(self.recipe, role) for role in TensorRole)
         if self.recipe.wgrad_hadamard:  # seeded: the same matrix on every rank and run
             self.register_buffer("hadamard", random_hadamard().to(gate_up.device), persistent=False)
@@ -101,8 +115,11 @@ class Fp8Experts(nn.Module):
         self.train(experts.training)
 
     @classmethod
-    def from_module(cls, experts: nn.Module, recipe: Recipe) -> "Fp8Experts":
-        """Swap-in for the experts module ``experts`` that reuses its Parameters.
+    def from_module(
+        cls, experts: nn.Module, recipe: Recipe, weight_storage: Precision = Precision.AS_IS
+    ) -> "Fp8Experts":
+        """Swap-in for the experts module ``experts`` that reuses its Parameters, stored
+        at ``weight_storage``.
 
         Raises:
             ValueError: ``experts`` is no experts module amp8 can run in FP8; the message
@@ -119,18 +136,39 @@ class Fp8Experts(nn.Module):
                 "(amp8.initialize does, naming it), or give its class an amp8_experts_layout = "
                 "amp8.nn.ExpertsLayout(...) naming its (E, 2I, H) and (E, H, I) Parameters and activation"
             )
-        return cls(experts, layout, recipe)  # type: ignore[arg-type]
+        return cls(experts, layout, recipe, weight_storage)  # type: ignore[arg-type]
 
     @property
     def amp8_experts_layout(self) -> ExpertsLayout:
         """This module's layout: it is an experts module too (see ``amp8.nn.experts_layout``)."""
         return self.layout
 
-    def to_module(self) -> nn.Module:
-        """The experts module this one replaced, holding this module's Parameters."""
+    def stored_weights(self) -> tuple[StoredWeight, StoredWeight]:
+        """The handles of the gate-up and down Parameters."""
+        return self._stored  # type: ignore[return-value]
+
+    @property
+    def weight_storage(self) -> Precision:
+        """How both weights are stored: ``Precision.FP16``, ``Precision.FP8`` or ``AS_IS``."""
+        return self._stored[0].storage
+
+    def set_weight_storage(self, weight_storage: Precision) -> None:
+        """Re-store both weights as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
+        for handle in self._stored:
+            handle.restore(weight_storage)
+
+    def to_module(self, real_weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """The experts module this one replaced, holding this module's Parameters, or,
+        where they are stored scaled, plain Parameters of their real values
+        (``real_weights[name]`` where given, such as O3's master weights)."""
         (experts,) = self._replaced
-        for name in (self.layout.gate_up, self.layout.down):
-            setattr(experts, name, getattr(self, name))
+        for handle in self._stored:
+            param = handle.param
+            if handle.storage is not Precision.AS_IS:
+                real = (real_weights or {}).get(handle.name)
+                real = handle.read() if real is None else real
+                param = nn.Parameter(real.clone(), requires_grad=param.requires_grad)
+            setattr(experts, handle.name, param)
         experts.train(self.training)
         return experts
 
@@ -158,11 +196,16 @@ class Fp8Experts(nn.Module):
             for rule, role in zip(self._rules, TensorRole)
         ))
 
+    # Eager inside a compiled model: the token counts per expert are read on the host and
+    # each expert's casts depend on which experts got tokens, so a graph would recompile
+    # at nearly every step (minutes each on a CPU).
+    @torch.compiler.disable
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """The experts' sum for each token: (tokens, H) from (tokens, H) hidden states and
-        (tokens, k) expert indices and routing weights."""
+        (tokens, k) expert indices and routing weights. It runs eagerly in a compiled
+        model (``torch.compile`` compiles the rest)."""
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_dim:
             raise ValueError(
                 f"Fp8Experts expects hidden states of shape (tokens, {self.hidden_dim}), got "
@@ -172,7 +215,7 @@ class Fp8Experts(nn.Module):
         routing = Routing.from_indices(top_k_index, self.num_experts)
         out_dtype = output_dtype(hidden_states)
         quantizers = self.quantizers()
-        gate_up, down = getattr(self, self.layout.gate_up), getattr(self, self.layout.down)
+        gate_up, down = self._stored
         # Padding rows gather the zero row appended to the input.
         x = nn.functional.pad(hidden_states, (0, 0, 0, 1)).index_select(0, routing.source)  # (rows, H)
         with torch.autocast(hidden_states.device.type, enabled=False):  # the GEMMs choose their own dtypes
@@ -184,15 +227,21 @@ class Fp8Experts(nn.Module):
         return weighted.view(tokens, k, self.hidden_dim).sum(1).to(hidden_states.dtype)
 
     def _project(
-        self, x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups, quantizers: LinearQuantizers,
+        self, x: torch.Tensor, handle: StoredWeight, groups: ExpertGroups, quantizers: LinearQuantizers,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        """Each expert's rows of ``x`` times its (N, K) matrix of ``weight``, transposed."""
+        """Each expert's rows of ``x`` times its (N, K) matrix of ``handle``'s weight,
+        transposed; the weight's real values come from its storage, and its gradient
+        goes back to the Parameter (an FP8 ``WeightGrad`` where the weight is stored)."""
+        weight = handle.param
         out_features, in_features = weight.shape[1:]
+        stored = handle.storage is not Precision.AS_IS
         config = LinearGemmConfig.build(
-            self.recipe, in_features, out_features, fp8_wgrad=False, update_history=False, out_dtype=out_dtype,
+            self.recipe, in_features, out_features, fp8_wgrad=stored, update_history=False, out_dtype=out_dtype,
+            grad_layout=handle.grad_layout if stored else None,
         )
-        return _Fp8ExpertsFunction.apply(x, weight, groups, quantizers, config)
+        real = handle.read() if stored else None
+        return _Fp8ExpertsFunction.apply(x, weight, real, groups, quantizers, config)
 
     def extra_repr(self) -> str:
         """Experts, sizes and recipe, for ``print(model)``."""

@@ -5,8 +5,9 @@ projection. Like ``_Fp8LinearFunction`` it receives tensors, the quantizers and 
 ``LinearGemmConfig``, never the module. Each expert's GEMMs are those an ``Fp8Linear``
 with the same recipe runs on that expert's tokens: the same casts, made per expert (one
 scale per expert under "tensorwise"), and the same FP8 GEMMs, grouped
-(``amp8.ops.grouped_gemm``). The weight gradient leaves in the weight's dtype, as a plain
-Parameter's.
+(``amp8.ops.grouped_gemm``). The weight gradient leaves as an FP8 ``WeightGrad`` of the
+real weight where the weight is stored scaled (``config.fp8_wgrad``), else in the
+weight's dtype, as a plain Parameter's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from amp8.ops.grouped_gemm import (
     ExpertGroups, Operand, expert_matrices, expert_rows, grouped_fp8_gemm, grouped_fp8_wgrad,
 )
 from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.weight_grad import WeightGrad
 
 Parts = list[Operand | None]
 """One FP8 operand per expert, None for an expert without tokens."""
@@ -57,9 +59,10 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
     """Forward and both backward GEMMs of one expert projection (fprop, dgrad, wgrad).
 
     Arguments of ``apply``: ``x`` (``groups.rows``, K), the tokens sorted by expert in
-    padded groups; ``weight`` (E, N, K), the experts' Parameter; the ``ExpertGroups``;
-    the ``LinearQuantizers`` (casts that record nothing); the ``LinearGemmConfig``. Returns
-    (``groups.rows``, N). Tensorwise scales keep the forward's FP8 input for wgrad (as
+    padded groups; ``weight`` (E, N, K), the experts' Parameter; ``real``, its real values
+    in float32 where it is stored scaled (else None: the Parameter holds them); the
+    ``ExpertGroups``; the ``LinearQuantizers`` (casts that record nothing); the
+    ``LinearGemmConfig``. Returns (``groups.rows``, N). Tensorwise scales keep the forward's FP8 input for wgrad (as
     ``Recipe(activations="fp8")`` does for finer ones); otherwise the high-precision input
     is kept and re-cast along tokens, per expert, as ``Fp8Linear``'s backward does.
     """
@@ -68,12 +71,14 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight_param: torch.Tensor,
+        real: torch.Tensor | None,
         groups: ExpertGroups,
         quantizers: LinearQuantizers,
         config: LinearGemmConfig,
     ) -> torch.Tensor:
         n = config.out_features
+        weight = weight_param if real is None else real
         x8 = w8 = None
         if config.high_fprop:
             y = expert_rows(groups, n, config.out_dtype, x.device,
@@ -97,7 +102,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
             ctx.x8_block_size = next(part.block_size for part in x8 if part is not None) if groups.active else 0
         ctx.save_for_backward(*saved, weight if config.high_dgrad else None)
         ctx.groups, ctx.quantizers, ctx.config = groups, quantizers, config
-        ctx.x_dtype, ctx.weight_dtype, ctx.weight_shape = x.dtype, weight.dtype, tuple(weight.shape)
+        ctx.x_dtype, ctx.weight_dtype, ctx.weight_shape = x.dtype, weight_param.dtype, tuple(weight.shape)
         return y
 
     @staticmethod
@@ -122,10 +127,13 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
                 grad_x = grouped_fp8_gemm(g8, w8, groups, k, ctx.x_dtype, Gemm.DGRAD)  # type: ignore[arg-type]
         if needs_w:
             grad_w = _weight_grad(saved, g, g8, groups, quantizers, config, ctx.x8_block_size)
-            grad_w = grad_w.to(ctx.weight_dtype)
+            if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
+                grad_w = WeightGrad.from_float(grad_w, config.grad_layout, ctx.weight_dtype)  # type: ignore[arg-type]
+            else:
+                grad_w = grad_w.to(ctx.weight_dtype)
         if not _graph_retained():  # free the FP8 weights now, as autograd frees saved tensors
             ctx.w8_dgrad = None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def _weight_grad(

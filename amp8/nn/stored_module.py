@@ -3,7 +3,8 @@
 A layer whose weight amp8 stores scaled (``Fp8Linear``, ``LowBitEmbedding``) holds the
 caller's ``weight`` Parameter with ``w * weight_scale`` in it, the ``weight_scale``
 buffer, and an ``amp8.tensor.StoredWeight`` handle that the optimizer, clipping and the
-gradient reduction go through. Backward returns each new FP8 weight gradient, a
+gradient reduction go through. ``StoredWeightsModule``, its base, is what any module
+with stored weights shares (``Fp8Experts`` stores two). Backward returns each new FP8 weight gradient, a
 ``WeightGrad``, to autograd as the gradient of the ``weight`` Parameter itself, or of a
 stand-in where the Parameter cannot take it (see ``_grad_target``).
 """
@@ -24,9 +25,116 @@ from amp8.tensor.stored import StoredWeight, requiring_grad, stored_weight
 from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
 
 
-class StoredWeightModule(nn.Module):
-    """Base of the modules whose weight amp8 stores: builds the storage in
-    ``_init_storage`` and keeps amp8's dtypes through ``.to()``, copies and checkpoints.
+class StoredWeightsModule(nn.Module):
+    """Base of the modules whose weights amp8 stores scaled (one ``StoredWeight`` per
+    weight Parameter, ``stored_weights()``): keeps amp8's dtypes through ``.to()``,
+    copies and checkpoints, and re-encodes a weight saved at another storage on load.
+
+    Each weight Parameter ``name`` has a ``{name}_scale`` buffer (saved in
+    ``state_dict``): float32, ``name.data == w * scale`` (a scalar for FP16 storage; for
+    FP8 storage the weight's scales at the recipe's granularity).
+    """
+
+    def stored_weights(self) -> tuple[StoredWeight, ...]:
+        """The handles of this module's stored weights."""
+        raise NotImplementedError
+
+    def _add_stored_weight(
+        self, name: str, weight: nn.Parameter, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
+    ) -> StoredWeight:
+        """Take over ``weight`` as Parameter ``name`` and store its values at ``storage``
+        (see ``StoredWeight`` for ``fixed_storage``), with its ``{name}_scale`` buffer;
+        the first call registers the state_dict hook that records the recipe."""
+        self.register_buffer(f"{name}_scale", torch.ones((), device=weight.device))
+        real_weight = weight.detach().float()
+        setattr(self, name, weight)
+        handle = StoredWeight(self, recipe, storage, fixed_storage=fixed_storage, name=name)
+        handle.write(real_weight)
+        if not getattr(self, "_records_recipe", False):
+            self.register_state_dict_post_hook(_record_recipe)
+            self._records_recipe = True
+        return handle
+
+    def drop_weight_cache(self) -> None:
+        """Forget anything derived from the stored weights (nothing here; ``Fp8Linear``
+        caches its FP8 casts)."""
+
+    def _after_move(self) -> None:
+        """Re-bind what refers to buffers that ``.to()``, a copy or a load replaced."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._after_move()
+        for handle in self.stored_weights():
+            if handle.storage is not Precision.AS_IS:  # a copied Parameter loses its mark
+                handle.mark(handle.param)
+
+    def _convert_loaded_weight(
+        self, handle: StoredWeight, state_dict: dict[str, Any], prefix: str, block_size: int
+    ) -> None:
+        """Re-encode ``handle``'s weight saved at another storage (another opt level,
+        another recipe's scales, or the plain module amp8 replaced) into this one's, in
+        ``state_dict``, with a warning. ``block_size``: that of the saved scales."""
+        weight_key, scale_key = prefix + handle.name, prefix + handle.scale_name
+        param, stored_scale = handle.param, getattr(self, handle.scale_name)
+        saved, saved_scale = state_dict.get(weight_key), state_dict.get(scale_key)
+        if saved_scale is not None:
+            check_loaded_scales(scale_key, saved_scale)
+        if saved is None or (
+            saved.dtype == param.dtype and saved_scale is not None
+            and saved_scale.shape == stored_scale.shape and saved_scale.dtype == stored_scale.dtype
+        ):
+            return
+        if saved_scale is None:
+            saved_scale = torch.ones((), device=saved.device)
+        real = ScaledTensor(saved, saved_scale.to(saved.device), block_size).dequantize()
+        state_dict[weight_key], state_dict[scale_key] = handle.encode(real.to(param.device))
+        warnings.warn(
+            f"amp8: converted {weight_key} from {saved.dtype} to {handle.dtype} storage "
+            f"(scales of shape {tuple(saved_scale.shape)}, blocks of {block_size}, to "
+            f"{tuple(state_dict[scale_key].shape)})",
+            stacklevel=3,
+        )
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Load, converting a weight saved at another storage (see
+        ``_convert_loaded_weight``; ``args[0]`` is the layer's checkpoint metadata, which
+        names the recipe its scales were made with)."""
+        saved = saved_recipe(args[0] if args else None)
+        for handle in self.stored_weights():
+            block_size = handle.recipe.block_size if saved is None else saved["block_size"]
+            self._convert_loaded_weight(handle, state_dict, prefix, block_size)
+        self.drop_weight_cache()
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        self._after_move()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "StoredWeightsModule":
+        """``.to()``, ``.cuda()``, ``.half()`` and friends: move amp8's tensors to the new
+        device, keeping their dtypes (a float32 scale of 2**17 would be inf in FP16)."""
+        self.drop_weight_cache()
+        kept = {name: (buffer, buffer.dtype) for name, buffer in self._buffers.items() if buffer is not None}
+        weights = [(handle, handle.param.dtype, handle.param.data) for handle in self.stored_weights()]
+        super()._apply(fn, recurse)
+        for name, (original, dtype) in kept.items():
+            buffer = self._buffers[name]
+            if buffer is not None and buffer.dtype != dtype:
+                self._buffers[name] = original.to(buffer.device)
+        for handle, dtype, stored in weights:
+            param = handle.param
+            if param.dtype != dtype and handle.storage is not Precision.AS_IS:
+                param.data = stored.to(param.device)
+        self._after_apply()
+        self._after_move()
+        return self
+
+    def _after_apply(self) -> None:
+        """What ``_apply`` does last, before ``_after_move``."""
+
+
+class StoredWeightModule(StoredWeightsModule):
+    """Base of the modules with one stored ``weight`` (``Fp8Linear``,
+    ``LowBitEmbedding``): builds the storage in ``_init_storage`` and routes the weight
+    gradient out of backward (see ``_grad_target``).
 
     Buffers (saved in ``state_dict``):
         weight_scale: float32, ``weight.data == w * weight_scale`` (a scalar for FP16
@@ -42,21 +150,12 @@ class StoredWeightModule(nn.Module):
     ) -> None:
         """Take over ``weight`` and store its values at ``storage`` (see ``StoredWeight``
         for ``fixed_storage``). Call once, from ``__init__``, after ``nn.Module.__init__``."""
-        device = weight.device
-        self.register_buffer("weight_scale", torch.ones((), device=device))
-        real_weight = weight.detach().float()
-        self.weight = weight
-        self.stored_weight = StoredWeight(self, recipe, storage, fixed_storage=fixed_storage)
-        self.stored_weight.write(real_weight)
+        self.stored_weight = self._add_stored_weight("weight", weight, recipe, storage, fixed_storage=fixed_storage)
         self._build_grad_routes()
-        self.register_state_dict_post_hook(_record_recipe)
 
-    def drop_weight_cache(self) -> None:
-        """Forget anything derived from the stored weight (nothing here; ``Fp8Linear``
-        caches its FP8 casts)."""
-
-    def _after_move(self) -> None:
-        """Re-bind what refers to buffers that ``.to()``, a copy or a load replaced."""
+    def stored_weights(self) -> tuple[StoredWeight, ...]:
+        """The handle of ``weight``."""
+        return (self.stored_weight,)
 
     # -- the weight gradient's way out of backward -------------------------------------
     def _grad_target(self) -> torch.Tensor | None:
@@ -137,11 +236,11 @@ class StoredWeightModule(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._after_move()
-        if self.weight_storage is not Precision.AS_IS:  # a copied Parameter loses its mark
-            self.stored_weight.mark(self.weight)
+        super().__setstate__(state)
         self._build_grad_routes()
+
+    def _after_apply(self) -> None:
+        self._refresh_grad_routes()
 
     # -- weight storage (see ``amp8.tensor.StoredWeight``) ------------------------------------
     @property
@@ -184,59 +283,6 @@ class StoredWeightModule(nn.Module):
     @weight_grad.setter
     def weight_grad(self, value: ScaledTensor | None) -> None:
         self.stored_weight.set_grad(value)
-
-    def _convert_loaded_weight(self, state_dict: dict[str, Any], prefix: str, block_size: int) -> None:
-        """Re-encode a weight saved at another storage (another opt level, another
-        recipe's scales, or the plain module amp8 replaced) into this one's, in
-        ``state_dict``, with a warning. ``block_size``: that of the saved scales."""
-        weight_key, scale_key = prefix + "weight", prefix + "weight_scale"
-        saved, saved_scale = state_dict.get(weight_key), state_dict.get(scale_key)
-        if saved_scale is not None:
-            check_loaded_scales(scale_key, saved_scale)
-        if saved is None or (
-            saved.dtype == self.weight.dtype and saved_scale is not None
-            and saved_scale.shape == self.weight_scale.shape and saved_scale.dtype == self.weight_scale.dtype
-        ):
-            return
-        if saved_scale is None:
-            saved_scale = torch.ones((), device=saved.device)
-        real = ScaledTensor(saved, saved_scale.to(saved.device), block_size).dequantize()
-        state_dict[weight_key], state_dict[scale_key] = self.stored_weight.encode(real.to(self.weight.device))
-        warnings.warn(
-            f"amp8: converted {weight_key} from {saved.dtype} to {self.weight_dtype} storage "
-            f"(scales of shape {tuple(saved_scale.shape)}, blocks of {block_size}, to "
-            f"{tuple(state_dict[scale_key].shape)})",
-            stacklevel=3,
-        )
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Load, converting a weight saved at another storage (see
-        ``_convert_loaded_weight``; ``args[0]`` is the layer's checkpoint metadata, which
-        names the recipe its scales were made with)."""
-        saved = saved_recipe(args[0] if args else None)
-        block_size = self.stored_weight.recipe.block_size if saved is None else saved["block_size"]
-        self._convert_loaded_weight(state_dict, prefix, block_size)
-        self.drop_weight_cache()
-        super()._load_from_state_dict(state_dict, prefix, *args)
-        self._after_move()
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "StoredWeightModule":
-        """``.to()``, ``.cuda()``, ``.half()`` and friends: move amp8's tensors to the new
-        device, keeping their dtypes (a float32 scale of 2**17 would be inf in FP16)."""
-        self.drop_weight_cache()
-        kept = {name: (buffer, buffer.dtype) for name, buffer in self._buffers.items() if buffer is not None}
-        weight_dtype, stored = self.weight.dtype, self.weight.data
-        super()._apply(fn, recurse)
-        device = self.weight.device
-        for name, (original, dtype) in kept.items():
-            buffer = self._buffers[name]
-            if buffer is not None and buffer.dtype != dtype:
-                self._buffers[name] = original.to(device)
-        if self.weight.dtype != weight_dtype and self.weight_storage is not Precision.AS_IS:
-            self.weight.data = stored.to(device)
-        self._refresh_grad_routes()
-        self._after_move()
-        return self
 
     def _check_weight_is_amp8s(self) -> None:
         """Refuse a weight Parameter amp8 did not place: a ``fully_shard`` (or other
@@ -311,4 +357,4 @@ def saved_recipe(local_metadata: dict[str, Any] | None) -> dict[str, Any] | None
 
 def _record_recipe(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
     """``state_dict`` post-hook: the layer's recipe goes into its checkpoint metadata."""
-    local_metadata[RECIPE_METADATA] = recipe_record(module.stored_weight.recipe)
+    local_metadata[RECIPE_METADATA] = recipe_record(module.stored_weights()[0].recipe)

@@ -129,7 +129,10 @@ def _scale_storage(data: torch.Tensor, scale: torch.Tensor | None, block_size: i
 
 def _fp8_weight_storage(handle: StoredWeight) -> tuple[fused.Storage | None, bool]:
     """The fused step's ``Storage`` of an FP8 weight and whether its current scales have
-    the shape of new ones (``StoredWeight.encode`` then falls back to them)."""
+    the shape of new ones (``StoredWeight.encode`` then falls back to them). A stack of
+    experts' matrices takes the reference step."""
+    if handle.param.dim() != 2:
+        return None, False
     rows, cols = handle.param.shape
     tile = handle.tile()
     if tile is None:

@@ -166,23 +166,37 @@ def _as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def tile_amax(x: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
     """The float32 absolute maximum of each ``tile`` (rows, columns) of the 2-D ``x``,
     shape ``(ceil(R / rows), ceil(C / columns))``; trailing partial tiles get their own
-    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor).
+    amax. ``tile=None`` gives ``amax(x)`` (one scalar for the tensor). A stack of
+    matrices (B..., R, C), such as a mixture of experts' weights, gets each matrix's
+    tiles: shape ``(B..., ceil(R / rows), ceil(C / columns))``.
 
     An empty dimension (an empty batch) counts as one empty tile, whose amax is 0 as
     ``amax`` gives for an empty tensor: a size-1 dimension of scales broadcasts to the
     empty one, and the result is never empty itself."""
     if tile is None:
         return amax(x)
-    if x.dim() != 2:
+    if x.dim() < 2:
         raise ValueError(f"tiled scales need a 2-D tensor, got shape {tuple(x.shape)}")
+    leading = tuple(x.shape[:-2])
     if x.numel() == 0:
-        counts = [max(1, -(-size // max(1, edge))) for size, edge in zip(x.shape, tile)]
-        return torch.zeros(counts, dtype=torch.float32, device=x.device)
+        counts = [max(1, -(-size // max(1, edge))) for size, edge in zip(x.shape[-2:], tile)]
+        return torch.zeros((*leading, *counts), dtype=torch.float32, device=x.device)
     tile_rows, tile_cols = tile
     absolute = x.detach().float().abs()
-    padded = torch.nn.functional.pad(absolute, (0, -x.shape[1] % tile_cols, 0, -x.shape[0] % tile_rows))
-    rows, cols = padded.shape
-    return padded.view(rows // tile_rows, tile_rows, cols // tile_cols, tile_cols).amax(dim=(1, 3))
+    padded = torch.nn.functional.pad(absolute, (0, -x.shape[-1] % tile_cols, 0, -x.shape[-2] % tile_rows))
+    rows, cols = padded.shape[-2:]
+    tiles = padded.view(*leading, rows // tile_rows, tile_rows, cols // tile_cols, tile_cols)
+    return tiles.amax(dim=(-3, -1))
+
+
+def matrix_tile(tile: tuple[int, int] | None, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The tile a tensor of ``shape`` takes for ``tile``, the tile of one matrix: ``tile``
+    for a matrix; for a stack of matrices (a mixture of experts' (E, N, K) weights), one
+    scale per tensor (``tile=None``) becomes one per matrix, so no expert's scale depends
+    on another's values."""
+    if tile is None and len(shape) > 2:
+        return (shape[-2], shape[-1])
+    return tile
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], block_size: int = 0) -> torch.Tensor:

@@ -84,7 +84,8 @@ def requiring_grad(param: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 class StoredWeight:
-    """The stored weight of one FP8 layer (``module.weight`` and ``module.weight_scale``).
+    """The stored weight of one FP8 layer (``module.weight`` and ``module.weight_scale``,
+    or another Parameter ``name`` and its ``{name}_scale`` buffer).
 
     Args:
         module: the layer that owns the Parameter and the scale buffer; its
@@ -95,12 +96,17 @@ class StoredWeight:
         fixed_storage: the weight keeps ``storage`` at every opt level: no FP8 copy, no
             master weight, never sharded (an embedding's FP16 table, which forward reads
             row by row). Its Adam first moment takes one scale per row.
+        name: the Parameter's name in ``module``; a stack of experts' (E, N, K) weights
+            (``amp8.nn.Fp8Experts``) takes its scales per expert matrix
+            (``scaling.matrix_tile``).
     """
 
     def __init__(
         self, module: nn.Module, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
+        name: str = "weight",
     ) -> None:
         check_storage(storage)
+        self.name, self.scale_name = name, f"{name}_scale"
         # Weak: the Parameter refers to this handle, and the layer's gradient bridge (a
         # tensor whose autograd node holds the Parameter, see ``amp8.nn.stored_module``)
         # to the Parameter; a strong way back to the layer would be a cycle through C++
@@ -114,7 +120,7 @@ class StoredWeight:
         self._grad_ready_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
         self._hooked: weakref.ref[nn.Parameter] | None = None  # the Parameter that runs them
         if storage is not Precision.AS_IS:  # an AS_IS weight is a plain Parameter to everyone
-            self.mark(module.weight)
+            self.mark(self.param)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy`` of the model) starts with no gradient and no hooks:
@@ -154,18 +160,22 @@ class StoredWeight:
     @property
     def param(self) -> nn.Parameter:
         """The weight Parameter as the layer holds it now."""
-        return self._module.weight
+        return getattr(self._module, self.name)
 
     @property
     def scale(self) -> torch.Tensor:
         """The weight's scales in float32 (the layer's ``weight_scale`` buffer, which
         holds them as ``scale_dtype``)."""
-        return self._module.weight_scale.float()
+        return self._stored_scale.float()
+
+    @property
+    def _stored_scale(self) -> torch.Tensor:
+        return getattr(self._module, self.scale_name)
 
     @property
     def nbytes(self) -> int:
         """Bytes the stored weight holds on this rank: its data and its scales, as stored."""
-        return local_tensor(self.param).nbytes + self._module.weight_scale.nbytes
+        return local_tensor(self.param).nbytes + self._stored_scale.nbytes
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -186,13 +196,20 @@ class StoredWeight:
 
     def tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
-        ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
-        return self.recipe.tile(tuple(self.param.shape), contract_dim, weight=True)
+        ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM); each expert's
+        own tiles for a stack of experts' matrices."""
+        shape = tuple(self.param.shape)
+        return scaling.matrix_tile(self.recipe.tile(shape[-2:], contract_dim, weight=True), shape)
 
     def state_tile(self) -> tuple[int, int] | None:
         """The tile of the scales of Adam's FP8 first moment of this weight: the tiles of
-        the weight's FP8 scales, or one per row for a weight of fixed storage."""
-        return (1, self.param.shape[1]) if self.fixed_storage else self.tile()
+        the weight's FP8 scales, or one per row for a weight of fixed storage and for a
+        stack of experts' matrices that takes one scale per expert."""
+        shape = tuple(self.param.shape)
+        tile = self.tile()
+        if self.fixed_storage or (len(shape) > 2 and tile == shape[-2:]):
+            return (1, shape[-1])
+        return tile
 
     def state_scale_dtype(self) -> torch.dtype:
         """The dtype of those first-moment scales: the recipe's ``stored_scale_dtype`` at
@@ -253,11 +270,11 @@ class StoredWeight:
                 local_tensor(param).copy_(data)
             else:
                 param.data = data
-            stored_scale = module.weight_scale
+            stored_scale = self._stored_scale
             if stored_scale.shape == scale.shape and stored_scale.dtype == self.scale_dtype:
                 stored_scale.copy_(scale)  # to E8M0 exactly: its scales are powers of two
             else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
-                module.weight_scale = scale.to(self.scale_dtype, copy=True)
+                setattr(module, self.scale_name, scale.to(self.scale_dtype, copy=True))
 
     def restore(self, storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""

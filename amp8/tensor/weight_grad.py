@@ -55,9 +55,10 @@ class GradLayout:
     @classmethod
     def for_weight(cls, recipe: Recipe, shape: tuple[int, ...]) -> "GradLayout":
         """The layout ``recipe`` gives the gradient of a weight of ``shape``:
-        ``Recipe.weight_grad_dtype``, one scale per ``Recipe.weight_grad_tile``, the
+        ``Recipe.weight_grad_dtype``, one scale per ``Recipe.weight_grad_tile`` (of each
+        expert's matrix, for a stack of experts' weights: ``scaling.matrix_tile``), the
         recipe's margin and power-of-two rounding."""
-        tile = recipe.weight_grad_tile(shape)
+        tile = scaling.matrix_tile(recipe.weight_grad_tile(shape), shape)
         block = recipe.scale_block_size
         block_size = block if tile is not None and block in tile else 0
         return cls(recipe.weight_grad_dtype, tile, block_size, recipe.margin, recipe.power_of_2_scales)

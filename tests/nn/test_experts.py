@@ -66,7 +66,7 @@ def test_each_experts_gemms_are_an_fp8_linears_on_its_tokens_bit_for_bit(counts,
         x[groups.group(e)][: counts[e]] = torch.randn(counts[e], k)
         g[groups.group(e)][: counts[e]] = torch.randn(counts[e], n)
     x.requires_grad_(True)
-    y = _Fp8ExpertsFunction.apply(x, weight, groups, module.quantizers(), _config(module.recipe, k, n))
+    y = _Fp8ExpertsFunction.apply(x, weight, None, groups, module.quantizers(), _config(module.recipe, k, n))
     y.backward(g)
     for e in groups.active:
         linear = nn.Linear(k, n, bias=False)
@@ -122,7 +122,7 @@ def test_nvfp4_projection_holds_fp8_linears_nvfp4_floors() -> None:
     module = Fp8Experts.from_module(holder, Recipe.preset("nvfp4"))
     x, g = torch.randn(groups.rows, 64, requires_grad=True), torch.randn(groups.rows, 128)
     config = _config(module.recipe, 64, 128)
-    y = _Fp8ExpertsFunction.apply(x, holder.gate_up_proj, groups, module.quantizers(), config)
+    y = _Fp8ExpertsFunction.apply(x, holder.gate_up_proj, None, groups, module.quantizers(), config)
     y.backward(g)
     for e in groups.active:
         rows, w = groups.group(e), holder.gate_up_proj.detach()[e]
@@ -151,13 +151,43 @@ def test_from_module_reuses_the_parameters_and_to_module_gives_the_module_back()
     keys = list(experts.state_dict())
     module = Fp8Experts.from_module(experts, Recipe())
     assert module.gate_up_proj is experts.gate_up_proj and module.down_proj is experts.down_proj
-    assert list(module.state_dict()) == keys, "checkpoints keep their keys"
+    assert list(module.state_dict()) == [*keys, *(f"{key}_scale" for key in keys)], (
+        "checkpoints keep the Parameters' keys, and add their scales"
+    )
     copied = copy.deepcopy(module)
     back = copied.to_module()
     assert type(back) is TinyExperts and back.gate_up_proj is copied.gate_up_proj
     index, weights = routing(8, 4)
     x = torch.randn(8, 32)
     assert_sqnr_at_least(back(x, index, weights), copied(x, index, weights), 18.0)
+
+
+@pytest.mark.parametrize("storage", [Precision.FP16, Precision.FP8])
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise"])
+def test_stored_experts_compute_from_their_real_weights_and_return_fp8_gradients(storage, recipe_name) -> None:
+    """Stored experts (the weights of O1-O3) give the output and input gradient that the
+    same real weights give unstored, bit for bit, and as weight gradient that one's
+    float gradient quantized at the stored weight's layout: each expert's own scales."""
+    recipe = RECIPES[recipe_name]
+    stored = Fp8Experts.from_module(TinyExperts(), recipe, storage)
+    plain = Fp8Experts.from_module(TinyExperts(), recipe)
+    with torch.no_grad():
+        for handle, param in zip(stored.stored_weights(), (plain.gate_up_proj, plain.down_proj)):
+            param.copy_(handle.read())
+    index, weights = routing(24, 4, unused=(2,))
+    x, grad = torch.randn(24, 32), torch.randn(24, 32)
+    y, x_grad = _run(stored, x, index, weights, grad)
+    y_plain, x_grad_plain = _run(plain, x, index, weights, grad)
+    assert_bitwise_equal(y, y_plain)
+    assert_bitwise_equal(x_grad, x_grad_plain)
+    for handle, param in zip(stored.stored_weights(), (plain.gate_up_proj, plain.down_proj)):
+        assert handle.param.dtype == {Precision.FP16: torch.float16, Precision.FP8: torch.float8_e4m3fn}[storage]
+        fp8 = handle.grad()
+        expected = handle.grad_layout.quantize(param.grad)
+        assert_bitwise_equal(fp8.data, expected.data)
+        assert_bitwise_equal(fp8.scale, expected.scale)
+        assert fp8.scale.shape[0] == 4, "one scale per expert at least"
+        assert not fp8.dequantize()[2].any(), "an expert without tokens gets a zero gradient"
 
 
 class _Renamed(nn.Module):
@@ -183,7 +213,7 @@ def test_other_layouts_take_part_through_the_protocol() -> None:
     module = Fp8Experts.from_module(copy.deepcopy(experts), Recipe())
     index, weights = routing(16, 4)
     x = torch.randn(16, 32)
-    assert list(module.state_dict()) == ["w13", "w2"]
+    assert list(module.state_dict()) == ["w13", "w2", "w13_scale", "w2_scale"]
     assert_sqnr_at_least(experts(x, index, weights), module(x, index, weights), 18.0)
 
 

@@ -167,3 +167,21 @@ def test_compiled_quantize_keeps_non_finite_visible_as_eager(dtype: torch.dtype)
     assert torch.equal(eager.view(torch.uint8) if eager.element_size() == 1 else eager.view(torch.int16),
                        graph.view(torch.uint8) if graph.element_size() == 1 else graph.view(torch.int16))
     assert torch.isnan(eager.float()[:3]).all()
+
+
+@pytest.mark.parametrize("tile", [None, (1, 48), (16, 16), (1, 32)])
+@pytest.mark.parametrize("stack", [(3,), (2, 2)])
+def test_a_stack_of_matrices_takes_each_matrixs_own_tiles(tile, stack) -> None:
+    """``tile_amax`` and ``quantize_tiles`` of a stack of experts' matrices give each
+    matrix what it gets alone, bit for bit; one scale per tensor becomes one per matrix
+    (``matrix_tile``), and a plain matrix keeps its tile."""
+    x = torch.randn(*stack, 40, 48)
+    x[0] *= 1000.0  # one expert's values must not move another's scales
+    per_matrix = scaling.matrix_tile(tile, tuple(x.shape))
+    assert scaling.matrix_tile(tile, (40, 48)) == tile
+    data, scale = scaling.quantize_tiles(x, E4M3, per_matrix, power_of_2=True)
+    flat_x, flat_data, flat_scale = x.reshape(-1, 40, 48), data.reshape(-1, 40, 48), scale.flatten(0, len(stack) - 1)
+    for matrix, stored, scales in zip(flat_x, flat_data, flat_scale):
+        alone_data, alone_scale = scaling.quantize_tiles(matrix, E4M3, per_matrix, power_of_2=True)
+        assert_bitwise_equal(stored, alone_data)
+        assert_bitwise_equal(scales, alone_scale)
