@@ -218,12 +218,12 @@ def _initialize(
         recipe.high_precision_layers,
     )
     layers = fp8_layers(model)
-    stored_experts = [
-        handle for module in model.modules() if isinstance(module, Fp8Experts)
-        for handle in module.stored_weights() if handle.storage is not Precision.AS_IS
-    ]
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
         return model, optimizer
+    stored_experts = [
+        module for module in model.modules()
+        if isinstance(module, Fp8Experts) and module.weight_storage is not Precision.AS_IS
+    ]
     swap_embeddings(model, lambda embedding: LowBitEmbedding.from_embedding(embedding, recipe))
     data_parallel = None
     if distributed:
@@ -234,11 +234,12 @@ def _initialize(
     if level.weight is not Precision.FP16:
         if level.master_weight is not None:
             master_weights = {layer: layer.read_weight() for layer in layers.values() if layer.weight.requires_grad}
-            expert_masters = {h.param: h.read() for h in stored_experts if h.param.requires_grad}
-        for layer in layers.values():
+            expert_masters = {
+                handle.param: handle.read() for experts in stored_experts
+                for handle in experts.stored_weights() if handle.param.requires_grad
+            }
+        for layer in [*layers.values(), *stored_experts]:
             layer.set_weight_storage(level.weight)
-        for handle in stored_experts:
-            handle.restore(level.weight)
     if distributed and level.shard_optimizer:
         from amp8.distributed.fsdp import shard_weights
 
