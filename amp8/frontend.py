@@ -210,11 +210,8 @@ def _initialize(
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
     )
     adopt_lora_layers(model)  # PEFT's LoRA layers over the new FP8 bases: merging is refused, with the fix
-    # The experts' weights are stored as the FP8 layers' are, except under O3's sharded
-    # optimizer, which shards the FP8 layers' weights only: there they stay as they are.
-    experts_storage = Precision.AS_IS if distributed and level.shard_optimizer else first_storage
     swap_experts(
-        model, lambda experts: Fp8Experts.from_module(experts, recipe, experts_storage), module_filter,
+        model, lambda experts: Fp8Experts.from_module(experts, recipe, first_storage), module_filter,
         recipe.high_precision_layers,
     )
     layers = fp8_layers(model)
@@ -240,29 +237,34 @@ def _initialize(
             }
         for layer in [*layers.values(), *stored_experts]:
             layer.set_weight_storage(level.weight)
+    replaced_experts: dict[nn.Parameter, nn.Parameter] = {}
     if distributed and level.shard_optimizer:
         from amp8.distributed.fsdp import shard_weights
 
-        shard_weights(model, layers.values(), data_parallel)  # new weight Parameters
-        for layer in layers.values():
-            layer.mark_weight_sharded()
+        unsharded = {handle: handle.param for experts in stored_experts for handle in experts.stored_weights()}
+        shard_weights(model, [*layers.values(), *stored_experts], data_parallel)  # new weight Parameters
+        replaced_experts = {param: handle.param for handle, param in unsharded.items()}
         # Each rank keeps the master weights of its rows.
-        master_weights = {
-            layer: real.flatten()[slice(*data_parallel.shard_range(real.shape))]  # type: ignore[union-attr]
-            for layer, real in master_weights.items()
-        }
+        master_weights = {layer: _own_rows(real, data_parallel) for layer, real in master_weights.items()}
+        expert_masters = {replaced_experts[p]: _own_rows(real, data_parallel) for p, real in expert_masters.items()}
     if distributed:
         leave_to_amp8(model)
         guard_ddp(model, data_parallel, sharded=level.shard_optimizer)  # type: ignore[arg-type]
     if optimizer is None:
         return model, None
     low_bit = LowBitAdam.from_optimizer(
-        optimizer, level, replaced={old: layer.weight for old, layer in layers.items()},
+        optimizer, level, replaced={**{old: layer.weight for old, layer in layers.items()}, **replaced_experts},
         master_weights={**{layer.weight: real for layer, real in master_weights.items()}, **expert_masters},
     )
     if data_parallel is not None:  # the optimizer's gradients, averaged over the ranks
         GradientReduction.attach(low_bit, data_parallel)
     return model, low_bit
+
+
+def _own_rows(real: torch.Tensor, data_parallel: DataParallelGroup) -> torch.Tensor:
+    """This rank's rows of a whole weight ``real``, flat: the master weight it keeps of a
+    weight FSDP2 shards."""
+    return real.flatten()[slice(*data_parallel.shard_range(real.shape))]
 
 
 def default_recipe(level: OptLevel, distributed: bool = False) -> Recipe:

@@ -10,11 +10,18 @@ up(x))`` with transformers' 3-D weight layout. The baseline is the per-expert lo
 FP32 (one matmul per expert and projection); transformers' default implementation (one
 ``torch.nn.functional.grouped_mm`` per projection, FP32) runs beside it; the candidates
 are ``amp8.nn.Fp8Experts`` at the tensorwise recipe and at ``amp8.initialize``'s default,
-the rowwise preset. Every variant runs on the same weights and routing, in rounds that
-take each variant once, so the ratios are measured side by side under the same machine
-load; the medians and their ratios to the baseline go to
-bench/results/moe-gemm-<device>.json. On the CPU the FP8 GEMMs are emulated: the numbers
-say what FP8's casts and grouping cost there, not what an FP8 GPU gains.
+the rowwise preset, with their weights stored as O1 and O2 store them (FP16 and one
+scale, FP8 weight gradients).
+
+The yardstick is what FP8 costs a dense layer on the same device: the same tokens (each
+routed pair a row) through one dense MLP of the same shapes, two FP32 ``nn.Linear`` s
+against two ``amp8.nn.Fp8Linear`` s of the same recipe and storage. The experts meet
+their target when their ratio to the loop is at most the dense layers' ratio
+(``experts_over_dense`` at most 1). Every variant runs on the same weights and routing,
+in rounds that take each variant once, so the ratios are measured side by side under the
+same machine load; the medians and their ratios go to bench/results/moe-gemm-<device>.json.
+On the CPU the FP8 GEMMs are emulated: the numbers say what FP8's casts and grouping cost
+there, not what an FP8 GPU gains.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from rich.table import Table
 from torch import nn
 
 from amp8 import Recipe
+from amp8.config.levels import Precision
 from amp8.monitor.console import default_console
-from amp8.nn import Fp8Experts
+from amp8.nn import Fp8Experts, Fp8Linear
 from common import RESULTS, synchronize, write_result
 
 # (label, tokens, hidden H, intermediate I, experts E, top_k, routing)
@@ -42,9 +50,13 @@ CASES = [
     ("skewed: half the tokens to one expert", 1024, 512, 1024, 8, 2, "skewed"),
 ]
 QUICK_CASES = [("quick", 64, 64, 32, 4, 2, "uniform")]
-CANDIDATES = {"Fp8Experts tensorwise": Recipe(), "Fp8Experts rowwise (default)": Recipe.preset("rowwise")}
+RECIPES = {"tensorwise": Recipe(), "rowwise (default)": Recipe.preset("rowwise")}
+CANDIDATES = {f"Fp8Experts {name}": recipe for name, recipe in RECIPES.items()}
+DENSE_FP8 = {f"dense Fp8Linear {name}": recipe for name, recipe in RECIPES.items()}
+STORAGE = Precision.FP16  # the experts' and the dense layers' weights, as O1 and O2 store them
 BASELINE = "per-expert loop FP32"
 GROUPED = "grouped_mm FP32"
+DENSE = "dense MLP FP32"
 
 
 class LoopExperts(nn.Module):
@@ -95,6 +107,30 @@ class GroupedExperts(LoopExperts):
         return torch.zeros_like(hidden_states).index_add(0, order // k, y)
 
 
+class DenseMlp(nn.Module):
+    """One dense MLP of the experts' shapes, ``down(silu(gate(x)) * up(x))``, over every
+    routed (token, expert) pair as a row: the same GEMM shapes and FLOPs as the experts,
+    without the routing."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(rows).chunk(2, dim=-1)
+        return self.down(self.act_fn(gate) * up)
+
+
+def fp8_mlp(mlp: DenseMlp, recipe: Recipe) -> DenseMlp:
+    """A copy of ``mlp`` with both linear layers ``Fp8Linear`` s of ``recipe``, weights at ``STORAGE``."""
+    fp8 = copy.deepcopy(mlp)
+    fp8.gate_up = Fp8Linear.from_linear(fp8.gate_up, recipe, STORAGE)
+    fp8.down = Fp8Linear.from_linear(fp8.down, recipe, STORAGE)
+    return fp8
+
+
 def routing(
     tokens: int, experts: int, top_k: int, kind: str, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +150,13 @@ def step(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch
     module(x, index, weights).backward(grad)
 
 
+def dense_step(module: nn.Module, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    """Forward and backward of the dense MLP, gradients cleared first."""
+    module.zero_grad(set_to_none=True)
+    rows.grad = None
+    module(rows).backward(grad)
+
+
 def measure(case: tuple, device: torch.device, warmup: int, rounds: int) -> dict[str, Any]:
     """Median step times (ms) of the baseline and each candidate on one case, in rounds."""
     label, tokens, hidden, intermediate, experts, top_k, kind = case
@@ -123,13 +166,19 @@ def measure(case: tuple, device: torch.device, warmup: int, rounds: int) -> dict
     grouped.load_state_dict(baseline.state_dict())
     modules: dict[str, nn.Module] = {BASELINE: baseline, GROUPED: grouped}
     for name, recipe in CANDIDATES.items():
-        modules[name] = Fp8Experts.from_module(copy.deepcopy(baseline), recipe)
+        modules[name] = Fp8Experts.from_module(copy.deepcopy(baseline), recipe, STORAGE)
     x = torch.randn(tokens, hidden, device=device, requires_grad=True)
     grad = torch.randn(tokens, hidden, device=device)
     index, weights = routing(tokens, experts, top_k, kind, device)
     calls: dict[str, Callable[[], None]] = {
         name: (lambda m=module: step(m, x, index, weights, grad)) for name, module in modules.items()
     }
+    dense = DenseMlp(hidden, intermediate).to(device)
+    rows = torch.randn(tokens * top_k, hidden, device=device, requires_grad=True)
+    row_grad = torch.randn(tokens * top_k, hidden, device=device)
+    mlps = {DENSE: dense, **{name: fp8_mlp(dense, recipe) for name, recipe in DENSE_FP8.items()}}
+    for name, mlp in mlps.items():
+        calls[name] = lambda m=mlp: dense_step(m, rows, row_grad)
     for call in calls.values():
         for _ in range(warmup):
             call()
@@ -143,10 +192,15 @@ def measure(case: tuple, device: torch.device, warmup: int, rounds: int) -> dict
             times[name].append(time.perf_counter() - start)
     ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
     counts = torch.bincount(index.flatten(), minlength=experts)
+    ratios = {name: ms[name] / ms[BASELINE] for name in (GROUPED, *CANDIDATES)}
+    dense_ratios = {name: ms[name] / ms[DENSE] for name in DENSE_FP8}
     return {
         "case": label, "tokens": tokens, "hidden": hidden, "intermediate": intermediate, "experts": experts,
         "top_k": top_k, "routing": kind, "max_tokens_per_expert": int(counts.max()),
-        "ms": ms, "ratio_to_baseline": {name: ms[name] / ms[BASELINE] for name in (GROUPED, *CANDIDATES)},
+        "ms": ms, "ratio_to_baseline": ratios, "dense_fp8_ratio": dense_ratios,
+        "experts_over_dense": {
+            recipe: ratios[f"Fp8Experts {recipe}"] / dense_ratios[f"dense Fp8Linear {recipe}"] for recipe in RECIPES
+        },
     }
 
 
@@ -161,17 +215,22 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = [measure(case, device, args.warmup, args.rounds) for case in (QUICK_CASES if args.quick else CASES)]
-    table = Table(title=f"MoE experts step (forward + backward), ms; ratio to the {BASELINE}")
-    for column in ("case", BASELINE, GROUPED, *CANDIDATES):
+    table = Table(title=f"MoE experts step (forward + backward), ms; ratio to the {BASELINE} "
+                        f"(experts) or the {DENSE} (dense)")
+    for column in ("case", BASELINE, GROUPED, *CANDIDATES, DENSE, *DENSE_FP8, "experts / dense ratio"):
         table.add_column(column, justify="left" if column == "case" else "right")
     for row in rows:
-        ratios = row["ratio_to_baseline"]
+        ratios = {**row["ratio_to_baseline"], **row["dense_fp8_ratio"]}
         cells = [f"{row['ms'][name]:.1f} ({ratios[name]:.2f}x)" for name in (GROUPED, *CANDIDATES)]
-        table.add_row(row["case"], f"{row['ms'][BASELINE]:.1f}", *cells)
+        dense = [f"{row['ms'][name]:.1f} ({ratios[name]:.2f}x)" for name in DENSE_FP8]
+        over = ", ".join(f"{value:.2f}" for value in row["experts_over_dense"].values())
+        table.add_row(row["case"], f"{row['ms'][BASELINE]:.1f}", *cells, f"{row['ms'][DENSE]:.1f}", *dense, over)
     default_console().print(table)
     payload = {
         "baseline": BASELINE,
         "reference": f"{GROUPED}: transformers' default experts implementation",
+        "dense_reference": f"{DENSE} against Fp8Linear of each recipe, the same rows and shapes",
+        "weight_storage": STORAGE.name,
         "fp8": "emulated on the CPU" if device.type == "cpu" else "torch._scaled_mm / torch._scaled_grouped_mm",
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,

@@ -1,13 +1,14 @@
 """O3's FP8 weights sharded over data-parallel ranks by FSDP2 (``fully_shard``).
 
-FSDP2 keeps each rank's rows of every FP8 layer's weight (FP8 data; the scale is a
-replicated buffer) and all-gathers the full FP8 weight before the layer's forward and
-backward, freeing it after. amp8 keeps everything else: the layers' FP8 weight gradients
-never reach ``param.grad`` (which FSDP2 would reduce-scatter in the gradient's own dtype),
-so the optimizer's ``GradientBuckets`` reduce-scatter them in FP8 to the rows each rank
-holds, and the optimizer writes each rank's rows of the new FP8 weight in place, with one
-scale from the amax over all ranks. Biases and parameters outside FP8 layers stay
-replicated and are averaged by the buckets too.
+FSDP2 keeps each rank's rows of every FP8 layer's weight, and each rank's experts of
+both weight stacks of a mixture of experts (FP8 data; the scales are replicated
+buffers), and all-gathers the full FP8 weight before the layer's forward and backward,
+freeing it after. amp8 keeps everything else: the FP8 weight gradients never reach
+``param.grad`` (which FSDP2 would reduce-scatter in the gradient's own dtype), so the
+optimizer's ``GradientBuckets`` reduce-scatter them in FP8 to the rows each rank holds,
+and the optimizer writes each rank's rows of the new FP8 weight in place, with the
+whole weight's scales (one, or one per expert) from the amaxes over all ranks. Biases
+and parameters outside FP8 layers stay replicated and are averaged by the buckets too.
 
 FSDP2 all-gathers each weight through ``Fp8WeightShard`` (its public all-gather
 extension for tensor subclasses): the FP8 bytes travel as uint8 (gloo has no FP8 dtype)
@@ -25,14 +26,17 @@ from torch.distributed.fsdp import fully_shard
 
 from amp8.distributed.data_parallel import DataParallelGroup
 from amp8.distributed.weight_shard import Fp8WeightShard
+from amp8.nn.stored_module import StoredWeightsModule
 
 
-def shard_weights(model: nn.Module, layers: Iterable[nn.Module], data_parallel: DataParallelGroup) -> None:
-    """Apply ``fully_shard`` to each of ``layers`` for its ``weight`` alone, and to
-    ``model`` for none of its parameters (the root that runs FSDP2's end-of-backward
-    work); every other parameter stays a plain, replicated tensor.
+def shard_weights(model: nn.Module, layers: Iterable[StoredWeightsModule], data_parallel: DataParallelGroup) -> None:
+    """Apply ``fully_shard`` to each of ``layers`` for its stored weights alone (an
+    ``Fp8Linear``'s ``weight``, an ``Fp8Experts``' two stacks, which FSDP2 splits by
+    expert), and to ``model`` for none of its parameters (the root that runs FSDP2's
+    end-of-backward work); every other parameter stays a plain, replicated tensor. Each
+    layer is then told (``mark_weights_sharded``).
 
-    Each layer's ``weight`` becomes a new ``nn.Parameter`` holding a ``DTensor`` of this
+    Each stored weight becomes a new ``nn.Parameter`` holding a ``DTensor`` of this
     rank's rows, an ``Fp8WeightShard`` (which all-gathers as bytes and counts them in
     ``data_parallel.stats``): read it from the layer after this call.
     """
@@ -42,12 +46,16 @@ def shard_weights(model: nn.Module, layers: Iterable[nn.Module], data_parallel: 
     mesh = DeviceMesh.from_group(group, device_type)
     sharded = set()
     for layer in layers:
-        weight = layer.weight
-        layer.weight = nn.Parameter(
-            Fp8WeightShard(weight.detach(), data_parallel.stats), requires_grad=weight.requires_grad
-        )
-        others = {param for name, param in layer.named_parameters() if name != "weight"}
+        names = [handle.name for handle in layer.stored_weights()]
+        for name in names:
+            weight = getattr(layer, name)
+            setattr(layer, name, nn.Parameter(
+                Fp8WeightShard(weight.detach(), data_parallel.stats), requires_grad=weight.requires_grad
+            ))
+        others = {param for name, param in layer.named_parameters() if name not in names}
         fully_shard(layer, mesh=mesh, ignored_params=others)
-        sharded.add(id(layer.weight))
+        sharded.update(id(getattr(layer, name)) for name in names)
     if all(layer is not model for layer in layers):
         fully_shard(model, mesh=mesh, ignored_params={p for p in model.parameters() if id(p) not in sharded})
+    for layer in layers:
+        layer.mark_weights_sharded()

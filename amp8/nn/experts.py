@@ -17,7 +17,7 @@ at O1 and O2, FP8 beside the optimizer's FP16 master at O3, and their gradients 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from amp8.nn.experts_function import _Fp8ExpertsFunction
 from amp8.nn.experts_layout import ExpertsLayout, experts_layout, experts_reason
 from amp8.nn.function import LinearGemmConfig, output_dtype
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
-from amp8.nn.stored_module import StoredWeightsModule
+from amp8.nn.stored_module import StoredWeightsModule, grad_sink
 from amp8.ops.grouped_gemm import ExpertGroups
 from amp8.quant.hadamard import random_hadamard
 from amp8.tensor.stored import StoredWeight
@@ -107,6 +107,7 @@ class Fp8Experts(StoredWeightsModule):
             for name in (layout.gate_up, layout.down)
         )
         self._rules = tuple(CastRule.for_role(self.recipe, role) for role in TensorRole)
+        self._grad_sinks: dict[str, torch.Tensor] = {}
         if self.recipe.wgrad_hadamard:  # seeded: the same matrix on every rank and run
             self.register_buffer("hadamard", random_hadamard().to(gate_up.device), persistent=False)
         # The replaced module, outside the module tree: its activation or gate method
@@ -156,6 +157,26 @@ class Fp8Experts(StoredWeightsModule):
         """Re-store both weights as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
         for handle in self._stored:
             handle.restore(weight_storage)
+
+    def mark_weights_sharded(self) -> None:
+        """FSDP2 put new Parameters in place that hold this rank's experts (see
+        ``amp8.distributed.fsdp``): from now on each gradient stays on its handle, handed
+        over by a grad sink (``amp8.nn.stored_module.grad_sink``)."""
+        for handle in self._stored:
+            handle.shard(handle.param)
+        self._build_grad_sinks()
+
+    def _build_grad_sinks(self) -> None:
+        self._grad_sinks = {handle.name: grad_sink(handle) for handle in self._stored if handle.sharded}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_grad_sinks", None)  # rebuilt in __setstate__: hooks do not copy
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._build_grad_sinks()
 
     def to_module(self, real_weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
         """The experts module this one replaced, holding this module's Parameters, or,
@@ -241,7 +262,9 @@ class Fp8Experts(StoredWeightsModule):
             grad_layout=handle.grad_layout if stored else None,
         )
         real = handle.read() if stored else None
-        return _Fp8ExpertsFunction.apply(x, weight, real, groups, quantizers, config)
+        # A weight FSDP2 shards takes its gradient through its grad sink (FSDP2 would reduce a .grad).
+        target = self._grad_sinks[handle.name] if handle.sharded and weight.requires_grad else weight
+        return _Fp8ExpertsFunction.apply(x, target, real, groups, quantizers, config)
 
     def extra_repr(self) -> str:
         """Experts, sizes and recipe, for ``print(model)``."""

@@ -23,7 +23,7 @@ from amp8.ops.grouped_gemm import (
     ExpertGroups, Operand, expert_matrices, expert_rows, grouped_fp8_gemm, grouped_fp8_wgrad,
 )
 from amp8.tensor.scaled import ScaledTensor
-from amp8.tensor.weight_grad import WeightGrad
+from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
 
 Parts = list[Operand | None]
 """One FP8 operand per expert, None for an expert without tokens."""
@@ -59,7 +59,8 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
     """Forward and both backward GEMMs of one expert projection (fprop, dgrad, wgrad).
 
     Arguments of ``apply``: ``x`` (``groups.rows``, K), the tokens sorted by expert in
-    padded groups; ``weight`` (E, N, K), the experts' Parameter; ``real``, its real values
+    padded groups; ``weight`` (E, N, K), the experts' Parameter (or the grad sink that
+    takes its gradient where FSDP2 shards it, see ``Fp8Experts``); ``real``, its real values
     in float32 where it is stored scaled (else None: the Parameter holds them); the
     ``ExpertGroups``; the ``LinearQuantizers`` (casts that record nothing); the
     ``LinearGemmConfig``. Returns (``groups.rows``, N). Tensorwise scales keep the forward's FP8 input for wgrad (as
@@ -103,6 +104,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved, weight if config.high_dgrad else None)
         ctx.groups, ctx.quantizers, ctx.config = groups, quantizers, config
         ctx.x_dtype, ctx.weight_dtype, ctx.weight_shape = x.dtype, weight_param.dtype, tuple(weight.shape)
+        ctx.grad_class = WeightGradInFlight if isinstance(weight_param, WeightGradInFlight) else WeightGrad
         return y
 
     @staticmethod
@@ -128,7 +130,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
         if needs_w:
             grad_w = _weight_grad(saved, g, g8, groups, quantizers, config, ctx.x8_block_size)
             if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
-                grad_w = WeightGrad.from_float(grad_w, config.grad_layout, ctx.weight_dtype)  # type: ignore[arg-type]
+                grad_w = ctx.grad_class.from_float(grad_w, config.grad_layout, ctx.weight_dtype)  # type: ignore[arg-type]
             else:
                 grad_w = grad_w.to(ctx.weight_dtype)
         if not _graph_retained():  # free the FP8 weights now, as autograd frees saved tensors

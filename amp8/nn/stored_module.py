@@ -11,7 +11,9 @@ stand-in where the Parameter cannot take it (see ``_grad_target``).
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -131,6 +133,25 @@ class StoredWeightsModule(nn.Module):
         """What ``_apply`` does last, before ``_after_move``."""
 
 
+def grad_sink(handle: StoredWeight) -> torch.Tensor:
+    """A zero ``WeightGradInFlight`` leaf of ``handle``'s weight shape (FSDP2's sharded
+    Parameter reports the whole shape) that takes the weight's gradient from backward in
+    place of the Parameter, and hands it to ``handle.add_grad``: a weight FSDP2 shards
+    must not get a ``.grad``, which FSDP2 would reduce in its own dtype."""
+    weight = handle.param
+    sink = WeightGradInFlight.zeros(tuple(weight.shape), handle.grad_layout, weight.dtype, weight.device)
+    sink.requires_grad_(True)
+    sink.register_post_accumulate_grad_hook(functools.partial(_take_sink_grad, weakref.ref(handle)))
+    return sink
+
+
+def _take_sink_grad(handle: "weakref.ref[StoredWeight]", sink: torch.Tensor) -> None:
+    grad, sink.grad = sink.grad, None
+    stored = handle()
+    if stored is not None:
+        stored.add_grad(grad)  # type: ignore[arg-type]
+
+
 class StoredWeightModule(StoredWeightsModule):
     """Base of the modules with one stored ``weight`` (``Fp8Linear``,
     ``LowBitEmbedding``): builds the storage in ``_init_storage`` and routes the weight
@@ -188,15 +209,8 @@ class StoredWeightModule(StoredWeightsModule):
         if handle.storage is Precision.AS_IS:
             self._grad_sink = self._grad_bridge = None
             return
-        shape, layout, dtype, device = tuple(self.weight.shape), handle.grad_layout, self.weight.dtype, self.weight.device
-        sink = WeightGradInFlight.zeros(shape, layout, dtype, device).requires_grad_(True)
-        sink.register_post_accumulate_grad_hook(self._take_sink_grad)
-        self._grad_sink = sink
-        self._grad_bridge = None if handle.sharded else _bridge(self.weight, shape, layout)
-
-    def _take_sink_grad(self, sink: torch.Tensor) -> None:
-        grad, sink.grad = sink.grad, None
-        self.stored_weight.add_grad(grad)  # type: ignore[arg-type]
+        self._grad_sink = grad_sink(handle)
+        self._grad_bridge = None if handle.sharded else _bridge(self.weight, tuple(self.weight.shape), handle.grad_layout)
 
     def _grad_routes_key(self) -> tuple[Any, ...]:
         """What the grad routes are built for: the weight's dtype and device, whether it
@@ -211,7 +225,7 @@ class StoredWeightModule(StoredWeightsModule):
         if getattr(self, "_grad_routes_for", None) != self._grad_routes_key():
             self._build_grad_routes()
 
-    def mark_weight_sharded(self) -> None:
+    def mark_weights_sharded(self) -> None:
         """FSDP2 put a new ``weight`` Parameter in place that holds this rank's rows: the
         gradient stays on the handle from now on (see ``StoredWeight.shard``)."""
         self.stored_weight.shard(self.weight)

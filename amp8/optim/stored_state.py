@@ -168,14 +168,15 @@ class StoredState:
         max_over_ranks: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """Each rank's rows of every sharded weight, cast from its master rows to FP8 with
-        one scale per weight (from the amax over all ranks), stored in place; FSDP2
-        all-gathers them before the next forward. Runs under ``no_grad``."""
+        the whole weight's scales (one per weight, or per expert of a stack of experts,
+        from the amaxes over all ranks), stored in place; FSDP2 all-gathers them before
+        the next forward. Runs under ``no_grad``."""
         params = [p for p in self.weights if MASTER in state[p]]
         if not params:
             return
-        chunks = [state_storage.load(state[p], MASTER) for p in params]
-        local_amax = torch.stack([chunk.abs().amax() if chunk.numel() else chunk.new_zeros(()) for chunk in chunks])
-        for param, chunk, amax in zip(params, chunks, max_over_ranks(local_amax)):
+        rows = [state_storage.load(state[p], MASTER).view(local_tensor(p).shape) for p in params]
+        local_amaxes = [self.weights[p].amax_of_rows(chunk) for p, chunk in zip(params, rows)]
+        amaxes = max_over_ranks(torch.cat([amax.flatten() for amax in local_amaxes]))
+        for param, chunk, local, amax in zip(params, rows, local_amaxes, amaxes.split([a.numel() for a in local_amaxes])):
             handle = self.weights[param]
-            data, scale = handle.encode(chunk, amax_value=amax)
-            handle.store(data.view(local_tensor(param).shape), scale)
+            handle.store(*handle.encode(chunk, amax_value=amax.view(local.shape)))

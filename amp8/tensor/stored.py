@@ -207,6 +207,8 @@ class StoredWeight:
         stack of experts' matrices that takes one scale per expert."""
         shape = tuple(self.param.shape)
         tile = self.tile()
+        if self.sharded:  # the optimizer keeps a sharded weight's state as flat chunks, in blocks
+            return None
         if self.fixed_storage or (len(shape) > 2 and tile == shape[-2:]):
             return (1, shape[-1])
         return tile
@@ -218,7 +220,40 @@ class StoredWeight:
 
     def stored(self) -> ScaledTensor:
         """The stored data (this rank's rows of a sharded weight) with its scales."""
-        return ScaledTensor(local_tensor(self.param).detach(), self.scale, self.block_size)
+        data = local_tensor(self.param).detach()
+        return ScaledTensor(data, self._scale_of_rows(self.scale, data), self.block_size)
+
+    def local_rows(self) -> tuple[int, int]:
+        """``[start, end)`` of the rows (dim 0) this rank stores: FSDP2 gives each rank
+        ``ceil(rows / ranks)`` rows in rank order; all of them where not sharded."""
+        param = self.param
+        rows = local_tensor(param).shape[0]
+        if not is_sharded(param):
+            return 0, rows
+        start = min(param.device_mesh.get_local_rank() * -(-param.shape[0] // param.device_mesh.size()), param.shape[0])
+        return start, start + rows
+
+    def _scale_of_rows(self, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The scales of ``rows`` (this rank's rows of the weight) among the whole
+        weight's ``scale``: those of its experts, for a stack with scales per expert
+        sharded over ranks; else ``scale`` itself."""
+        if scale.dim() == 0 or not is_sharded(self.param):
+            return scale
+        start, end = self.local_rows()
+        return scale[start:end]
+
+    def amax_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The amaxes this rank's ``rows`` of a sharded weight add to the whole weight's
+        (taken as the max over ranks): one for a weight with one scale; for a stack of
+        experts with one scale per expert, one per expert of the whole stack, zero for
+        the experts other ranks hold."""
+        if self.storage is not Precision.FP8 or len(self.param.shape) < 3 or self.tile() is None:
+            return rows.abs().amax() if rows.numel() else rows.new_zeros(())
+        whole = rows.new_zeros((self.param.shape[0], 1, 1))
+        start, end = self.local_rows()
+        if end > start:
+            whole[start:end] = scaling.tile_amax(rows, self.tile())
+        return whole
 
     def read(self) -> torch.Tensor:
         """The weight's real values in float32 (this rank's rows of a sharded weight,
@@ -235,8 +270,9 @@ class StoredWeight:
 
         FP16 storage rounds stochastically under ``noise_key`` when one is given; FP8
         storage takes the recipe's weight scales at its granularity. ``amax_value``
-        replaces the amax of ``value`` (to encode one rank's rows of a tensorwise-scaled
-        weight with the scale of the whole).
+        replaces the amax of ``value`` (to encode one rank's rows of a sharded weight
+        with the scales of the whole, ``amax_of_rows`` taken over all ranks); the scales
+        returned are the whole weight's.
         """
         if self.storage is Precision.AS_IS:
             return value.to(self.param.dtype), torch.ones((), device=value.device)
@@ -251,7 +287,7 @@ class StoredWeight:
         scale = scaling.scale_from_amax(
             amaxes, self.dtype, margin=margin, power_of_2=power_of_2, previous=previous_for(amaxes.shape)
         )
-        full_scale = scaling.expand_scale(scale, tuple(value.shape), self.block_size)
+        full_scale = scaling.expand_scale(self._scale_of_rows(scale, value), tuple(value.shape), self.block_size)
         if noise_key is not None and self.storage is Precision.FP16:
             return scaling.quantize_stochastic(value, full_scale, self.dtype, noise_key), scale
         return scaling.quantize(value, full_scale, self.dtype), scale
