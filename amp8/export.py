@@ -7,6 +7,7 @@ import copy
 import torch
 from torch import nn
 
+from amp8.config.levels import Precision
 from amp8.config.validation import check_model_and_optimizer
 from amp8.distributed.ddp import amp8_names, stop_watching
 from amp8.nn.activations import detach_activation_storage
@@ -15,6 +16,7 @@ from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.linear import Fp8Linear
 from amp8.tensor.scaled import is_sharded
+from amp8.tensor.stored import StoredWeight
 
 EXPORT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes ``export`` casts to: those an ``nn.Linear`` computes in."""
@@ -46,25 +48,17 @@ def export(
         allowed = ", ".join(map(str, EXPORT_DTYPES))
         raise TypeError(f"amp8.export(dtype={dtype!r}) is not valid; use one of {allowed}")
     real_weights: dict[str, torch.Tensor] = {}
-    masters = getattr(optimizer, "master_weight", None)
+    expert_weights: dict[str, dict[str, torch.Tensor]] = {}
     for name, module in model.named_modules():
         if isinstance(module, LowBitEmbedding):
             real_weights[name] = module.read_weight()
         elif isinstance(module, Fp8Linear):
-            if is_sharded(module.weight):
-                raise ValueError(
-                    f"{name}.weight is sharded over data-parallel ranks (O3 in a process "
-                    "group); export holds whole weights: export a model initialized in one "
-                    "process and loaded from the checkpoint (torch.distributed.checkpoint "
-                    "reshards it on load)"
-                )
-            has_master = optimizer is not None and "master" in optimizer.state.get(module.weight, {})
-            real_weights[name] = masters(module.weight) if has_master else module.read_weight()
-    expert_masters = {
-        name: {handle.name: masters(handle.param) for handle in module.stored_weights()
-               if optimizer is not None and "master" in optimizer.state.get(handle.param, {})}
-        for name, module in model.named_modules() if isinstance(module, Fp8Experts)
-    }
+            real_weights[name] = _real_weight(module.stored_weight, f"{name}.weight", optimizer)
+        elif isinstance(module, Fp8Experts):
+            expert_weights[name] = {
+                handle.name: _real_weight(handle, f"{name}.{handle.name}", optimizer)
+                for handle in module.stored_weights() if handle.storage is not Precision.AS_IS
+            }
     exported = copy.deepcopy(model)
     for module in exported.modules():
         detach_activation_storage(module)
@@ -87,9 +81,27 @@ def export(
         layer.weight_grad = None
     experts = [name for name, module in exported.named_modules() if isinstance(module, Fp8Experts)]
     for name in experts:
-        _replace(exported, name, exported.get_submodule(name).to_module(expert_masters[name]))
+        _replace(exported, name, exported.get_submodule(name).to_module(expert_weights[name]))
     release_lora_layers(exported)  # PEFT's own LoRA layers again, over the plain bases
     return exported.to(dtype)
+
+
+def _real_weight(handle: StoredWeight, name: str, optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
+    """The whole real values of the stored weight ``name``: the optimizer's FP16 master
+    where it keeps one (O3), else what the model stores.
+
+    Raises:
+        ValueError: the weight is sharded over data-parallel ranks.
+    """
+    if is_sharded(handle.param):
+        raise ValueError(
+            f"{name} is sharded over data-parallel ranks (O3 in a process group); export "
+            "holds whole weights: export a model initialized in one process and loaded "
+            "from the checkpoint (torch.distributed.checkpoint reshards it on load)"
+        )
+    if optimizer is not None and "master" in optimizer.state.get(handle.param, {}):
+        return optimizer.master_weight(handle.param)  # type: ignore[attr-defined]
+    return handle.read()
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -103,6 +103,15 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
             except ValueError as error:
                 found["export_error"] = str(error)
         found[level]["state"] = multiprocess.full_state(model)
+    # O3 with the experts as its only FP8 modules: export must still see the sharding.
+    model = tiny_moe_model(seed=0)
+    model, optimizer = amp8.initialize(
+        model, torch.optim.AdamW(model.parameters()), "O3", module_filter=lambda module, fqn: "experts" in fqn
+    )
+    try:
+        amp8.export(model, optimizer)
+    except ValueError as error:
+        found["experts_export_error"] = str(error)
     # Three experts over two ranks: FSDP2 gives rank 0 two of them, rank 1 one.
     model = tiny_moe_model(num_experts=3, seed=rank)
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O3")
@@ -211,6 +220,7 @@ def test_sharded_o3_experts_report_their_own_rows_and_refuse_export(results: lis
         local = param.numel() // 2
         assert local * 6 <= row["bytes"] <= local * 6 + 16 * 4 + local // 8, row["bytes"]
     assert "sharded over data-parallel ranks" in results[0]["export_error"]
+    assert results[0]["experts_export_error"].startswith("1.experts.gate_up_proj is sharded over data-parallel ranks")
 
 
 @pytest.mark.multiprocess
