@@ -37,6 +37,10 @@ class StoredWeightsModule(nn.Module):
     FP8 storage the weight's scales at the recipe's granularity).
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_state_dict_post_hook(_record_recipe)
+
     def stored_weights(self) -> tuple[StoredWeight, ...]:
         """The handles of this module's stored weights."""
         raise NotImplementedError
@@ -45,16 +49,12 @@ class StoredWeightsModule(nn.Module):
         self, name: str, weight: nn.Parameter, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
     ) -> StoredWeight:
         """Take over ``weight`` as Parameter ``name`` and store its values at ``storage``
-        (see ``StoredWeight`` for ``fixed_storage``), with its ``{name}_scale`` buffer;
-        the first call registers the state_dict hook that records the recipe."""
+        (see ``StoredWeight`` for ``fixed_storage``), with its ``{name}_scale`` buffer."""
         self.register_buffer(f"{name}_scale", torch.ones((), device=weight.device))
         real_weight = weight.detach().float()
         setattr(self, name, weight)
         handle = StoredWeight(self, recipe, storage, fixed_storage=fixed_storage, name=name)
         handle.write(real_weight)
-        if not getattr(self, "_records_recipe", False):
-            self.register_state_dict_post_hook(_record_recipe)
-            self._records_recipe = True
         return handle
 
     def drop_weight_cache(self) -> None:
