@@ -39,11 +39,16 @@ def _train(
         optimizer.zero_grad()
         loss = model(_batch(step, rank, world)).pow(2).mean()
         loss.backward()
-        experts = model.module[1].experts if hasattr(model, "module") else model[1].experts
+        experts = _unwrapped(model)[1].experts
         grad_types.add(type(experts.gate_up_proj.grad).__name__)
         optimizer.step()
         losses.append(loss.item())
     return {"grad_types": grad_types, "losses": losses}
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrapper."""
+    return getattr(model, "module", getattr(model, "_orig_mod", model))
 
 
 def _o3(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -236,3 +241,21 @@ def test_sharded_o3_moe_checkpoint_resumes_identically(tmp_path: Path) -> None:
     for key, value in model.state_dict().items():
         if not key.endswith((".scale", ".amax_history")):  # the FP8 layers' activation records are each rank's own
             assert_bitwise_equal(value, results[0]["saved"][key])
+
+
+def _compiled_o3(rank: int, world: int) -> dict[bool, list[float]]:
+    """Sharded O3 losses, eager and under ``torch.compile``, from the same start."""
+    losses = {}
+    for compiled in (False, True):
+        model, optimizer = _o3()
+        losses[compiled] = _train(torch.compile(model) if compiled else model, optimizer, rank)["losses"]
+    return losses
+
+
+@pytest.mark.compile
+@pytest.mark.multiprocess
+def test_sharded_o3_moe_trains_the_same_compiled(tmp_path: Path) -> None:
+    """The experts run eagerly inside the compiled model, FSDP2's gathers around them:
+    the compiled run takes the eager run's steps exactly."""
+    for losses in multiprocess.run(_compiled_o3, tmp_path):
+        assert losses[True] == losses[False]
