@@ -17,7 +17,7 @@ at O1 and O2, FP8 beside the optimizer's FP16 master at O3, and their gradients 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -107,7 +107,7 @@ class Fp8Experts(StoredWeightsModule):
             for name in (layout.gate_up, layout.down)
         )
         self._rules = tuple(CastRule.for_role(self.recipe, role) for role in TensorRole)
-        self._grad_sinks: dict[str, torch.Tensor] = {}
+        self._grad_sinks: dict[str, torch.Tensor] = {}  # see _build_grad_routes
         if self.recipe.wgrad_hadamard:  # seeded: the same matrix on every rank and run
             self.register_buffer("hadamard", random_hadamard().to(gate_up.device), persistent=False)
         # The replaced module, outside the module tree: its activation or gate method
@@ -148,35 +148,12 @@ class Fp8Experts(StoredWeightsModule):
         """The handles of the gate-up and down Parameters."""
         return self._stored  # type: ignore[return-value]
 
-    @property
-    def weight_storage(self) -> Precision:
-        """How both weights are stored: ``Precision.FP16``, ``Precision.FP8`` or ``AS_IS``."""
-        return self._stored[0].storage
+    _GRAD_ROUTES = ("_grad_sinks",)
 
-    def set_weight_storage(self, weight_storage: Precision) -> None:
-        """Re-store both weights as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
-        for handle in self._stored:
-            handle.restore(weight_storage)
-
-    def mark_weights_sharded(self) -> None:
-        """FSDP2 put new Parameters in place that hold this rank's experts (see
-        ``amp8.distributed.fsdp``): from now on each gradient stays on its handle, handed
-        over by a grad sink (``amp8.nn.stored_module.grad_sink``)."""
-        for handle in self._stored:
-            handle.shard(handle.param)
-        self._build_grad_sinks()
-
-    def _build_grad_sinks(self) -> None:
+    def _build_grad_routes(self) -> None:
+        """A grad sink per weight FSDP2 shards (``amp8.nn.stored_module.grad_sink``): it
+        takes the gradient from backward and hands it to the weight's handle."""
         self._grad_sinks = {handle.name: grad_sink(handle) for handle in self._stored if handle.sharded}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_grad_sinks", None)  # rebuilt in __setstate__: hooks do not copy
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._build_grad_sinks()
 
     def to_module(self, real_weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
         """The experts module this one replaced, holding this module's Parameters, or,

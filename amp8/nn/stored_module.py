@@ -64,12 +64,50 @@ class StoredWeightsModule(nn.Module):
     def _after_move(self) -> None:
         """Re-bind what refers to buffers that ``.to()``, a copy or a load replaced."""
 
+    _GRAD_ROUTES: tuple[str, ...] = ()
+    """The attributes ``_build_grad_routes`` sets: not copied, built again."""
+
+    def _build_grad_routes(self) -> None:
+        """Build what takes the weight gradients out of backward where the Parameters
+        cannot (grad sinks of sharded weights; see ``grad_sink``): after a copy, a
+        change of storage and ``mark_weights_sharded``. Nothing here."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._GRAD_ROUTES:  # tensors with hooks: rebuilt in __setstate__
+            state.pop(name, None)
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._after_move()
         for handle in self.stored_weights():
             if handle.storage is not Precision.AS_IS:  # a copied Parameter loses its mark
                 handle.mark(handle.param)
+        self._build_grad_routes()
+
+    @property
+    def weight_storage(self) -> Precision:
+        """How the weights are stored: ``Precision.FP16``, ``Precision.FP8`` or ``AS_IS``."""
+        return self.stored_weights()[0].storage
+
+    def _refresh_grad_routes(self) -> None:
+        """Rebuild the grad routes where they no longer fit the weights (here: always)."""
+        self._build_grad_routes()
+
+    def set_weight_storage(self, weight_storage: Precision) -> None:
+        """Re-store the weights as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
+        for handle in self.stored_weights():
+            handle.restore(weight_storage)
+        self._refresh_grad_routes()
+
+    def mark_weights_sharded(self) -> None:
+        """FSDP2 put new weight Parameters in place that hold this rank's rows (see
+        ``amp8.distributed.fsdp``): the gradients stay on the handles from now on (see
+        ``StoredWeight.shard``)."""
+        for handle in self.stored_weights():
+            handle.shard(handle.param)
+        self._build_grad_routes()
 
     def _convert_loaded_weight(
         self, handle: StoredWeight, state_dict: dict[str, Any], prefix: str, block_size: int
@@ -200,6 +238,8 @@ class StoredWeightModule(StoredWeightsModule):
             return self._grad_sink
         return self._grad_bridge if torch.compiler.is_compiling() else weight
 
+    _GRAD_ROUTES = ("_grad_sink", "_grad_bridge", "_grad_routes_for")
+
     def _build_grad_routes(self) -> None:
         """Build the grad sink and the gradient bridge (see ``_grad_target``) for the
         weight's dtype and device now; outside compiled code, as these are leaves and
@@ -225,12 +265,6 @@ class StoredWeightModule(StoredWeightsModule):
         if getattr(self, "_grad_routes_for", None) != self._grad_routes_key():
             self._build_grad_routes()
 
-    def mark_weights_sharded(self) -> None:
-        """FSDP2 put a new ``weight`` Parameter in place that holds this rank's rows: the
-        gradient stays on the handle from now on (see ``StoredWeight.shard``)."""
-        self.stored_weight.shard(self.weight)
-        self._build_grad_routes()
-
     def narrow_weight(self, dim: int, start: int, length: int) -> None:
         """Keep only ``length`` rows (``dim=0``) or columns (``dim=1``) of the stored
         weight from ``start``, at the same scale, in a new ``weight`` Parameter (autograd
@@ -243,25 +277,10 @@ class StoredWeightModule(StoredWeightsModule):
         self.drop_weight_cache()
         self._build_grad_routes()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_grad_sink", "_grad_bridge", "_grad_routes_for"):  # rebuilt in __setstate__
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._build_grad_routes()
-
     def _after_apply(self) -> None:
         self._refresh_grad_routes()
 
     # -- weight storage (see ``amp8.tensor.StoredWeight``) ------------------------------------
-    @property
-    def weight_storage(self) -> Precision:
-        """How the weight is stored: ``Precision.FP16``, ``Precision.FP8`` or ``AS_IS``."""
-        return self.stored_weight.storage
-
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the weight is stored in (float16 or float8_e4m3fn)."""
@@ -281,11 +300,6 @@ class StoredWeightModule(StoredWeightsModule):
         """Store ``real_weight`` (any float dtype) into the weight Parameter, in place,
         rounded stochastically under ``noise_key`` when one is given."""
         self.stored_weight.write(real_weight, noise_key)
-
-    def set_weight_storage(self, weight_storage: Precision) -> None:
-        """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
-        self.stored_weight.restore(weight_storage)
-        self._refresh_grad_routes()
 
     @property
     def weight_grad(self) -> ScaledTensor | None:
