@@ -229,6 +229,10 @@ def run(config_names: list[str], variant_names: list[str], seeds: list[int], ste
         config = CONFIGS[config_name].replace(steps=steps, eval_interval=steps)
         key = f"{config_name} steps={steps}" + (f" {tag}" if tag else "")
         study = studies.setdefault(key, {"configuration": config_name, "steps": steps, "losses": {}})
+        if tag:  # O0 trains without amp8: a tagged study takes the untagged study's O0 runs
+            untagged = studies.get(f"{config_name} steps={steps}", {}).get("losses", {}).get(BASELINE, {})
+            for seed, loss in untagged.items():
+                study["losses"].setdefault(BASELINE, {}).setdefault(seed, loss)
         study["config"] = PairedResult(config, (), ()).to_dict()["config"]
         study["code"] = _code_version()
         for seed in seeds:

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from amp8.optim.bound import ratio_bound
 from amp8.optim.state import FIRST_MOMENT_STREAM
 from amp8.quant import noise, scaling
 from amp8.tensor.stored import encode_fp16
@@ -72,6 +73,9 @@ class UpdateSpec:
     weight: WeightKind
     decay: Decay
     maximize: bool
+    # Low-bit moments: the step's ``m / (sqrt(v) + eps)`` is clamped at Adam's bound
+    # (``amp8.optim.bound``).
+    bounded: bool = False
     # The FP8 weight re-encoded from the master weight (WeightKind.MASTER only).
     fp8_weight: Storage = Storage()
     fp8_margin: int = 0
@@ -104,6 +108,7 @@ class Coefficients(NamedTuple):
     bias_correction2_sqrt: torch.Tensor  # (1 - beta2**step) ** 0.5
     eps: torch.Tensor
     decay: torch.Tensor  # 1 - lr * weight_decay (decoupled) or weight_decay (L2)
+    ratio_bound: torch.Tensor  # amp8.optim.bound.ratio_bound(beta1, beta2, step)
 
 
 class Result(NamedTuple):
@@ -126,7 +131,7 @@ def coefficients(
     """The ``Coefficients`` of Adam step number ``step`` (1.0 for the first step)."""
     values = (
         1 - beta1, beta2, 1 - beta2, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, eps,
-        1 - lr * weight_decay if decoupled else weight_decay,
+        1 - lr * weight_decay if decoupled else weight_decay, ratio_bound(beta1, beta2, step),
     )
     return Coefficients(*(torch.tensor(value, dtype=torch.float32) for value in values))
 
@@ -204,7 +209,11 @@ def adam_tensor_step(
     exp_avg = torch.lerp(exp_avg, grad, scalars.lerp_weight)
     exp_avg_sq = exp_avg_sq * scalars.beta2 + scalars.one_minus_beta2 * grad * grad
     denom = torch.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
-    weight = weight + scalars.neg_step_size * exp_avg / denom
+    numerator = exp_avg
+    if spec.bounded:  # |exp_avg / denom| <= Adam's bound (amp8.optim.bound)
+        limit = denom * scalars.ratio_bound
+        numerator = torch.minimum(torch.maximum(exp_avg, -limit), limit)
+    weight = weight + scalars.neg_step_size * numerator / denom
     exp_avg_data, exp_avg_scale = _store(exp_avg, spec.exp_avg, noise_key)
     exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, spec.exp_avg_sq, noise_key)
     fp8_weight = fp8_weight_scale = None

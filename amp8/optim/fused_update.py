@@ -61,6 +61,7 @@ def fused_update(
     spec = fused.UpdateSpec(
         grad=grad_storage, exp_avg=moments[0][2], exp_avg_sq=moments[1][2],  # type: ignore[arg-type]
         weight=kind, decay=decay, maximize=bool(group["maximize"]),
+        bounded=state_storage.low_bit_moments(param_state),
         fp8_weight=fp8_storage,  # type: ignore[arg-type]
         fp8_margin=handle.recipe.margin if handle is not None else 0,
         fp8_power_of_2=handle.recipe.power_of_2_scales if handle is not None else False,

@@ -5,10 +5,13 @@ A tensor kept in FP32 is stored under its key as is. A low-bit one is stored as
 ``block_size`` elements, or one for the tensor when ``block_size`` is 0) and
 ``key + "_block_size"`` (that int, so a checkpoint decodes whatever it was saved with).
 
-A 2-D FP8 tensor may instead take one scale per ``tile`` (rows, columns), the recipe's
+A low-bit matrix may instead take one scale per ``tile`` (rows, columns), the recipe's
 granularity for a weight: its scales are then 2-D, ``(ceil(R / rows), ceil(C / columns))``,
 and ``key + "_block_size"`` holds the larger tile edge. Those scales may be stored as
-one-byte E8M0 powers of two (the MXFP8 recipe's first moment).
+one-byte E8M0 powers of two (the MXFP8 recipe's moments). Adam's two moments of one
+tensor always take the same tiles (``amp8.optim.stored_state``): a second moment with
+coarser scales than its first flushes a row to zero where the first moment keeps it, and
+``m / sqrt(v)`` explodes.
 
 An FP8 first moment is rounded stochastically (``rounds_stochastically``), under noise
 stream ``FIRST_MOMENT_STREAM`` of its update's key.
@@ -53,7 +56,7 @@ def store(
     noise_key: torch.Tensor | int | None = None,
 ) -> None:
     """Put float32 ``value`` into ``state[key]`` at ``precision`` (with its scales): one
-    scale per ``tile`` for FP8 where a tile is given, stored as ``tile_scale_dtype``
+    scale per ``tile`` where a tile is given, stored as ``tile_scale_dtype``
     (E8M0: power-of-two scales in one byte), else per flat block of ``block_size``
     elements (0: per tensor). Where ``rounds_stochastically(key, precision)`` and a
     ``noise_key`` (the update's) is given, the values round stochastically under its
@@ -67,7 +70,7 @@ def store(
         noise_key = noise.stream_key(noise_key, FIRST_MOMENT_STREAM)
     else:
         noise_key = None
-    if precision is Precision.FP8 and tile is not None:
+    if tile is not None:
         power_of_2 = tile_scale_dtype is not torch.float32
         data, scales = scaling.quantize_tiles(
             value, _STORAGE_DTYPES[precision], tile, power_of_2=power_of_2, noise_key=noise_key
@@ -97,3 +100,9 @@ def stored_precision(state: dict[str, Any], key: str) -> Precision:
         if dtype == storage_dtype:
             return precision
     return Precision.FP32
+
+
+def low_bit_moments(state: dict[str, Any]) -> bool:
+    """Whether either of Adam's moments in ``state`` is stored below float32: its step is
+    then held to Adam's bound (``amp8.optim.bound``)."""
+    return any(stored_precision(state, key) is not Precision.FP32 for key in MOMENTS)

@@ -98,12 +98,16 @@ class StoredState:
         noise_key: torch.Tensor | None = None,
     ) -> None:
         """Store a moment at its level's precision. An FP8 first moment is rounded
-        stochastically under ``noise_key`` (the update's) when one is given, and takes
-        the tiles of its FP8 layer's weight scales (rowwise or block recipes), or one scale
-        per row for any other matrix (an embedding: a rare token's row would round to zero
-        under a scale set by the frequent ones); other low-bit moments take
-        ``state_block_size``. Its scales are stored as ``StoredWeight.state_scale_dtype``
-        gives them."""
+        stochastically under ``noise_key`` (the update's) when one is given. Both moments
+        of a matrix take the same scale tiles: those of its FP8 layer's weight scales
+        (rowwise or block recipes), or one scale per row for any other matrix (an
+        embedding: a rare token's row would round to zero under a scale set by the
+        frequent ones). The second moment must not be coarser than the first: where one
+        scale spans rows whose values lie far apart, the FP16 second moment flushes the
+        small rows to zero while the first moment keeps them, and ``m / sqrt(v)`` moves a
+        weight by thousands of learning rates. Other low-bit moments take
+        ``state_block_size``. Scales of tiles are stored as
+        ``StoredWeight.state_scale_dtype`` gives them."""
         handle = self.weights.get(param)
         if handle is not None:
             tile, scale_dtype = handle.state_tile(), handle.state_scale_dtype()
