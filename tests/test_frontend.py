@@ -177,6 +177,7 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
         (lambda: amp8.ops.gemm.GemmRole, ImportError, r"amp8\.config\.Gemm"),
         (lambda: exec("from amp8.ops.gemm import GemmRole"), ImportError, r"amp8\.config\.Gemm"),
         (lambda: _quietly(lambda: amp8.gemm.GemmRole), ImportError, r"amp8\.config\.Gemm"),
+        (lambda: _quietly(lambda: amp8.formats.support_reason), ImportError, r"E8M0 and FP4 are always torch dtypes"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).read_weight, AttributeError, "master_weight"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).write_weight, AttributeError, "update_weight"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), fp8_layers=[]), TypeError, "finds the FP8 weights"),
@@ -192,7 +193,8 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
          r"optimizer\.gradient_average\.data_parallel"),
     ],
     ids=["DataParallel", "from-import DataParallel", "amp8.comm.DataParallel", "from amp8.comm import DataParallel",
-         "Slot", "from-import Slot", "GemmRole", "from-import GemmRole", "amp8.gemm.GemmRole", "read_weight", "write_weight",
+         "Slot", "from-import Slot", "GemmRole", "from-import GemmRole", "amp8.gemm.GemmRole",
+         "amp8.formats.support_reason", "read_weight", "write_weight",
          "fp8_layers", "data_parallel=", "overlap_communication=", "reduction=", ".reduction", ".data_parallel"],
 )
 def test_removed_names_name_their_replacement(use, error: type, replacement: str) -> None:
