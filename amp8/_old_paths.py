@@ -20,11 +20,12 @@ new package's folder and run that file a second time as another module.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import warnings
 from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Sequence
 
 MOVED_MODULES: dict[str, str] = {
@@ -120,6 +121,13 @@ class _AliasLoader(Loader):
         which the import then returns (the import system's documented replacement)."""
         warn_moved(module.__name__, self.home, stacklevel=2)
         sys.modules[module.__name__] = importlib.import_module(self.home)
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The code of the module at ``home``, for ``python -m <old path>`` (runpy runs it
+        as ``__main__``), with the warning."""
+        warn_moved(fullname, self.home, stacklevel=2)
+        spec = importlib.util.find_spec(self.home)
+        return None if spec is None else spec.loader.get_code(self.home)  # type: ignore[union-attr]
 
 
 class OldPathFinder(MetaPathFinder):
