@@ -9,13 +9,14 @@ subpackage (``amp8.config``, ``amp8.nn``, ``amp8.optim``, ``amp8.distributed``,
 """
 
 import importlib
-import warnings
 from typing import Any
 
+from amp8 import _old_paths
 from amp8._version import __version__
 from amp8.config.controller import ControllerConfig
 from amp8.config.levels import LEVELS, OptLevel
 from amp8.config.recipe import Recipe
+from amp8.config.validation import moved_name
 from amp8.export import export
 from amp8.frontend import initialize
 from amp8.monitor.controller import Controller
@@ -47,12 +48,23 @@ def compare(*args: Any, **kwargs: Any) -> Any:
     return run(*args, **kwargs)
 
 
+_old_paths.install()  # ``import amp8.scaling`` and amp8's other old module paths (see amp8/_old_paths.py)
+
+
 def __getattr__(name: str) -> Any:
-    """A name that moved to a subpackage, with a ``DeprecationWarning`` (for one release)."""
+    """A name that moved to a subpackage, or an old module (``amp8.scaling``), with a
+    ``DeprecationWarning`` naming its new home (for one release); a gone module fails
+    naming what to import instead."""
     if name in MOVED:
-        warnings.warn(f"amp8.{name} moved to {MOVED[name]}.{name}; the top-level name goes in the next release",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(MOVED[name]), name)
+        return moved_name("amp8", name, MOVED)
+    old = f"amp8.{name}"
+    home = _old_paths.moved_home(old)
+    if home is not None:
+        _old_paths.warn_moved(old, home, stacklevel=2)
+        return importlib.import_module(home)
+    error = _old_paths.gone_error(old)
+    if error is not None:
+        raise error
     raise AttributeError(f"module 'amp8' has no attribute {name!r}")
 
 

@@ -27,7 +27,6 @@ LAYERS: dict[str, int] = {
     "amp8.distributed": 5,
     "amp8.monitor": 6,
     "amp8": 7,  # the API: initialize, export, the package's own __init__
-    "amp8.comm": 7,  # the deprecated alias of amp8.distributed
     "amp8.tools": 8,
 }
 """Each part of the package and its layer: a module may import its own part and parts of

@@ -45,6 +45,12 @@ ALLOWED: dict[str, str] = {
         "backward frees its FP8 weight copy unless the graph is kept, and autograd tells a "
         "Function's backward no other way"
     ),
+    "torch._C._current_autograd_node": (
+        "the backward node running now: when an FP8 weight gradient is written into a plain tensor, "
+        "whether that is autograd's AccumulateGrad adding it to a plain .grad assigned by hand (the "
+        "error then says to clear .grad) or an optimizer's step (the error names amp8's optimizer). "
+        "Read only on that error's path; torch has no public way to ask"
+    ),
     # -- beyond the scope: torch features amp8 builds on ---------------------------------------
     **{
         f"torch._foreach_{op}": (

@@ -12,6 +12,8 @@ from enum import Enum
 
 import torch
 
+from amp8.config.validation import removed_name
+
 E4M3: torch.dtype = torch.float8_e4m3fn
 E5M2: torch.dtype = torch.float8_e5m2
 FP8_DTYPES: tuple[torch.dtype, ...] = (E4M3, E5M2)
@@ -62,3 +64,14 @@ def short_name(dtype: torch.dtype | None) -> str | None:
 def is_fp4(dtype: torch.dtype | None) -> bool:
     """Whether ``dtype`` is the packed FP4 dtype."""
     return dtype == FP4
+
+
+_REMOVED = {
+    "support_reason": "every torch amp8 supports has the microscaling dtypes (E8M0 and FP4 are always torch "
+    "dtypes); amp8._compat says what a torch release lacks",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Removed names fail naming what replaces them."""
+    raise removed_name("amp8.config.formats", name, _REMOVED, module=True)

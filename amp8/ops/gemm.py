@@ -23,6 +23,7 @@ import torch
 from amp8 import _compat
 from amp8.config.formats import E5M2, FP8_DTYPES
 from amp8.config.gemms import Gemm
+from amp8.config.validation import removed_name
 from amp8.ops.block_scaled import microscaled_gemm
 from amp8.quant import scaling
 from amp8.quant.scale_layout import GEMM_ALIGNMENT, is_column_major, is_row_major
@@ -250,3 +251,14 @@ def check_fp8_device(device: torch.device) -> None:
         f"device {device} cannot run FP8 GEMMs in amp8; use the CPU or a CUDA GPU with sm_89+, "
         "or opt_level='O0'"
     )
+
+
+_REMOVED = {
+    "GemmRole": "use amp8.config.Gemm (FPROP, DGRAD, WGRAD), an IntEnum: its values are 0, 1, 2 where "
+    "GemmRole's were 'fprop', 'dgrad', 'wgrad'",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Removed names fail naming what replaces them."""
+    raise removed_name("amp8.ops.gemm", name, _REMOVED, module=True)

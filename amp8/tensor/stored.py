@@ -34,6 +34,7 @@ from amp8.config.recipe import Recipe, Scaling
 from amp8.quant import scaling
 from amp8.tensor.scaled import ScaledTensor, is_sharded, local_tensor
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
+from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 
 STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
 # Headroom of one binade above an FP16 tensor's amax, so growth between rescales fits.
@@ -357,8 +358,7 @@ class StoredWeight:
         if not isinstance(grad, WeightGrad):
             raise TypeError(
                 f"the weight gradient of an FP8 layer must be an amp8 WeightGrad (FP8 + "
-                f"scale), found a {type(grad).__name__} of {grad.dtype}; clear it with "
-                "zero_grad() and let backward produce it"
+                f"scale), found a {type(grad).__name__} of {grad.dtype}; {PLAIN_GRAD_FIX}"
             )
         return grad.fp8
 

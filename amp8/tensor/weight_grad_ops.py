@@ -13,9 +13,11 @@ gets: the gradient's ``__torch_dispatch__``.
   ``.to(device)``, ``clone``, ``detach``, ``zero_``, ``copy_`` keep a gradient.
 - ``torch._foreach_*`` forms run one tensor at a time.
 
-An in-place operation on a plain tensor that reads a gradient (an optimizer adding it to
-the scaled stored weight, or to its moments) raises a ``TypeError`` naming amp8's
-optimizer; any other operation raises a ``TypeError`` that lists the supported ones.
+An in-place operation on a plain tensor that reads a gradient raises a ``TypeError``: where
+backward would add a new gradient to a plain tensor in the weight's ``.grad`` (one assigned
+by hand), it says to clear ``.grad`` and let backward make the gradient; elsewhere (an
+optimizer adding it to the scaled stored weight, or to its moments) it names amp8's
+optimizer. Any other operation raises a ``TypeError`` that lists the supported ones.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ OPTIMIZER_FIX = (
     "step FP8 weights with the optimizer amp8.initialize returns (or amp8.optim.LowBitAdam "
     "over the model's parameters), or keep weights and gradients as your optimizer expects "
     "with opt_level=amp8.config.levels.FP8_COMPUTE_ONLY"
+)
+
+PLAIN_GRAD_FIX = (
+    "an FP8 weight's gradient is made by backward: clear it with optimizer.zero_grad() (or "
+    "weight.grad = None) before backward, and do not assign a plain tensor to weight.grad"
 )
 
 _SUPPORTED = (
@@ -87,10 +94,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if base not in ELEMENTWISE and base not in READS:
         raise _unsupported(str(func))
     if in_place and not isinstance(args[0], WeightGrad):
-        raise TypeError(
-            f"amp8: {func} would write an FP8 weight gradient (1 byte per element, the gradient "
-            f"of the real weight, which the parameter stores scaled) into a plain tensor; {OPTIMIZER_FIX}"
-        )
+        raise _written_into_plain(str(func), args[0])
     if base in ("mul", "div") and not kwargs:
         exact = _scaled_exactly(name, *args)
         if exact is not None:
@@ -98,6 +102,28 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if in_place:
         return _in_place(func, args[0], args[1:], kwargs)
     return _elementwise(func, args, kwargs, base in ELEMENTWISE)
+
+
+def _written_into_plain(operation: str, target: torch.Tensor) -> TypeError:
+    """The error for ``operation`` writing a gradient into the plain tensor ``target``."""
+    if _accumulating_into(target):
+        return TypeError(
+            "amp8: backward cannot add an FP8 weight gradient to the weight's .grad, which holds a "
+            "plain tensor (assigned outside backward, e.g. weight.grad = torch.zeros_like(weight)); "
+            f"{PLAIN_GRAD_FIX}"
+        )
+    return TypeError(
+        f"amp8: {operation} would write an FP8 weight gradient (1 byte per element, the gradient "
+        f"of the real weight, which the parameter stores scaled) into a plain tensor; {OPTIMIZER_FIX}"
+    )
+
+
+def _accumulating_into(target: torch.Tensor) -> bool:
+    """Whether autograd is accumulating a gradient into ``target`` as a Parameter's
+    ``.grad`` (the running backward node is that Parameter's ``AccumulateGrad``)."""
+    node = torch._C._current_autograd_node()
+    variable = getattr(node, "variable", None)
+    return isinstance(variable, torch.Tensor) and variable.grad is target
 
 
 def _unsupported(operation: str) -> TypeError:

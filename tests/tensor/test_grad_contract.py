@@ -153,3 +153,41 @@ def test_a_dropped_model_is_freed(level: str) -> None:
     del model, optimizer
     gc.collect()
     assert dropped() is None, "the model outlived every reference to it"
+
+
+PLAIN_GRADS = {  # torch itself refuses a .grad of another dtype than the Parameter's
+    "zeros_like(weight)": lambda weight: torch.zeros_like(weight),
+    "the real gradient": lambda weight: weight.grad.float().to(weight.dtype),
+}
+
+
+@pytest.mark.parametrize("level", FP8_LEVELS)
+@pytest.mark.parametrize("plain", list(PLAIN_GRADS))
+@pytest.mark.parametrize("clear", ["optimizer.zero_grad()", "weight.grad = None"])
+def test_a_plain_tensor_in_weight_grad_fails_backward_naming_zero_grad(level: str, plain: str, clear: str) -> None:
+    """Backward cannot add an FP8 gradient to a plain ``.grad`` assigned by hand: the error
+    says to clear it and let backward make the gradient, and doing so works."""
+    model, optimizer = _model(level)
+    _loss(model).backward()
+    weight = model[0].weight
+    weight.grad = PLAIN_GRADS[plain](weight)
+    with pytest.raises(TypeError, match=r"backward cannot add .* holds a plain tensor .* optimizer\.zero_grad\(\) "
+                                        r"\(or weight\.grad = None\)"):
+        _loss(model).backward()
+    if clear == "optimizer.zero_grad()":
+        optimizer.zero_grad()
+    else:
+        weight.grad = None
+    _loss(model).backward()
+    assert isinstance(weight.grad, WeightGrad)
+
+
+@pytest.mark.parametrize("level", FP8_LEVELS)
+def test_a_stock_optimizer_over_fp8_weights_is_told_to_use_amp8s(level: str) -> None:
+    """Outside backward, writing the FP8 gradient into a plain tensor is an optimizer's
+    step, and the error names amp8's optimizer, not ``zero_grad``."""
+    model, _ = _model(level)
+    _loss(model).backward()
+    stock = torch.optim.SGD([model[0].weight], lr=0.1)
+    with pytest.raises(TypeError, match=r"would write an FP8 weight gradient .* amp8\.initialize returns"):
+        stock.step()
