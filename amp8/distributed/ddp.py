@@ -49,7 +49,9 @@ registered (or any DDP around an O3 model, whose FP8 weights FSDP2 shards) raise
 ``RuntimeError`` naming ``amp8.distributed.register_ddp`` at the first forward, before
 any gradient is averaged twice. It runs in eager forwards with grad enabled (a forward
 under ``torch.compile`` skips it: Dynamo does not trace a walk of the stack) and costs a
-walk of the stack per forward, microseconds.
+walk of the stack per forward, microseconds. A copy of the model (``copy.deepcopy``, for
+evaluation or an EMA) gets a guard with no process group, which refuses any DDP: no
+optimizer averages the copy's gradients (see ``DdpGuard``).
 
 Two uses of torch names that begin with an underscore remain, each with no public
 equivalent (listed with their reasons in ``tests/test_private_api.py``): the ignore list

@@ -117,7 +117,8 @@ def _export_checks(model: nn.Module, ddp: nn.Module | None) -> dict[str, Any]:
     }
     if ddp is not None:
         through_ddp = _state(amp8.export(ddp))
-        found["export_of_ddp_differs"] = [k for k, v in found["export_state"].items() if not torch.equal(through_ddp[k], v)]
+        exported_state = found["export_state"]
+        found["export_of_ddp_differs"] = [k for k, v in exported_state.items() if not torch.equal(through_ddp[k], v)]
     return found
 
 
@@ -135,6 +136,7 @@ def _copy_checks(
         "copy_unbound_handles": _unbound_handles(copied),
         "copy_group": data_parallel_group(copied),
         "copy_reaches": _reachable(copied, PROCESS_GROUP_OBJECTS),
+        "original_reaches": _reachable(model, PROCESS_GROUP_OBJECTS),
         "original_group_kept": data_parallel_group(model) is optimizer.gradient_average.data_parallel,
     }
     if ddp is not None:
@@ -236,6 +238,9 @@ def test_deepcopy_holds_no_process_group(copies: list[dict], level: str, case: s
         found = rank[level, case]
         assert found["copy_group"] is None and found["copy_reaches"] == []
         assert found["original_group_kept"], "the original keeps its group"
+        assert "DataParallelGroup" in found["original_reaches"], "the walk finds what the original holds"
+        if case == "registered":
+            assert {"ProcessGroup", "DistributedDataParallel"} <= set(found["original_reaches"])
 
 
 @pytest.mark.multiprocess
@@ -273,6 +278,7 @@ def test_copy_of_a_guarded_model_holds_no_group(level: str, registered: bool) ->
     copied = copy.deepcopy(model)
     assert data_parallel_group(model) is group and data_parallel_group(copied) is None
     assert _reachable(copied, (_Uncopyable, DataParallelGroup)) == []
+    assert len(_reachable(model, (_Uncopyable,))) == 1 + registered, "the walk finds what the original holds"
     guards = [hook.__self__ for hook in copied._forward_pre_hooks.values() if isinstance(hook.__self__, DdpGuard)]
     assert len(guards) == 1 and guards[0].data_parallel is None
     with pytest.raises(RuntimeError, match=r"wraps a copy \(copy\.deepcopy\) of an amp8 model"):
