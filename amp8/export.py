@@ -9,7 +9,7 @@ from torch import nn
 
 from amp8.config.levels import Precision
 from amp8.config.validation import check_model_and_optimizer
-from amp8.distributed.ddp import amp8_names, stop_watching
+from amp8.distributed.ddp import DDP, amp8_names, stop_watching
 from amp8.nn.activations import detach_activation_storage
 from amp8.nn.adapters import release_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
@@ -34,6 +34,11 @@ def export(
     the DDP guard): a plain PyTorch model. The original is not changed. PEFT's LoRA layers
     stay, as PEFT's own, over the plain bases: ``merge_and_unload()`` on the result merges.
 
+    In a process group at O1/O2 every rank exports the whole weights it holds (the same
+    on every rank), before or after ``amp8.distributed.register_ddp``; the copy holds no
+    process group. Given the ``DistributedDataParallel`` around the model, it exports the
+    model the DDP wraps (a DDP is not a model to hand on: wrap the result again if needed).
+
     Pass the optimizer at O3 to export the FP16 master weights instead of the FP8 ones
     (of the FP8 layers and the experts).
 
@@ -44,6 +49,8 @@ def export(
         ValueError: a weight sharded over data-parallel ranks.
     """
     check_model_and_optimizer("amp8.export", model, optimizer)
+    if isinstance(model, DDP):
+        model = model.module
     if not isinstance(dtype, torch.dtype) or dtype not in EXPORT_DTYPES:
         allowed = ", ".join(map(str, EXPORT_DTYPES))
         raise TypeError(f"amp8.export(dtype={dtype!r}) is not valid; use one of {allowed}")

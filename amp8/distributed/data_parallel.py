@@ -73,6 +73,14 @@ class DataParallelGroup:
     at_backward_end: list[Callable[[], None]] = field(default_factory=list)
     comm_hook_in_flight: list[Any] = field(default_factory=list)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "DataParallelGroup":
+        """This same group, not a copy: a process group cannot be copied, and what
+        ``copy.deepcopy`` reaches it through (a copied DDP's hooks and comm-hook record)
+        belongs to the run it counts. Those hooks act for the registered ``ddp`` only, so
+        in a copy they do nothing; a copy of the model itself holds no group (see
+        ``amp8.distributed.ddp.DdpGuard``)."""
+        return self
+
     @property
     def reduces_at_backward_end(self) -> bool:
         """Whether the FP8 weights' gradients are averaged when backward ends rather than

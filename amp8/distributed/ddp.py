@@ -49,7 +49,9 @@ registered (or any DDP around an O3 model, whose FP8 weights FSDP2 shards) raise
 ``RuntimeError`` naming ``amp8.distributed.register_ddp`` at the first forward, before
 any gradient is averaged twice. It runs in eager forwards with grad enabled (a forward
 under ``torch.compile`` skips it: Dynamo does not trace a walk of the stack) and costs a
-walk of the stack per forward, microseconds.
+walk of the stack per forward, microseconds. A copy of the model (``copy.deepcopy``, for
+evaluation or an EMA) gets a guard with no process group, which refuses any DDP: no
+optimizer averages the copy's gradients (see ``DdpGuard``).
 
 Two uses of torch names that begin with an underscore remain, each with no public
 equivalent (listed with their reasons in ``tests/test_private_api.py``): the ignore list
@@ -86,6 +88,14 @@ _SHARDED_MESSAGE = (
 )
 
 
+_COPY_MESSAGE = (
+    "DistributedDataParallel wraps a copy (copy.deepcopy) of an amp8 model: amp8 averages the "
+    "FP8 weights' gradients of the model amp8.initialize returned only, with the optimizer it "
+    "returned; train that model under DDP, use the copy for evaluation or as an EMA (under "
+    "torch.no_grad()), or hand amp8.initialize a plain copy, amp8.export(model)"
+)
+
+
 def register_ddp(
     ddp: nn.parallel.DistributedDataParallel,
     optimizer: torch.optim.Optimizer | None = None,
@@ -115,9 +125,11 @@ def register_ddp(
     Raises:
         TypeError: ``ddp`` is not a ``DistributedDataParallel``, or ``optimizer`` is not
             one ``amp8.initialize`` returned in a process group.
-        RuntimeError: the model's FP8 weights are sharded (O3 brings FSDP2); DDP does not
-            leave the FP8 weights to amp8 (it was built before ``initialize``, or around
-            another module); ``comm_hook=True`` and the DDP has a comm hook already.
+        RuntimeError: the model's FP8 weights are sharded (O3 brings FSDP2); the model is a
+            copy (``copy.deepcopy``) of the one ``initialize`` returned, whose gradients
+            no optimizer averages; DDP does not leave the FP8 weights to amp8 (it was
+            built before ``initialize``, or around another module); ``comm_hook=True``
+            and the DDP has a comm hook already.
     """
     if not isinstance(ddp, DDP):
         raise TypeError(
@@ -126,6 +138,8 @@ def register_ddp(
             "register_ddp(DistributedDataParallel(model))"
         )
     data_parallel, sharded = _amp8_group(ddp.module, optimizer)
+    if _is_copy(ddp.module):
+        raise RuntimeError(_SHARDED_MESSAGE if sharded else _COPY_MESSAGE)
     if data_parallel is None:
         return ddp
     if sharded:
@@ -160,13 +174,15 @@ def register_ddp_when_wrapped(module: nn.Module, *, comm_hook: bool = True) -> n
         comm_hook: as for ``register_ddp``: register ``fp8_compress_hook`` on the DDP.
 
     Raises:
-        RuntimeError: the model's FP8 weights are sharded (O3 brings FSDP2).
+        RuntimeError: the model's FP8 weights are sharded (O3 brings FSDP2), or the model
+            is a copy (``copy.deepcopy``) of the one ``initialize`` returned.
     """
-    guards = [owner for inner in module.modules() for owner in forward_pre_hook_owners(inner)
-              if isinstance(owner, DdpGuard)]
+    guards = _guards(module)
     for guard in guards:
         if guard.sharded:
             raise RuntimeError(_SHARDED_MESSAGE)
+        if guard.data_parallel is None:
+            raise RuntimeError(_COPY_MESSAGE)
         guard.register_with_comm_hook = comm_hook
     if guards:
         leave_to_amp8(module)
@@ -204,12 +220,21 @@ def data_parallel_group(model: nn.Module) -> DataParallelGroup | None:
 
     The group is the one ``initialize`` gave the model's ``DdpGuard``, found among the
     model's forward pre-hooks: the model carries no other record of it, and amp8 keeps no
-    table of models."""
-    for module in model.modules():
-        for owner in forward_pre_hook_owners(module):
-            if isinstance(owner, DdpGuard):
-                return owner.data_parallel
-    return None
+    table of models. A copy of the model (``copy.deepcopy``) has none."""
+    return next((guard.data_parallel for guard in _guards(model) if guard.data_parallel is not None), None)
+
+
+def _guards(model: nn.Module) -> list["DdpGuard"]:
+    """The ``DdpGuard``s among the forward pre-hooks of ``model`` and the modules in it."""
+    return [owner for module in model.modules() for owner in forward_pre_hook_owners(module)
+            if isinstance(owner, DdpGuard)]
+
+
+def _is_copy(model: nn.Module) -> bool:
+    """Whether ``model`` is a copy of an amp8 model in a process group: it has guards, and
+    none holds a group (see ``DdpGuard.__deepcopy__``)."""
+    guards = _guards(model)
+    return bool(guards) and all(guard.data_parallel is None for guard in guards)
 
 
 def _check_left_to_amp8(ddp: nn.parallel.DistributedDataParallel) -> None:
@@ -282,24 +307,35 @@ def _contains(root: nn.Module, module: nn.Module) -> bool:
 class DdpGuard:
     """The forward pre-hook ``initialize`` registers on a model in a process group: it
     refuses a DDP that runs the model without ``register_ddp``, and any DDP around a model
-    whose FP8 weights FSDP2 shards (``sharded``, O3). See the module docstring."""
+    whose FP8 weights FSDP2 shards (``sharded``, O3). See the module docstring.
 
-    def __init__(self, data_parallel: DataParallelGroup, sharded: bool) -> None:
+    A copy of the model (``copy.deepcopy``: an EMA or evaluation copy) gets a guard of
+    its own with no ``data_parallel`` (None): the copy holds no process group, and no
+    optimizer averages its gradients, so its guard refuses any DDP that trains it."""
+
+    def __init__(self, data_parallel: DataParallelGroup | None, sharded: bool) -> None:
         self.data_parallel = data_parallel
         self.sharded = sharded
         # None: refuse an unregistered DDP; a bool: register it (register_ddp_when_wrapped)
         # with that comm_hook.
         self.register_with_comm_hook: bool | None = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "DdpGuard":
+        """The guard of a copy of the model: no process group, no DDP (see the class)."""
+        return DdpGuard(None, self.sharded)
+
     def before_forward(self, module: nn.Module, args: Any) -> None:
-        """Forward pre-hook: raise if an unregistered DDP (or any DDP at O3) runs ``module``."""
+        """Forward pre-hook: raise if an unregistered DDP (or any DDP at O3, or any DDP
+        around a copy of the model) runs ``module``."""
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
         ddp = running_ddp(module)
-        if ddp is None or ddp is self.data_parallel.ddp:
+        if ddp is None or (self.data_parallel is not None and ddp is self.data_parallel.ddp):
             return
         if self.sharded:
             raise RuntimeError(_SHARDED_MESSAGE)
+        if self.data_parallel is None:
+            raise RuntimeError(_COPY_MESSAGE)
         if self.register_with_comm_hook is not None:
             register_ddp(ddp, comm_hook=self.register_with_comm_hook)
             # The DDP's own forward pre-hooks ran before this forward registered them.

@@ -80,10 +80,9 @@ class StoredWeightsModule(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        for handle in self.stored_weights():  # copied handles hold no layer, copied Parameters no mark
+            handle.bind(self)
         self._after_move()
-        for handle in self.stored_weights():
-            if handle.storage is not Precision.AS_IS:  # a copied Parameter loses its mark
-                handle.mark(handle.param)
         self._build_grad_routes()
 
     @property

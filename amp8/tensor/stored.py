@@ -112,7 +112,7 @@ class StoredWeight:
         # tensor whose autograd node holds the Parameter, see ``amp8.nn.stored_module``)
         # to the Parameter; a strong way back to the layer would be a cycle through C++
         # that the garbage collector cannot see.
-        self._module_ref = weakref.ref(module)
+        self._module_ref: weakref.ref[nn.Module] | None = weakref.ref(module)
         self.recipe = recipe
         self.storage = storage
         self.fixed_storage = fixed_storage
@@ -125,21 +125,35 @@ class StoredWeight:
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy`` of the model) starts with no gradient and no hooks:
-        those belong to the original's optimizer and run."""
+        those belong to the original's optimizer and run. It holds no layer either: the
+        copied layer binds it (``bind``), so a copy rebuilds alike whichever of the two
+        it reaches first."""
         state = self.__dict__.copy()
-        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=self._module)
+        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild from ``__getstate__`` (the reference to the layer becomes weak again)."""
+        """Rebuild from ``__getstate__``; the layer binds the handle when it is rebuilt."""
         self.__dict__.update(state)
-        self._module_ref = weakref.ref(state["_module_ref"])
+        module = state.get("_module_ref")
+        if isinstance(module, nn.Module):  # saved by an amp8 that kept the layer in the state
+            self._module_ref = weakref.ref(module)
+
+    def bind(self, module: nn.Module) -> None:
+        """Make ``module`` the layer that owns this weight (a copied layer takes its copied
+        handle so) and attach the handle to its Parameter (see ``mark``)."""
+        self._module_ref = weakref.ref(module)
+        if self.storage is not Precision.AS_IS:
+            self.mark(self.param)
 
     @property
     def _module(self) -> nn.Module:
-        module = self._module_ref()
+        module = None if self._module_ref is None else self._module_ref()
         if module is None:
-            raise RuntimeError("the layer that stored this weight was deleted; keep the model alive while training it")
+            raise RuntimeError(
+                "the layer that stored this weight was deleted, or the weight was copied without "
+                "its layer; keep the model alive while training it, and copy the model, not the weight"
+            )
         return module
 
     def mark(self, param: nn.Parameter) -> None:
