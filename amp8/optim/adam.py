@@ -2,7 +2,8 @@
 
 The update of every parameter is computed in float32 from dequantized state and stored
 back at the precisions of the opt level: Adam's first moment in FP8 (E4M3, rounded
-stochastically) and second in FP16 at O2 and O3, each with one scale per block; weights
+stochastically) and second in FP16 at O2 and O3, both with the same scale tiles, the step
+held to exact Adam's bound on how far one step moves a weight (``amp8.optim.bound``); weights
 of FP8 layers in FP16 with stochastic rounding (O1, O2), or FP8 weights beside FP16
 master weights (O3). A step with any non-finite gradient changes nothing and is counted
 in ``skipped_steps``.
