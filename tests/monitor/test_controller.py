@@ -55,18 +55,19 @@ def test_a_token_outlier_walks_the_ladder_to_wgrads_outlier_split(level) -> None
     _train(model, optimizer, 10)
     first = [move for move in controller.moves if move.layer == "0"]
     assert [(m.step, m.before, m.after) for m in first] == [
-        (2, "tensorwise", "rowwise"), (4, "rowwise", "block"), (6, "block", "block, wgrad outliers high"),
+        (2, "tensorwise", "rowwise"), (4, "rowwise", "rowwise, wgrad outliers high"),
     ], "the split heals wgrad's casts: the layer goes no higher"
     assert first[0].reason.startswith("fprop input") and "flushed to zero" in first[0].reason
+    assert first[0].reason.endswith("; rowwise")
     assert first[1].reason.startswith("wgrad input"), "per-row scales fix fprop, not wgrad"
-    assert first[2].reason.endswith("wgrad's outlier tokens in high precision")
+    assert first[1].reason.endswith("; wgrad outlier split"), "token outliers in wgrad skip the block rung"
     assert controller.peak_signals()["0"]["underflow"] > 0.9
-    assert model[0].gemm_granularity is amp8.config.Granularity.BLOCK
+    assert model[0].gemm_granularity is amp8.config.Granularity.ROWWISE
     assert model[0].high_precision_gemms == (False, False, False) and model[0].splits_wgrad_outliers
-    assert model[0].gemm_precision.tolist() == [2, 0, 0, 2]
+    assert model[0].gemm_precision.tolist() == [1, 0, 0, 2]
     share = model[0].recipe.wgrad_outlier_share
     flops = {name: layer.in_features * layer.out_features for name, layer in _fp8_layers(model).items()}
-    split = sum(flops[name] for name, rung in controller.rungs().items() if rung == "block, wgrad outliers high")
+    split = sum(flops[name] for name, rung in controller.rungs().items() if rung == "rowwise, wgrad outliers high")
     assert controller.fp8_share() == pytest.approx(1 - share * split / (3 * sum(flops.values())))
 
 
@@ -76,9 +77,9 @@ def test_without_the_split_rung_the_ladder_ends_in_high_precision_wgrad(level) -
     model, optimizer, controller = _build(config, level)
     _train(model, optimizer, 6)
     first = [move for move in controller.moves if move.layer == "0"]
-    assert [(m.step, m.after) for m in first] == [(2, "rowwise"), (4, "block"), (6, "block, wgrad high")]
+    assert [(m.step, m.after) for m in first] == [(2, "rowwise"), (4, "rowwise, wgrad high")]
     assert model[0].high_precision_gemms == (False, False, True) and not model[0].splits_wgrad_outliers
-    assert model[0].gemm_precision.tolist() == [2, 0, 0, 1]
+    assert model[0].gemm_precision.tolist() == [1, 0, 0, 1]
     assert controller.fp8_share() < 1.0
 
 
@@ -86,17 +87,22 @@ def _fp8_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, amp8.nn.Fp8Linear)}
 
 
-def test_the_cap_keeps_a_layer_in_fp8_with_one_warning() -> None:
+def test_the_cap_keeps_a_layer_in_fp8_with_one_warning_and_no_retries() -> None:
+    """Beyond the cap, the split and then wgrad in high precision are refused once each
+    per layer (one warning per layer), and not tried again at every later check."""
     model, optimizer, controller = _build(ControllerConfig(interval=2, patience=1, max_high_precision_share=0.0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train(model, optimizer, 10)
+        _train(model, optimizer, 20)
     cap_warnings = [w for w in caught if "max_high_precision_share" in str(w.message)]
     assert len(cap_warnings) == len(controller.rungs()), "one warning per layer"
     refused = [m for m in controller.moves if m.reason.startswith("refused")]
-    assert refused and all(m.before == m.after == "block" for m in refused)
-    assert all("wgrad's outlier tokens in high precision would put" in m.reason for m in refused), \
-        "even the split's few tokens are over a cap of 0"
+    assert sorted((m.layer, m.reason.split(" would put")[0]) for m in refused) == [
+        (layer, f"refused: {label}") for layer in sorted(controller.rungs())
+        for label in ("wgrad high", "wgrad outlier split")
+    ], "each refused move once per layer, in 10 checks"
+    assert all(m.before == m.after == "rowwise" and m.step == 4 for m in refused)
+    assert all(m.reason.endswith("not tried again for this layer") for m in refused)
     assert controller.fp8_share() == 1.0 and controller.high_precision_share() == 0.0
 
 
@@ -114,10 +120,11 @@ def test_a_layer_healthy_again_steps_back_down() -> None:
         ControllerConfig(interval=2, patience=1, step_down_after=2, max_high_precision_share=0.5)
     )
     _train(model, optimizer, 4)
-    assert controller.rungs()["0"] == "block"
+    assert controller.rungs()["0"] == "rowwise, wgrad outliers high"
     _train(model, optimizer, 12, start=4, outlier=False)
     downs = [m for m in controller.moves if m.layer == "0" and m.reason.startswith("healthy")]
-    assert [(m.before, m.after) for m in downs] == [("block", "rowwise"), ("rowwise", "tensorwise")]
+    assert [(m.before, m.after) for m in downs] == [("rowwise, wgrad outliers high", "rowwise"),
+                                                    ("rowwise", "tensorwise")]
     assert controller.rungs()["0"] == "tensorwise"
 
 
@@ -226,7 +233,7 @@ def test_a_model_checkpoint_keeps_the_gemm_precision_and_loads_old_ones() -> Non
     state = model.state_dict()
     fresh, _ = amp8.initialize(mlp(32, 64, 32), None, "O2", recipe=amp8.Recipe())
     fresh.load_state_dict(state)
-    assert fresh[0].gemm_granularity is amp8.config.Granularity.BLOCK
+    assert fresh[0].gemm_granularity is amp8.config.Granularity.ROWWISE and fresh[0].splits_wgrad_outliers
     x = torch.randn(8, 32)
     assert torch.equal(fresh(x), model(x))
     old = {k: v for k, v in state.items() if not k.endswith("gemm_precision")}
@@ -240,7 +247,8 @@ def test_a_compiled_model_is_watched_and_moved() -> None:
     model, optimizer, controller = _build(LADDER, "O1")
     compiled = torch.compile(model)
     _train(compiled, optimizer, 4)
-    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [(2, "rowwise"), (4, "block")]
+    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [
+        (2, "rowwise"), (4, "rowwise, wgrad outliers high")]
 
 
 # -- two ranks ------------------------------------------------------------------------
@@ -282,10 +290,10 @@ def test_the_report_shows_each_layers_gemms_and_moves() -> None:
     _train(model, optimizer, 4)
     precision = amp8.report(model, optimizer)
     rows = {row["name"]: row for row in precision.rows}
-    assert rows["0.weight"]["gemms"] == "block"
-    assert [move["after"] for move in rows["0.weight"]["moves"]] == ["rowwise", "block"]
+    assert rows["0.weight"]["gemms"] == "rowwise, wgrad outliers high"
+    assert [move["after"] for move in rows["0.weight"]["moves"]] == ["rowwise", "rowwise, wgrad outliers high"]
     assert len(precision.moves()) == len(controller.moves)
-    assert any(line.startswith("GEMMs moved: 0.weight (block)") for line in precision.highlights())
+    assert any(line.startswith("GEMMs moved: 0.weight (rowwise, wgrad outliers high)") for line in precision.highlights())
     from rich.console import Console
 
     console = Console(record=True, width=200)
@@ -313,7 +321,8 @@ def test_accelerate_steps_and_checkpoints_the_controller() -> None:
             optimizer.step()
             optimizer.zero_grad()
     assert controller.step == 4
-    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [(2, "rowwise"), (4, "block")]
+    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [
+        (2, "rowwise"), (4, "rowwise, wgrad outliers high")]
     assert optimizer.state_dict()[STATE_DICT_KEY]["step"] == 4
 
 
