@@ -184,8 +184,11 @@ class Controller:
         watch.peak_underflow = max(watch.peak_underflow, float(health[:, Signal.UNDERFLOW].max()))
         watch.peak_saturated = max(watch.peak_saturated, float(health[:, Signal.SATURATED].max()))
         trial, watch.trial = watch.trial, None
-        if trial is not None and self._undo_if_worse(name, watch, trial, health):
-            return
+        if trial is not None:
+            if self._undo_if_worse(name, watch, trial, health):
+                return
+            # Measured and kept: a layer that still fails takes its next rung now.
+            watch.failed_checks = self.config.patience - 1
         violations = self.config.thresholds.violations(health, growth)
         if violations:
             watch.failed_checks, watch.passed_checks = watch.failed_checks + 1, 0
@@ -202,16 +205,23 @@ class Controller:
         """Measure the last move (``trial``) on the operands that made it: where they got
         worse, step back, close the move and take the next rung (True: this check is
         used up)."""
-        after = excess(health, trial["operands"], self.config.thresholds)
-        if not made_worse(trial["excess"], after):
+        operands = trial["operands"]
+        before = trial["excess"]
+        after = [excess(health, (operand,), self.config.thresholds) for operand in operands]
+        if not made_worse(before, after):
             return False
         watch.set_state(GemmState(trial["before"]["rung"], tuple(trial["before"]["high"]), trial["before"]["split"]))
         watch.closed.append(trial["label"])
         watch.failed_checks = 0
-        labels = "+".join(GemmOperand(operand).label for operand in trial["operands"])
-        self._note(name, f"undone: {trial['label']} made {labels} worse ({trial['excess']:.1f} -> {after:.1f} "
+        labels = "+".join(GemmOperand(operand).label for operand in operands)
+        self._note(name, f"undone: {trial['label']} made {labels} worse ({sum(before):.1f} -> {sum(after):.1f} "
                          "times the thresholds)")
-        self._take_next_rung(name, watch, [(GemmOperand(op), why, before) for op, why, before in trial["failing"]])
+        # The stress may have grown since the move: the next rung is judged against the
+        # worse of the signals before it and those just measured.
+        self._take_next_rung(name, watch, [
+            (GemmOperand(op), why, max(value, excess(health, (GemmOperand(op),), self.config.thresholds)))
+            for op, why, value in trial["failing"]
+        ])
         return True
 
     def _step_up(
@@ -242,11 +252,13 @@ class Controller:
                 continue
             before = watch.state
             watch.set_state(step.state)
-            watch.trial = {
+            # A GEMM moved to high precision loses nothing to its casts, whatever their
+            # signals say (they are watched as the casts it would get): no trial.
+            watch.trial = None if step.state.high != before.high else {
                 "label": step.label,
                 "before": dataclasses.asdict(before),
                 "operands": [int(operand) for operand in step.operands],
-                "excess": sum(by_operand[operand] for operand in step.operands),
+                "excess": [by_operand[operand] for operand in step.operands],
                 "failing": [[int(operand), why, value] for operand, why, value in failing],
             }
             operand = step.operands[0]

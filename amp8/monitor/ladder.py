@@ -35,9 +35,8 @@ WGRAD_OPERANDS = frozenset({GemmOperand.WGRAD_GRAD_OUTPUT, GemmOperand.WGRAD_INP
 BLOCK_OPERANDS = frozenset({GemmOperand.FPROP_INPUT, GemmOperand.DGRAD_GRAD_OUTPUT})
 """The operands whose block tiles (``1 x block_size`` along K) are finer than rowwise's."""
 WORSE_MARGIN = 0.1
-"""A move made things worse where the failing operands' excess over the thresholds
-(``excess``) at the next check is more than this share above the excess that made the
-layer move (the margin keeps one batch's noise from undoing a move that did not hurt)."""
+"""An operand got worse (better) at the check after a move where its ``excess`` rose
+(fell) by more than this share: one batch's noise neither undoes a move nor credits one."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,11 @@ def excess(health: torch.Tensor, operands: tuple[GemmOperand, ...] | list[int], 
     return float(ratios.amax(0).sum())
 
 
-def made_worse(before: float, after: float) -> bool:
-    """Whether an excess of ``after`` at the check after a move is worse than the
-    ``before`` that made the layer move (by more than ``WORSE_MARGIN``)."""
-    return after > before * (1 + WORSE_MARGIN)
+def made_worse(before: list[float], after: list[float]) -> bool:
+    """Whether a move made things worse: the ``excess`` of some operand that made the
+    layer move rose at the next check, and that of none fell (by more than
+    ``WORSE_MARGIN``). A move that heals one operand while another grows (a stress that
+    grows meanwhile) is kept."""
+    rose = any(a > b * (1 + WORSE_MARGIN) for b, a in zip(before, after))
+    fell = any(a * (1 + WORSE_MARGIN) < b for b, a in zip(before, after))
+    return rose and not fell

@@ -30,6 +30,11 @@ import amp8
 from amp8.config.controller import ControllerConfig
 from amp8.config.recipe import Recipe
 
+IGNORED_SHARE = 0.25
+"""The loss leaves out every fourth token in every run, stressed or not, so all runs
+measure the same loss; the outliers of every ``TokenStress`` (a period that is a multiple
+of 4: 1/4, 1/16, 1/64) are among those tokens."""
+
 
 @dataclass(frozen=True)
 class TokenSetup:
@@ -82,8 +87,10 @@ class TokenStress:
     ramp_fraction: float = 0.2
 
     def __post_init__(self) -> None:
-        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)) or not 0 < self.share <= 0.5:
-            raise ValueError(f"TokenStress.share={self.share!r} is not valid; use a share of tokens in (0, 0.5]")
+        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)) \
+                or not 0 < self.share <= IGNORED_SHARE:
+            raise ValueError(f"TokenStress.share={self.share!r} is not valid; use a share of tokens in "
+                             f"(0, {IGNORED_SHARE:g}]")
         if round(1 / self.share) % round(1 / IGNORED_SHARE):
             raise ValueError(f"TokenStress.share={self.share!r} is not valid; use 1/4, 1/8, 1/16, ... (the loss "
                              "leaves out every fourth token, and the outliers must be among them)")
@@ -148,10 +155,6 @@ class TokenRun:
     stress: TokenStress | None = None
 
 
-IGNORED_SHARE = 0.25
-"""The loss leaves out every fourth token in every run, stressed or not, so all runs
-measure the same loss; the outliers of every ``TokenStress`` (whose period divides 4's
-multiples: 1/4, 1/16, 1/64) are among those tokens."""
 TEACHER_SEED = 1234
 VAL_SEED = 4321
 
