@@ -143,12 +143,13 @@ class ControllerConfig:
         thresholds: when a cast counts as unhealthy.
         max_high_precision_share: the largest share of the FP8 layers' GEMM FLOPs the
             controller may move to high precision (rowwise and block scales stay FP8);
-            a move beyond it is refused with a warning.
+            a move beyond it is refused with a warning, once, and not tried again for
+            that layer.
         step_down_after: healthy checks in a row after which a layer goes one rung back
             down (None: never).
-        split_wgrad_outliers: between the block rung and wgrad in high precision, a
-            layer whose wgrad casts fail first runs its outlier tokens' share of wgrad in
-            high precision (``Recipe.wgrad_outlier_split``); False skips that rung.
+        split_wgrad_outliers: a layer whose wgrad casts fail first takes its outlier
+            tokens out of wgrad into float32 (``Recipe.wgrad_outlier_split``), before
+            wgrad in high precision; False skips that rung.
         adapt: move layers on their signals; False applies the schedule alone.
         schedule: ``PrecisionPhase`` entries, applied whatever the signals say.
         total_steps: the run's optimizer steps, for phases that start at a share of it.

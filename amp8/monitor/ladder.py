@@ -63,8 +63,10 @@ class Step:
 def candidate_steps(state: GemmState, failing: set[GemmOperand], *, split: bool = True) -> list[Step]:
     """The moves up for a layer at ``state`` whose ``failing`` operands cross a threshold
     (those of GEMMs already in high precision left out), in the order to try them (see
-    the module docstring); ``split`` allows the outlier split."""
-    steps = []
+    the module docstring); ``split`` allows the outlier split. None where none fails."""
+    steps: list[Step] = []
+    if not failing:
+        return steps
     if state.rung < ROWWISE:
         steps.append(Step("rowwise", replace(state, rung=ROWWISE), tuple(sorted(failing))))
     wgrad = tuple(sorted(failing & WGRAD_OPERANDS))

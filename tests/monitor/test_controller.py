@@ -163,6 +163,7 @@ def test_a_split_too_small_for_the_outliers_is_followed_by_wgrad_high() -> None:
     (("rowwise", False), {"FPROP_INPUT", "WGRAD_INPUT"}, ["wgrad outlier split", "wgrad high", "block", "fprop high"]),
     (("tensorwise", False), {"FPROP_INPUT", "WGRAD_INPUT"},
      ["rowwise", "wgrad outlier split", "wgrad high", "block", "fprop high"]),
+    (("tensorwise", False), set(), []),
 ])
 def test_the_rung_order_follows_the_failing_operand(state, failing, labels) -> None:
     granularity, split = state
