@@ -3,6 +3,8 @@ than no controller, and how close does it come to the unstressed run?
 
     OMP_NUM_THREADS=1 python bench/stress_tokens.py                 # 54 runs, about 10 min on one core
     OMP_NUM_THREADS=1 python bench/stress_tokens.py --seeds 0 --shares 0.0625 --placements most --starts rowwise
+    OMP_NUM_THREADS=1 python bench/stress_tokens.py --name stress-tokens-probe --shares 0.0625 --placements most \
+        --starts rowwise --steps 300 --widths 256 512 512 512 256 --batch-size 16    # the reported probe's size
 
 The model (``amp8.tools.experiments.token_stress``) is a token-wise MLP of four Linears
 (128-256 wide, a fourth of the reported probe's GEMM FLOPs so that the study runs well
@@ -22,7 +24,9 @@ to unstressed O1 (percent, mean over seeds) and whether the controller meets its
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import sys
 import time
 import warnings
 from typing import Any, Sequence
@@ -104,8 +108,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
     parser.add_argument("--starts", nargs="+", choices=list(STARTS), default=list(STARTS))
     parser.add_argument("--steps", type=int, default=SETUP.steps)
+    parser.add_argument("--widths", type=int, nargs="+", default=list(SETUP.widths), help="the Linears' widths")
+    parser.add_argument("--batch-size", type=int, default=SETUP.batch_size, help="sequences of 32 tokens a batch")
+    parser.add_argument("--name", default=NAME, help="results file name: <name>-cpu.json")
     args = parser.parse_args(argv)
-    setup = TokenSetup(**{**SETUP.__dict__, "steps": args.steps})
+    setup = TokenSetup(**{**SETUP.__dict__, "steps": args.steps, "widths": tuple(args.widths),
+                          "batch_size": args.batch_size})
     o0 = {seed: _timed(TokenRun("O0"), seed, setup)["final_val_loss"] for seed in args.seeds}
     print(f"O0: {o0}", flush=True)
     unstressed: dict[str, dict[int, float]] = {}
@@ -131,9 +139,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(markdown_table(summary))
     print(f"O0 seed spread {summary['o0_seed_spread_percent']:.2f} %; unstressed O1 to O0 "
           f"{summary['unstressed_o1_gap_to_o0_percent']}")
-    path = write_result(NAME, torch.device("cpu"), {
-        "command": "OMP_NUM_THREADS=1 python bench/stress_tokens.py" + (" " + " ".join(argv) if argv else ""),
-        "threads": torch.get_num_threads(), "setup": SETUP.__dict__ | {"steps": args.steps}, "seeds": args.seeds,
+    path = write_result(args.name, torch.device("cpu"), {
+        "command": " ".join(["OMP_NUM_THREADS=1 python bench/stress_tokens.py",
+                             *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),
+        "threads": torch.get_num_threads(), "setup": setup.__dict__, "seeds": args.seeds,
         "max_log2_gain": TokenStress().log2_gain, "ramp_fraction": TokenStress().ramp_fraction,
         "summary": summary, "o0": o0, "unstressed_o1": unstressed,
         "cases": [{key: value for key, value in case.items()} for case in cases],

@@ -6,7 +6,8 @@ Every ``interval`` optimizer steps, the layers are watched for one step (see
 clips and the share of its nonzero values it flushes to zero. After that step the
 controller takes the largest of each signal over the data-parallel ranks (one
 all-reduce, so every rank decides alike), and a layer whose signals cross the thresholds
-at ``patience`` checks in a row takes its next rung up. The rungs start where the
+at ``patience`` checks in a row (or at one check, far beyond them: ``urgent_excess``)
+takes its next rung up. The rungs start where the
 layer's recipe stands and their order depends on which operand fails
 (``amp8.monitor.ladder``): a cast under one scale per tensor first gets rowwise scales;
 wgrad's casts along tokens (token outliers) take the outlier split, then wgrad in high
@@ -191,7 +192,12 @@ class Controller:
             watch.failed_checks = self.config.patience - 1
         violations = self.config.thresholds.violations(health, growth)
         if violations:
-            watch.failed_checks, watch.passed_checks = watch.failed_checks + 1, 0
+            urgent = self.config.urgent_excess is not None and any(
+                excess(health, (operand,), self.config.thresholds) > self.config.urgent_excess
+                for operand, _ in violations
+            )
+            watch.failed_checks = max(watch.failed_checks + 1, self.config.patience if urgent else 0)
+            watch.passed_checks = 0
         else:
             watch.failed_checks, watch.passed_checks = 0, watch.passed_checks + 1
         if watch.failed_checks >= self.config.patience:

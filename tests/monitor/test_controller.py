@@ -226,6 +226,16 @@ def test_a_move_that_heals_one_operand_while_another_grows_is_kept() -> None:
         ("tensorwise", "rowwise"), ("rowwise", "rowwise, wgrad outliers high")]
 
 
+@pytest.mark.parametrize(("underflow", "moved_at"), [(0.5, 1), (0.11, 1), (0.09, 3), (0.02, 3)])
+def test_a_layer_far_beyond_a_threshold_moves_without_waiting_for_patience(underflow, moved_at) -> None:
+    """10 times the 1 % threshold is no noise: the layer moves at the first check."""
+    model, _, controller = _build(ControllerConfig(interval=1, patience=3), "O1", recipe=None)
+    for _ in range(3):
+        _fail(model[0], GemmOperand.WGRAD_INPUT, underflow)
+        controller.after_step()
+    assert [m.step for m in controller.moves if m.layer == "0"][:1] == [moved_at]
+
+
 def test_the_controller_does_not_end_worse_than_none_on_a_small_stress() -> None:
     """Token outliers at 1/16 of the tokens in three of four layers, default O1 recipe:
     with the controller, the run ends below the run without it, and takes back most of
@@ -296,6 +306,7 @@ def test_a_phase_takes_one_name_as_a_string(layers, high) -> None:
         (lambda: ControllerConfig(patience=1.5), "patience"),
         (lambda: ControllerConfig(max_high_precision_share=1.5), "max_high_precision_share"),
         (lambda: ControllerConfig(step_down_after=0), "step_down_after"),
+        (lambda: ControllerConfig(urgent_excess=1.0), "urgent_excess=1.0 is not valid; use a ratio > 1 or None"),
         (lambda: ControllerConfig(schedule=(PrecisionPhase(start=0.9),)), "total_steps"),
         (lambda: HealthThresholds(underflow=0.0), "underflow"),
         (lambda: HealthThresholds(amax_growth=0.5), "amax_growth"),
