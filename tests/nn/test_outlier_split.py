@@ -89,6 +89,13 @@ def test_without_outliers_the_split_takes_nothing() -> None:
     assert torch.equal(outliers, torch.zeros(16, 32))
 
 
+@pytest.mark.parametrize("m", [0, 1, 5])
+def test_an_empty_or_zero_batch_splits_nothing(m) -> None:
+    x, g = torch.zeros(m, 8), torch.zeros(m, 4)
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, 1 / 4)
+    assert torch.equal(outliers, torch.zeros(4, 8)) and x_rest.shape == (m, 8) and g_rest.shape == (m, 4)
+
+
 @pytest.mark.parametrize("recipe", [
     amp8.Recipe.preset("rowwise"), amp8.Recipe.preset("deepseek"), amp8.Recipe(granularity="rowwise"),
     amp8.Recipe.preset("mxfp8"),
