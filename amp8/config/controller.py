@@ -140,15 +140,21 @@ class ControllerConfig:
         interval: optimizer steps between checks; one step in ``interval`` is watched
             (casts then cost two elementwise passes more).
         patience: checks in a row a layer must fail before it moves up a rung.
+        urgent_excess: a check where an operand's share flushed or clipped is more than
+            this many times its threshold counts as ``patience`` failed checks: the
+            layer moves at once (10 % flushed under the default 1 % threshold is no
+            batch's noise, and every step it waits trains on a dark cast); None waits
+            ``patience`` checks whatever the signals.
         thresholds: when a cast counts as unhealthy.
         max_high_precision_share: the largest share of the FP8 layers' GEMM FLOPs the
             controller may move to high precision (rowwise and block scales stay FP8);
-            a move beyond it is refused with a warning.
+            a move beyond it is refused with a warning, once, and not tried again for
+            that layer.
         step_down_after: healthy checks in a row after which a layer goes one rung back
             down (None: never).
-        split_wgrad_outliers: between the block rung and wgrad in high precision, a
-            layer whose wgrad casts fail first runs its outlier tokens' share of wgrad in
-            high precision (``Recipe.wgrad_outlier_split``); False skips that rung.
+        split_wgrad_outliers: a layer whose wgrad casts fail first takes its outlier
+            tokens out of wgrad into float32 (``Recipe.wgrad_outlier_split``), before
+            wgrad in high precision; False skips that rung.
         adapt: move layers on their signals; False applies the schedule alone.
         schedule: ``PrecisionPhase`` entries, applied whatever the signals say.
         total_steps: the run's optimizer steps, for phases that start at a share of it.
@@ -156,6 +162,7 @@ class ControllerConfig:
 
     interval: int = 10
     patience: int = 2
+    urgent_excess: float | None = 10.0
     thresholds: HealthThresholds = HealthThresholds()
     max_high_precision_share: float = 0.1
     step_down_after: int | None = None
@@ -171,6 +178,9 @@ class ControllerConfig:
         _check_count("ControllerConfig.step_down_after", self.step_down_after, optional=True)
         _check_count("ControllerConfig.total_steps", self.total_steps, optional=True)
         _check_fraction("ControllerConfig.max_high_precision_share", self.max_high_precision_share)
+        urgent = self.urgent_excess
+        if urgent is not None and (isinstance(urgent, bool) or not isinstance(urgent, (int, float)) or not urgent > 1):
+            raise ValueError(f"ControllerConfig.urgent_excess={urgent!r} is not valid; use a ratio > 1 or None")
         if not isinstance(self.thresholds, HealthThresholds):
             raise TypeError(f"ControllerConfig.thresholds must be a HealthThresholds, got {type(self.thresholds).__name__}")
         for name in ("adapt", "split_wgrad_outliers"):

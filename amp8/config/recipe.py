@@ -76,14 +76,15 @@ class Recipe:
         stochastic_grad_rounding: under NVFP4, output gradients round to FP4
             stochastically (unbiased), with noise keyed by the gradient's own bits.
         wgrad_outlier_split: the weight-gradient GEMM takes its outlier tokens out: the
-            ``wgrad_outlier_share`` of tokens whose input or output-gradient row has the
-            largest amax (relative to the median row's) are multiplied in float32, the
-            rest in FP8, whose scales along tokens the outliers then no longer set.
-            Needs a granularity finer than tensorwise (the casts along tokens are made
-            for wgrad). ``amp8.Controller`` turns it on for a layer whose wgrad casts
-            fail after the block rung.
-        wgrad_outlier_share: the share of tokens, in (0, 0.5], that the split takes out
-            (at least one token a GEMM); the weight-gradient FLOPs it costs in float32.
+            tokens whose input or output-gradient row amax exceeds the median row's more
+            than ``amp8.nn.function.OUTLIER_ROW_RATIO`` (2**8) times, at most
+            ``wgrad_outlier_share`` of them, are multiplied in float32, the rest in FP8,
+            whose scales along tokens the outliers then no longer set. Needs a
+            granularity finer than tensorwise (the casts along tokens are made for
+            wgrad). ``amp8.Controller`` turns it on for a layer whose wgrad casts fail.
+        wgrad_outlier_share: the most tokens, as a share in (0, 0.5], that the split
+            takes out (at least one token a GEMM): the rows of its float32 product, so
+            the weight-gradient FLOPs it costs in float32.
         high_precision_layers: ``fnmatch`` patterns of layer names (as in
             ``model.named_modules()``) that ``amp8.initialize`` keeps in high precision,
             e.g. ``("blocks.11.*", "head")`` for the last block and the head.
@@ -112,7 +113,7 @@ class Recipe:
     wgrad_hadamard: bool = False
     stochastic_grad_rounding: bool = False
     wgrad_outlier_split: bool = False
-    wgrad_outlier_share: float = 1 / 32
+    wgrad_outlier_share: float = 1 / 4
     high_precision_layers: tuple[str, ...] = ()
     output_head: OutputHead = OutputHead.FP8
 

@@ -6,20 +6,25 @@ Every ``interval`` optimizer steps, the layers are watched for one step (see
 clips and the share of its nonzero values it flushes to zero. After that step the
 controller takes the largest of each signal over the data-parallel ranks (one
 all-reduce, so every rank decides alike), and a layer whose signals cross the thresholds
-at ``patience`` checks in a row goes one rung up:
+at ``patience`` checks in a row (or at one check, far beyond them: ``urgent_excess``)
+takes its next rung up. The rungs start where the
+layer's recipe stands and their order depends on which operand fails
+(``amp8.monitor.ladder``): a cast under one scale per tensor first gets rowwise scales;
+wgrad's casts along tokens (token outliers) take the outlier split, then wgrad in high
+precision; fprop's input and dgrad's output gradient take 128-blocks, then high
+precision for their GEMMs.
 
-    tensorwise -> rowwise -> 128-block -> wgrad's outlier tokens in high precision
-    -> high precision for the offending GEMMs
-
-The outlier rung (where wgrad's casts fail; ``ControllerConfig.split_wgrad_outliers``)
-multiplies the few tokens whose rows set wgrad's scales along tokens in float32 and
-the rest in FP8 (``Recipe.wgrad_outlier_split``). The last rung moves only the GEMMs
-whose operands crossed a threshold, as ``Recipe.override_linear_precision`` would. Both
-stay within a cap on the share of FP8 GEMM FLOPs that may leave FP8. With ``step_down_after``, a layer healthy for that many checks in a
-row goes one rung back down. A schedule adds GEMMs in high precision from a given step
-on (e.g. the last 10 % of training). Decisions live in each layer's ``gemm_precision``
-buffer (the model's ``state_dict``) and the controller's counters in the optimizer's
-``state_dict``, so a resumed run decides the same, bit for bit.
+Each move is measured at the next check: where the signals of the operands that made it
+move got worse, the controller steps back, never tries that move again for that layer
+and takes the next rung. A move beyond the cap on the share of FP8 GEMM FLOPs that may
+leave FP8 is refused, logged and warned about once, and not tried again for that layer.
+The outlier split (``Recipe.wgrad_outlier_split``) multiplies the tokens whose rows
+stand far above the median row in float32 and the rest in FP8. With
+``step_down_after``, a layer healthy for that many checks in a row goes one rung back
+down. A schedule adds GEMMs in high precision from a given step on (e.g. the last 10 %
+of training). Decisions live in each layer's ``gemm_precision`` buffer (the model's
+``state_dict``) and the controller's counters, trials and closed moves in the
+optimizer's ``state_dict``, so a resumed run decides the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch import nn
 from amp8.config.controller import GEMM_NAMES, ControllerConfig, Move
 from amp8.config.recipe import GRANULARITY_LADDER
 from amp8.distributed.data_parallel import DataParallelGroup
+from amp8.monitor.ladder import GemmState, Step, candidate_steps, excess, made_worse
 from amp8.nn.linear import Fp8Linear
 from amp8.quant.health import Gemm, GemmOperand, Signal
 
@@ -45,7 +51,10 @@ STATE_DICT_KEY = "amp8_controller"
 
 @dataclass
 class _LayerWatch:
-    """The controller's bookkeeping for one layer (all of it in ``state_dict``)."""
+    """The controller's bookkeeping for one layer (all of it in ``state_dict``, as plain
+    Python values). ``closed`` names the moves not to try again (undone or refused);
+    ``trial`` is the move measured at the next check: its name, the state before it,
+    the operands that made the layer move and their ``excess`` then."""
 
     rung: int
     high: list[bool]
@@ -56,6 +65,17 @@ class _LayerWatch:
     peak_underflow: float = 0.0
     peak_saturated: float = 0.0
     split: bool = False
+    closed: list[str] = dataclasses.field(default_factory=list)
+    trial: dict[str, Any] | None = None
+
+    @property
+    def state(self) -> GemmState:
+        """The GEMM precision the controller gives the layer."""
+        return GemmState(self.rung, (self.high[0], self.high[1], self.high[2]), self.split)
+
+    def set_state(self, state: GemmState) -> None:
+        """Give the layer ``state``."""
+        self.rung, self.high, self.split = state.rung, list(state.high), state.split
 
 
 class Controller:
@@ -164,59 +184,110 @@ class Controller:
         watch.last_amax = [float(value) if value > 0 else float(old) for value, old in zip(amax, last)]
         watch.peak_underflow = max(watch.peak_underflow, float(health[:, Signal.UNDERFLOW].max()))
         watch.peak_saturated = max(watch.peak_saturated, float(health[:, Signal.SATURATED].max()))
+        trial, watch.trial = watch.trial, None
+        if trial is not None:
+            if self._undo_if_worse(name, watch, trial, health):
+                return
+            # Measured and kept: a layer that still fails takes its next rung now.
+            watch.failed_checks = self.config.patience - 1
         violations = self.config.thresholds.violations(health, growth)
         if violations:
-            watch.failed_checks, watch.passed_checks = watch.failed_checks + 1, 0
+            urgent = self.config.urgent_excess is not None and any(
+                excess(health, (operand,), self.config.thresholds) > self.config.urgent_excess
+                for operand, _ in violations
+            )
+            watch.failed_checks = max(watch.failed_checks + 1, self.config.patience if urgent else 0)
+            watch.passed_checks = 0
         else:
             watch.failed_checks, watch.passed_checks = 0, watch.passed_checks + 1
         if watch.failed_checks >= self.config.patience:
             watch.failed_checks = 0
-            self._step_up(name, watch, violations)
+            self._step_up(name, watch, violations, health)
         elif self.config.step_down_after is not None and watch.passed_checks >= self.config.step_down_after:
             watch.passed_checks = 0
             self._step_down(name, watch)
 
-    def _step_up(self, name: str, watch: _LayerWatch, violations: list[tuple[GemmOperand, str]]) -> None:
-        operand, why = violations[0]
-        reason = f"{operand.label}: {why}"
-        if watch.rung + 1 < len(GRANULARITY_LADDER):
-            watch.rung += 1
-            self._note(name, reason)
-            return
-        failing = sorted({op.gemm for op, _ in violations if not watch.high[op.gemm]})
-        if not failing:
-            return  # already in high precision where it fails
-        high, split = list(watch.high), watch.split
-        if self.config.split_wgrad_outliers and Gemm.WGRAD in failing and not split:
-            split, wanted = True, "wgrad's outlier tokens"
-            reason = f"{reason}; wgrad's outlier tokens in high precision"
-        else:
-            for gemm in failing:
-                high[gemm] = True
-            wanted = "+".join(GEMM_NAMES[gemm] for gemm in failing)
-        share = self.high_precision_share() + (
-            self._moved_flops(name, high, split) - self._moved_flops(name, watch.high, watch.split)
-        ) / self._fp8_flops()
-        if share > self.config.max_high_precision_share + 1e-12:
-            self._refuse(name, watch, wanted, share)
-            return
-        watch.high, watch.split = high, split
-        self._note(name, reason)
+    def _undo_if_worse(self, name: str, watch: _LayerWatch, trial: dict[str, Any], health: torch.Tensor) -> bool:
+        """Measure the last move (``trial``) on the operands that made it: where they got
+        worse, step back, close the move and take the next rung (True: this check is
+        used up)."""
+        operands = trial["operands"]
+        before = trial["excess"]
+        after = [excess(health, (operand,), self.config.thresholds) for operand in operands]
+        if not made_worse(before, after):
+            return False
+        watch.set_state(GemmState(trial["before"]["rung"], tuple(trial["before"]["high"]), trial["before"]["split"]))
+        watch.closed.append(trial["label"])
+        watch.failed_checks = 0
+        labels = "+".join(GemmOperand(operand).label for operand in operands)
+        self._note(name, f"undone: {trial['label']} made {labels} worse ({sum(before):.1f} -> {sum(after):.1f} "
+                         "times the thresholds)")
+        # The stress may have grown since the move: the next rung is judged against the
+        # worse of the signals before it and those just measured.
+        self._take_next_rung(name, watch, [
+            (GemmOperand(op), why, max(value, excess(health, (GemmOperand(op),), self.config.thresholds)))
+            for op, why, value in trial["failing"]
+        ])
+        return True
 
-    def _refuse(self, name: str, watch: _LayerWatch, wanted: str, share: float) -> None:
-        reason = (f"refused: {wanted} in high precision would put {100 * share:.1f} % of FP8 GEMM FLOPs in "
-                  f"high precision, above the cap of {100 * self.config.max_high_precision_share:g} %")
+    def _step_up(
+        self, name: str, watch: _LayerWatch, violations: list[tuple[GemmOperand, str]], health: torch.Tensor
+    ) -> None:
+        high_now = self._layers[name].high_precision_gemms
+        self._take_next_rung(name, watch, [
+            (operand, why, excess(health, (operand,), self.config.thresholds))
+            for operand, why in violations if not high_now[operand.gemm]
+        ])
+
+    def _take_next_rung(self, name: str, watch: _LayerWatch, failing: list[tuple[GemmOperand, str, float]]) -> None:
+        """Take the first rung of ``candidate_steps`` for the ``failing`` operands (each
+        with what it crossed and its ``excess``) that is not closed and is within the
+        cap, and open its trial; refuse (and close) those beyond the cap on the way."""
+        reasons = {operand: why for operand, why, _ in failing}
+        by_operand = {operand: value for operand, _, value in failing}
+        steps = candidate_steps(watch.state, set(reasons), split=self.config.split_wgrad_outliers)
+        for step in steps:
+            if step.label in watch.closed:
+                continue
+            share = self.high_precision_share() + (
+                self._moved_flops(name, step.state.high, step.state.split)
+                - self._moved_flops(name, watch.high, watch.split)
+            ) / self._fp8_flops()
+            if share > self.config.max_high_precision_share + 1e-12:
+                self._refuse(name, watch, step, share)
+                continue
+            before = watch.state
+            watch.set_state(step.state)
+            # A GEMM moved to high precision loses nothing to its casts, whatever their
+            # signals say (they are watched as the casts it would get): no trial.
+            watch.trial = None if step.state.high != before.high else {
+                "label": step.label,
+                "before": dataclasses.asdict(before),
+                "operands": [int(operand) for operand in step.operands],
+                "excess": [by_operand[operand] for operand in step.operands],
+                "failing": [[int(operand), why, value] for operand, why, value in failing],
+            }
+            operand = step.operands[0]
+            self._note(name, f"{operand.label}: {reasons[operand]}; {step.label}")
+            return
+
+    def _refuse(self, name: str, watch: _LayerWatch, step: Step, share: float) -> None:
+        watch.closed.append(step.label)
+        reason = (f"refused: {step.label} would put {100 * share:.1f} % of FP8 GEMM FLOPs in "
+                  f"high precision, above the cap of {100 * self.config.max_high_precision_share:g} %; "
+                  "not tried again for this layer")
         current = self._layers[name].gemm_description
         self._log(Move(self.step, name, current, current, reason))
         if not watch.cap_warned:
             watch.cap_warned = True
             warnings.warn(
                 f"amp8.Controller: layer {name!r} fails its FP8 health checks but is kept in FP8: {reason}. "
-                "Raise ControllerConfig.max_high_precision_share to let it move", stacklevel=3,
+                "Raise ControllerConfig.max_high_precision_share to let it move", stacklevel=4,
             )
 
     def _step_down(self, name: str, watch: _LayerWatch) -> None:
         base = GRANULARITY_LADDER.index(self._layers[name].recipe.granularity)
+        watch.trial = None
         if any(watch.high):
             watch.high = [False] * len(Gemm)
         elif watch.split:

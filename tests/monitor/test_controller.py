@@ -15,13 +15,20 @@ from torch import nn
 
 import amp8
 from amp8.config.controller import ControllerConfig, HealthThresholds, PrecisionPhase
+from amp8.config.gemms import GemmOperand, Signal
+from amp8.config.recipe import GRANULARITY_LADDER
+from amp8.frontend import default_recipe
 from amp8.monitor.controller import STATE_DICT_KEY
+from amp8.monitor.ladder import GemmState, candidate_steps
+from amp8.tools.experiments.token_stress import TokenRun, TokenSetup, TokenStress, train
 from conftest import mlp
 
 OUTLIER = 2.0**22
 
 
-def _build(config: ControllerConfig, level: str = "O2", recipe: amp8.Recipe = amp8.Recipe()):
+def _build(config: ControllerConfig, level: str = "O2", recipe: amp8.Recipe | None = amp8.Recipe()):
+    """An MLP 32-64-32 at ``level`` with ``recipe`` (None: the level's default) under a
+    controller with ``config``."""
     model = mlp(32, 64, 32)
     controller = amp8.Controller(config)
     model, optimizer = amp8.initialize(
@@ -55,18 +62,19 @@ def test_a_token_outlier_walks_the_ladder_to_wgrads_outlier_split(level) -> None
     _train(model, optimizer, 10)
     first = [move for move in controller.moves if move.layer == "0"]
     assert [(m.step, m.before, m.after) for m in first] == [
-        (2, "tensorwise", "rowwise"), (4, "rowwise", "block"), (6, "block", "block, wgrad outliers high"),
+        (2, "tensorwise", "rowwise"), (4, "rowwise", "rowwise, wgrad outliers high"),
     ], "the split heals wgrad's casts: the layer goes no higher"
     assert first[0].reason.startswith("fprop input") and "flushed to zero" in first[0].reason
+    assert first[0].reason.endswith("; rowwise")
     assert first[1].reason.startswith("wgrad input"), "per-row scales fix fprop, not wgrad"
-    assert first[2].reason.endswith("wgrad's outlier tokens in high precision")
+    assert first[1].reason.endswith("; wgrad outlier split"), "token outliers in wgrad skip the block rung"
     assert controller.peak_signals()["0"]["underflow"] > 0.9
-    assert model[0].gemm_granularity is amp8.config.Granularity.BLOCK
+    assert model[0].gemm_granularity is amp8.config.Granularity.ROWWISE
     assert model[0].high_precision_gemms == (False, False, False) and model[0].splits_wgrad_outliers
-    assert model[0].gemm_precision.tolist() == [2, 0, 0, 2]
+    assert model[0].gemm_precision.tolist() == [1, 0, 0, 2]
     share = model[0].recipe.wgrad_outlier_share
     flops = {name: layer.in_features * layer.out_features for name, layer in _fp8_layers(model).items()}
-    split = sum(flops[name] for name, rung in controller.rungs().items() if rung == "block, wgrad outliers high")
+    split = sum(flops[name] for name, rung in controller.rungs().items() if rung == "rowwise, wgrad outliers high")
     assert controller.fp8_share() == pytest.approx(1 - share * split / (3 * sum(flops.values())))
 
 
@@ -76,9 +84,9 @@ def test_without_the_split_rung_the_ladder_ends_in_high_precision_wgrad(level) -
     model, optimizer, controller = _build(config, level)
     _train(model, optimizer, 6)
     first = [move for move in controller.moves if move.layer == "0"]
-    assert [(m.step, m.after) for m in first] == [(2, "rowwise"), (4, "block"), (6, "block, wgrad high")]
+    assert [(m.step, m.after) for m in first] == [(2, "rowwise"), (4, "rowwise, wgrad high")]
     assert model[0].high_precision_gemms == (False, False, True) and not model[0].splits_wgrad_outliers
-    assert model[0].gemm_precision.tolist() == [2, 0, 0, 1]
+    assert model[0].gemm_precision.tolist() == [1, 0, 0, 1]
     assert controller.fp8_share() < 1.0
 
 
@@ -86,18 +94,160 @@ def _fp8_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, amp8.nn.Fp8Linear)}
 
 
-def test_the_cap_keeps_a_layer_in_fp8_with_one_warning() -> None:
+def test_the_cap_keeps_a_layer_in_fp8_with_one_warning_and_no_retries() -> None:
+    """Beyond the cap, the split and then wgrad in high precision are refused once each
+    per layer (one warning per layer), and not tried again at every later check."""
     model, optimizer, controller = _build(ControllerConfig(interval=2, patience=1, max_high_precision_share=0.0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train(model, optimizer, 10)
+        _train(model, optimizer, 20)
     cap_warnings = [w for w in caught if "max_high_precision_share" in str(w.message)]
     assert len(cap_warnings) == len(controller.rungs()), "one warning per layer"
     refused = [m for m in controller.moves if m.reason.startswith("refused")]
-    assert refused and all(m.before == m.after == "block" for m in refused)
-    assert all("wgrad's outlier tokens in high precision would put" in m.reason for m in refused), \
-        "even the split's few tokens are over a cap of 0"
+    assert sorted((m.layer, m.reason.split(" would put")[0]) for m in refused) == [
+        (layer, f"refused: {label}") for layer in sorted(controller.rungs())
+        for label in ("wgrad high", "wgrad outlier split")
+    ], "each refused move once per layer, in 10 checks"
+    assert all(m.before == m.after == "rowwise" and m.step == 4 for m in refused)
+    assert all(m.reason.endswith("not tried again for this layer") for m in refused)
     assert controller.fp8_share() == 1.0 and controller.high_precision_share() == 0.0
+
+
+ROWWISE_STARTS = {"default-O1": None, "hybrid-rowwise": amp8.Recipe(granularity="rowwise")}
+
+
+def _train_token_outliers(model, optimizer, steps: int, period: int, *, start: int = 0) -> None:
+    """Steps on batches whose every ``period``-th token row is an outlier, left out of the loss."""
+    kept = torch.arange(64) % period != 0
+    for step in range(start, start + steps):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        x[~kept] *= OUTLIER
+        optimizer.zero_grad()
+        model(x)[kept].square().mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("start", list(ROWWISE_STARTS))
+@pytest.mark.parametrize("period", [64, 16, 4])
+def test_a_rowwise_start_takes_the_split_for_wgrads_token_outliers_never_the_block_rung(start, period) -> None:
+    """Token outliers fail wgrad's casts along tokens: the first move is the outlier
+    split, sized by the outliers' count (1/64, 1/16, 1/4 of the tokens), which heals
+    the casts; no layer ever takes the block rung."""
+    model, optimizer, controller = _build(LADDER, "O1", recipe=ROWWISE_STARTS[start])
+    _train_token_outliers(model, optimizer, 12, period)
+    assert all("block" not in move.after for move in controller.moves), controller.moves
+    first = [move for move in controller.moves if move.layer == "0"]
+    assert [(m.step, m.before, m.after) for m in first] == [(2, "rowwise", "rowwise, wgrad outliers high")], \
+        "the split heals wgrad's casts: the layer goes no higher"
+    assert first[0].reason.startswith("wgrad input") and first[0].reason.endswith("; wgrad outlier split")
+
+
+def test_a_split_too_small_for_the_outliers_is_followed_by_wgrad_high() -> None:
+    """The control of the test above: a split capped at 1/32 of the tokens cannot take
+    out outliers at 1/4 of them, so wgrad's casts still fail and wgrad goes high."""
+    recipe = default_recipe(amp8.config.levels.O1).replace(wgrad_outlier_share=1 / 32)
+    model, optimizer, controller = _build(LADDER, "O1", recipe=recipe)
+    _train_token_outliers(model, optimizer, 6, period=4)
+    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [
+        (2, "rowwise, wgrad outliers high"), (4, "rowwise, wgrad high")]
+
+
+@pytest.mark.parametrize(("state", "failing", "labels"), [
+    (("rowwise", False), {"WGRAD_INPUT"}, ["wgrad outlier split", "wgrad high"]),
+    (("rowwise", False), {"WGRAD_GRAD_OUTPUT", "WGRAD_INPUT"}, ["wgrad outlier split", "wgrad high"]),
+    (("rowwise", True), {"WGRAD_INPUT"}, ["wgrad high"]),
+    (("block", False), {"WGRAD_INPUT"}, ["wgrad outlier split", "wgrad high"]),
+    (("rowwise", False), {"FPROP_INPUT"}, ["block", "fprop high"]),
+    (("rowwise", False), {"FPROP_WEIGHT"}, ["fprop high"]),
+    (("block", False), {"DGRAD_GRAD_OUTPUT"}, ["dgrad high"]),
+    (("rowwise", False), {"FPROP_INPUT", "WGRAD_INPUT"}, ["wgrad outlier split", "wgrad high", "block", "fprop high"]),
+    (("tensorwise", False), {"FPROP_INPUT", "WGRAD_INPUT"},
+     ["rowwise", "wgrad outlier split", "wgrad high", "block", "fprop high"]),
+    (("tensorwise", False), set(), []),
+])
+def test_the_rung_order_follows_the_failing_operand(state, failing, labels) -> None:
+    granularity, split = state
+    now = GemmState(GRANULARITY_LADDER.index(amp8.config.Granularity(granularity)), (False, False, False), split)
+    steps = candidate_steps(now, {GemmOperand[name] for name in failing})
+    assert [step.label for step in steps] == labels
+    assert all(step.state.rung >= now.rung for step in steps), "never coarser than where the layer stands"
+
+
+def _fail(layer: nn.Module, operand: GemmOperand, underflow: float) -> None:
+    """Write a watched step's signals: ``operand`` flushes ``underflow``, the rest nothing."""
+    layer.health.zero_()
+    layer.health[:, Signal.AMAX] = 1.0
+    layer.health[operand, Signal.UNDERFLOW] = underflow
+
+
+@pytest.mark.parametrize(("operand", "move", "label", "next_move"), [
+    (GemmOperand.WGRAD_INPUT, "rowwise, wgrad outliers high", "wgrad outlier split", "rowwise, wgrad high"),
+    (GemmOperand.FPROP_INPUT, "block", "block", "rowwise, fprop high"),
+])
+def test_a_move_whose_signals_got_worse_is_undone_and_the_next_rung_taken(operand, move, label, next_move) -> None:
+    model, _, controller = _build(ControllerConfig(interval=1, patience=1, max_high_precision_share=0.5), "O1",
+                                  recipe=None)
+    layer = model[0]
+    for underflow in (0.05, 0.5, 0.5, 0.0, 0.05):  # fails; worse after the move; as bad; healthy; fails again
+        _fail(layer, operand, underflow)
+        controller.after_step()
+    moves = [(m.step, m.before, m.after, m.reason.split(":")[0]) for m in controller.moves]
+    assert moves == [
+        (1, "rowwise", move, operand.label),
+        (2, move, "rowwise", "undone"),
+        (2, "rowwise", next_move, operand.label),
+    ], "the high-precision rung does not change the watched cast: kept, and nothing is left to try"
+    assert controller.state_dict()["layers"]["0"]["closed"] == [label], "never tried again for this layer"
+
+
+@pytest.mark.parametrize("after", [0.0, 0.05, 0.054])
+def test_a_move_that_did_not_make_its_signals_worse_is_kept(after) -> None:
+    model, _, controller = _build(ControllerConfig(interval=1, patience=1, max_high_precision_share=0.5), "O1",
+                                  recipe=None)
+    for underflow in (0.05, after):
+        _fail(model[0], GemmOperand.WGRAD_INPUT, underflow)
+        controller.after_step()
+    assert [m.after for m in controller.moves] == ["rowwise, wgrad outliers high"] + (
+        ["rowwise, wgrad high"] if after > 0.01 else []), "still failing: the next rung at once"
+    assert not any(m.reason.startswith("undone") for m in controller.moves)
+
+
+def test_a_move_that_heals_one_operand_while_another_grows_is_kept() -> None:
+    """Under one scale per tensor the fprop and wgrad inputs share a cast; rowwise heals
+    fprop while a growing outlier worsens wgrad: the move helped and stays."""
+    model, _, controller = _build(ControllerConfig(interval=1, patience=1, max_high_precision_share=0.5), "O1")
+    layer = model[0]
+    _fail(layer, GemmOperand.FPROP_INPUT, 0.3)
+    layer.health[GemmOperand.WGRAD_INPUT, Signal.UNDERFLOW] = 0.3
+    controller.after_step()
+    _fail(layer, GemmOperand.WGRAD_INPUT, 0.9)
+    controller.after_step()
+    assert [(m.before, m.after) for m in controller.moves if m.layer == "0"] == [
+        ("tensorwise", "rowwise"), ("rowwise", "rowwise, wgrad outliers high")]
+
+
+@pytest.mark.parametrize(("underflow", "moved_at"), [(0.5, 1), (0.11, 1), (0.09, 3), (0.02, 3)])
+def test_a_layer_far_beyond_a_threshold_moves_without_waiting_for_patience(underflow, moved_at) -> None:
+    """10 times the 1 % threshold is no noise: the layer moves at the first check."""
+    model, _, controller = _build(ControllerConfig(interval=1, patience=3), "O1", recipe=None)
+    for _ in range(3):
+        _fail(model[0], GemmOperand.WGRAD_INPUT, underflow)
+        controller.after_step()
+    assert [m.step for m in controller.moves if m.layer == "0"][:1] == [moved_at]
+
+
+def test_the_controller_does_not_end_worse_than_none_on_a_small_stress() -> None:
+    """Token outliers at 1/16 of the tokens in three of four layers, default O1 recipe:
+    with the controller, the run ends below the run without it, and takes back most of
+    what the stress cost."""
+    setup = TokenSetup(widths=(32, 64, 64, 32), tokens=32, batch_size=4, steps=60, warmup=5, eval_batches=2)
+    stress = TokenStress(share=1 / 16, layer=1)
+    plain = train(TokenRun("O1", stress=stress), seed=0, setup=setup)["final_val_loss"]
+    controlled = train(TokenRun("O1", controller=ControllerConfig(), stress=stress), seed=0, setup=setup)
+    unstressed = train(TokenRun("O1"), seed=0, setup=setup)["final_val_loss"]
+    assert controlled["moves"], "the stress moved layers"
+    assert controlled["final_val_loss"] <= plain, (controlled["final_val_loss"], plain)
+    assert controlled["final_val_loss"] - unstressed < 0.5 * (plain - unstressed), (controlled, plain, unstressed)
 
 
 def test_normal_training_moves_nothing() -> None:
@@ -114,10 +264,11 @@ def test_a_layer_healthy_again_steps_back_down() -> None:
         ControllerConfig(interval=2, patience=1, step_down_after=2, max_high_precision_share=0.5)
     )
     _train(model, optimizer, 4)
-    assert controller.rungs()["0"] == "block"
+    assert controller.rungs()["0"] == "rowwise, wgrad outliers high"
     _train(model, optimizer, 12, start=4, outlier=False)
     downs = [m for m in controller.moves if m.layer == "0" and m.reason.startswith("healthy")]
-    assert [(m.before, m.after) for m in downs] == [("block", "rowwise"), ("rowwise", "tensorwise")]
+    assert [(m.before, m.after) for m in downs] == [("rowwise, wgrad outliers high", "rowwise"),
+                                                    ("rowwise", "tensorwise")]
     assert controller.rungs()["0"] == "tensorwise"
 
 
@@ -155,6 +306,7 @@ def test_a_phase_takes_one_name_as_a_string(layers, high) -> None:
         (lambda: ControllerConfig(patience=1.5), "patience"),
         (lambda: ControllerConfig(max_high_precision_share=1.5), "max_high_precision_share"),
         (lambda: ControllerConfig(step_down_after=0), "step_down_after"),
+        (lambda: ControllerConfig(urgent_excess=1.0), "urgent_excess=1.0 is not valid; use a ratio > 1 or None"),
         (lambda: ControllerConfig(schedule=(PrecisionPhase(start=0.9),)), "total_steps"),
         (lambda: HealthThresholds(underflow=0.0), "underflow"),
         (lambda: HealthThresholds(amax_growth=0.5), "amax_growth"),
@@ -226,7 +378,7 @@ def test_a_model_checkpoint_keeps_the_gemm_precision_and_loads_old_ones() -> Non
     state = model.state_dict()
     fresh, _ = amp8.initialize(mlp(32, 64, 32), None, "O2", recipe=amp8.Recipe())
     fresh.load_state_dict(state)
-    assert fresh[0].gemm_granularity is amp8.config.Granularity.BLOCK
+    assert fresh[0].gemm_granularity is amp8.config.Granularity.ROWWISE and fresh[0].splits_wgrad_outliers
     x = torch.randn(8, 32)
     assert torch.equal(fresh(x), model(x))
     old = {k: v for k, v in state.items() if not k.endswith("gemm_precision")}
@@ -240,7 +392,8 @@ def test_a_compiled_model_is_watched_and_moved() -> None:
     model, optimizer, controller = _build(LADDER, "O1")
     compiled = torch.compile(model)
     _train(compiled, optimizer, 4)
-    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [(2, "rowwise"), (4, "block")]
+    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [
+        (2, "rowwise"), (4, "rowwise, wgrad outliers high")]
 
 
 # -- two ranks ------------------------------------------------------------------------
@@ -282,10 +435,10 @@ def test_the_report_shows_each_layers_gemms_and_moves() -> None:
     _train(model, optimizer, 4)
     precision = amp8.report(model, optimizer)
     rows = {row["name"]: row for row in precision.rows}
-    assert rows["0.weight"]["gemms"] == "block"
-    assert [move["after"] for move in rows["0.weight"]["moves"]] == ["rowwise", "block"]
+    assert rows["0.weight"]["gemms"] == "rowwise, wgrad outliers high"
+    assert [move["after"] for move in rows["0.weight"]["moves"]] == ["rowwise", "rowwise, wgrad outliers high"]
     assert len(precision.moves()) == len(controller.moves)
-    assert any(line.startswith("GEMMs moved: 0.weight (block)") for line in precision.highlights())
+    assert any(line.startswith("GEMMs moved: 0.weight (rowwise, wgrad outliers high)") for line in precision.highlights())
     from rich.console import Console
 
     console = Console(record=True, width=200)
@@ -313,7 +466,8 @@ def test_accelerate_steps_and_checkpoints_the_controller() -> None:
             optimizer.step()
             optimizer.zero_grad()
     assert controller.step == 4
-    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [(2, "rowwise"), (4, "block")]
+    assert [(m.step, m.after) for m in controller.moves if m.layer == "0"] == [
+        (2, "rowwise"), (4, "rowwise, wgrad outliers high")]
     assert optimizer.state_dict()[STATE_DICT_KEY]["step"] == 4
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.nn.function import split_outlier_tokens
+from amp8.nn.function import OUTLIER_ROW_RATIO, split_outlier_tokens
 from amp8.nn.linear import Fp8Linear
 
 GAIN = 2.0**20
@@ -49,11 +49,51 @@ def test_the_split_takes_out_the_outlier_rows_and_keeps_the_product(m, k, n, ope
     torch.testing.assert_close(outliers + g_rest.t() @ x_rest, g.t() @ x, rtol=1e-5, atol=1e-3 * GAIN)
 
 
-@pytest.mark.parametrize(("m", "share", "count"), [(64, 1 / 32, 2), (100, 1 / 32, 4), (5, 1 / 32, 1), (10, 0.5, 5)])
-def test_the_count_depends_on_the_token_count_alone(m, share, count) -> None:
+def _taken(x_rest: torch.Tensor) -> torch.Tensor:
+    """The indices of the rows the split zeroed."""
+    return (x_rest == 0).all(1).nonzero().flatten()
+
+
+@pytest.mark.parametrize("m", [256, 512, 1000])
+@pytest.mark.parametrize("outlier_share", [1 / 64, 1 / 16, 1 / 4])
+@pytest.mark.parametrize("operand", ["input", "grad_output"])
+def test_the_split_takes_as_many_rows_as_there_are_outliers(m, outlier_share, operand) -> None:
+    """With the cap at 1/4 of the tokens, the split takes exactly the outlier rows at
+    1/64, 1/16 and 1/4 of them, and no other row."""
+    generator = torch.Generator().manual_seed(3)
+    x, g = torch.randn(m, 48, generator=generator), torch.randn(m, 24, generator=generator)
+    rows = torch.arange(0, m, round(1 / outlier_share))[: math.ceil(m / 4)]
+    (x if operand == "input" else g)[rows] *= 2 * OUTLIER_ROW_RATIO
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, 1 / 4)
+    assert torch.equal(_taken(x_rest), rows) and torch.equal(_taken(g_rest), rows)
+    # The same float32 sums, over a window with zeroed rows besides the outliers'.
+    torch.testing.assert_close(outliers, g[rows].t() @ x[rows], rtol=1e-6, atol=1e-6 * float(outliers.abs().max()))
+
+
+@pytest.mark.parametrize(("cap", "m"), [(1 / 4, 256), (1 / 8, 256), (1 / 32, 100)])
+def test_beyond_the_cap_the_split_takes_the_largest_outliers(cap, m) -> None:
     x, g = torch.randn(m, 16), torch.randn(m, 16)
-    _, x_rest, _ = split_outlier_tokens(x, g, share)
-    assert int((x_rest == 0).all(1).sum()) == count == max(1, math.ceil(share * m))
+    gains = torch.linspace(2 * OUTLIER_ROW_RATIO, 2**20, m // 2)
+    x[::2] = gains[:, None] * x[::2].sign()  # every other row an outlier of amax ``gain``, the later ones larger
+    _, x_rest, _ = split_outlier_tokens(x, g, cap)
+    count = math.ceil(cap * m)
+    assert torch.equal(_taken(x_rest), torch.arange(0, m, 2)[-count:]), "the cap's count, largest first"
+
+
+def test_without_outliers_the_split_takes_nothing() -> None:
+    x, g = torch.randn(256, 32), torch.randn(256, 16)
+    x[::16] *= OUTLIER_ROW_RATIO / 4  # large rows, but not outliers
+    g[: 200] = 0  # most tokens left out of the loss: the median is of the rows that are not zero
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, 1 / 4)
+    assert torch.equal(x_rest, x) and torch.equal(g_rest, g)
+    assert torch.equal(outliers, torch.zeros(16, 32))
+
+
+@pytest.mark.parametrize("m", [0, 1, 5])
+def test_an_empty_or_zero_batch_splits_nothing(m) -> None:
+    x, g = torch.zeros(m, 8), torch.zeros(m, 4)
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, 1 / 4)
+    assert torch.equal(outliers, torch.zeros(4, 8)) and x_rest.shape == (m, 8) and g_rest.shape == (m, 4)
 
 
 @pytest.mark.parametrize("recipe", [

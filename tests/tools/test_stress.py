@@ -22,6 +22,7 @@ from amp8.tools.experiments.gpt import GPT, PRESETS
 from amp8.tools.experiments.stress import (
     IGNORE_INDEX, OutlierInjection, OutlierStress, UnderflowProbe, mask_position, stressed_layer, underflow_share,
 )
+from amp8.tools.experiments.token_stress import IGNORED_SHARE, TokenRun, TokenSetup, TokenStress, train
 from conftest import load_bench
 
 TINY = PRESETS["tiny"]
@@ -190,8 +191,9 @@ def test_bench_writes_losses_gaps_and_underflow(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("stressed", [True, False])
 def test_the_controller_moves_the_stressed_layer_and_nothing_else(tmp_path: Path, stressed: bool) -> None:
-    """Under the stress, the controller walks the last MLP's down-projection up the
-    ladder (its wgrad cast stays dark at finer scales) and leaves every other layer in
+    """Under the stress, the controller moves the last MLP's down-projection to rowwise
+    scales (fprop's cast) and then splits wgrad's outlier tokens off (its casts along
+    tokens stay dark at any granularity), and leaves every other layer in
     tensorwise FP8, with far more than 90 % of GEMM FLOPs in FP8; without it, nothing moves
     (``--controller`` runs a level once more with ``amp8.Controller``)."""
     stress = OutlierStress(max_log2_gain=24.0, ramp_fraction=0.2) if stressed else None
@@ -204,10 +206,10 @@ def test_the_controller_moves_the_stressed_layer_and_nothing_else(tmp_path: Path
         assert run.controller_moves == [] and run.gemm_fp8_share == 1.0
         return
     assert {move["layer"] for move in run.controller_moves} == {"blocks.1.mlp.proj"}
-    assert [move["after"] for move in run.controller_moves] == ["rowwise", "block", "block, wgrad outliers high"]
+    assert [move["after"] for move in run.controller_moves] == ["rowwise", "rowwise, wgrad outliers high"]
     assert 0.9 < run.gemm_fp8_share < 1.0
     rows = {row["name"]: row for row in run.report["rows"]}
-    assert rows["blocks.1.mlp.proj.weight"]["gemms"] == "block, wgrad outliers high"
+    assert rows["blocks.1.mlp.proj.weight"]["gemms"] == "rowwise, wgrad outliers high"
     saved = json.loads((tmp_path / JSON_NAME).read_text())
     assert saved["config"]["controller_levels"] == ["O1"]
 
@@ -243,3 +245,33 @@ def test_the_controller_moves_a_microscaled_layer_past_its_last_granularity(
         ("blocks.1.mlp.proj", after) for after in moved]
     assert "flushed" in run.controller_moves[0]["reason"]
     assert 0.85 < run.gemm_fp8_share < 1.0
+
+
+# -- token outliers at a share of the tokens (amp8.tools.experiments.token_stress) -------
+@pytest.mark.parametrize("share", [1 / 64, 1 / 16, 1 / 4])
+@pytest.mark.parametrize("layer", [1, 3])
+def test_token_outliers_change_nothing_in_exact_arithmetic(share: float, layer: int) -> None:
+    """O0 trains bit for bit alike with and without the outliers: they sit on tokens the
+    loss leaves out, and a token reaches only its own output."""
+    setup = TokenSetup(widths=(16, 32, 32, 32, 16), batch_size=4, steps=6, warmup=2, eval_batches=1)
+    stressed = train(TokenRun("O0", stress=TokenStress(share=share, layer=layer)), seed=0, setup=setup)
+    plain = train(TokenRun("O0"), seed=0, setup=setup)
+    assert stressed["final_val_loss"] == plain["final_val_loss"]
+
+
+def test_the_token_outliers_are_among_the_tokens_the_loss_leaves_out() -> None:
+    for share in (1 / 64, 1 / 16, 1 / 4):
+        outliers = TokenStress(share=share).outlier_rows(8, 32)
+        assert int(outliers.sum()) == round(share * 8 * 32)
+        assert not (outliers & ~TokenStress(share=IGNORED_SHARE).outlier_rows(8, 32)).any()
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"share": 0.0}, r"share=0.0 is not valid; use a share of tokens in \(0, 0.25\]"),
+    ({"share": 0.5}, r"share=0.5 is not valid; use a share of tokens in \(0, 0.25\]"),
+    ({"share": 1 / 6}, "use 1/4, 1/8, 1/16"),
+    ({"layer": -1}, "layer=-1 is not valid"),
+])
+def test_bad_token_stress_settings_name_the_field_and_the_fix(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TokenStress(**changes)
