@@ -315,3 +315,27 @@ def test_an_old_name_gives_the_moved_object_with_a_warning(owner: str, name: str
         found = getattr(importlib.import_module(owner), name)
     assert found is getattr(importlib.import_module(home), name)
     assert {warning.filename for warning in caught} == {__file__}, "the warning points at the caller"
+
+
+@pytest.mark.parametrize(
+    ("name", "replacement"),
+    [
+        ("mark_weight_sharded", r"renamed mark_weights_sharded\(\)"),
+        ("accumulate_weight_grad", r"weight\.grad"),
+        ("register_weight_grad_hook", r"layer\.weight\.register_hook"),
+        ("encode_weight", r"stored_weight\(layer\.weight\)\.encode"),
+        ("store_weight", r"layer\.write_weight\(value\)"),
+        ("weight_grad_nbytes", r"layer\.weight\.grad\.nbytes"),
+    ],
+)
+def test_removed_layer_methods_name_their_replacement(name: str, replacement: str) -> None:
+    """Fp8Linear's removed methods fail on a layer naming what does their job, and
+    ``hasattr`` is False for them as for any missing name; Parameters and other missing
+    names behave as in any module."""
+    layer = amp8.nn.Fp8Linear.from_linear(nn.Linear(16, 16), amp8.Recipe())
+    with pytest.raises(AttributeError, match=f"Fp8Linear.{name} was removed: .*{replacement}"):
+        getattr(layer, name)
+    assert not hasattr(layer, name)
+    assert hasattr(layer, "mark_weights_sharded") and layer.weight.shape == (16, 16)
+    with pytest.raises(AttributeError, match="'Fp8Linear' object has no attribute 'no_such_name'"):
+        layer.no_such_name

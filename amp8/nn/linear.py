@@ -20,6 +20,7 @@ from torch import nn
 from amp8 import _compat
 from amp8.config.levels import Precision
 from amp8.config.recipe import GRANULARITY_LADDER, Granularity, Recipe
+from amp8.config.validation import removed_name
 from amp8.nn.function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
 from amp8.nn.quantizer import LinearQuantizers, TensorRole
 from amp8.nn.stored_module import StoredWeightModule, recipe_record, saved_recipe
@@ -30,6 +31,20 @@ from amp8.tensor.scaled import ScaledTensor
 
 OUTLIER_SPLIT = 2
 """wgrad's entry in ``gemm_precision`` where only its outlier tokens run in high precision."""
+
+
+REMOVED_METHODS = {
+    "mark_weight_sharded": "renamed mark_weights_sharded(), as on Fp8Experts",
+    "accumulate_weight_grad": "backward accumulates the FP8 weight gradient in weight.grad itself",
+    "register_weight_grad_hook": "the FP8 weight gradient is the Parameter's own: use layer.weight.register_hook or "
+    "layer.weight.register_post_accumulate_grad_hook",
+    "encode_weight": "use amp8.tensor.stored_weight(layer.weight).encode(value)",
+    "store_weight": "use layer.write_weight(value) for a real weight, or "
+    "amp8.tensor.stored_weight(layer.weight).store(data, scale) for encoded storage",
+    "weight_grad_nbytes": "use layer.weight.grad.nbytes (the FP8 data and its scales)",
+}
+"""``Fp8Linear``'s removed methods and what does the job of each now (mostly the weight's
+``amp8.tensor.StoredWeight`` handle)."""
 
 
 class Fp8Linear(StoredWeightModule):
@@ -64,6 +79,16 @@ class Fp8Linear(StoredWeightModule):
     ``.bfloat16()``: scales and histories stay float32 and the weight stays in its FP16 or
     FP8 storage (the bias follows the cast, as in any module).
     """
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules as ``nn.Module`` finds them; a removed method
+        (``REMOVED_METHODS``) fails naming what does its job now."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in REMOVED_METHODS:
+                raise removed_name(type(self).__name__, name, REMOVED_METHODS) from None
+            raise
 
     def __init__(
         self,
