@@ -43,4 +43,3 @@ def moved_name(owner: str, name: str, homes: Mapping[str, str]) -> Any:
     warnings.warn(f"{owner}.{name} moved to {home}.{name}; the old name goes in the next release",
                   DeprecationWarning, stacklevel=3)
     return getattr(importlib.import_module(home), name)
-

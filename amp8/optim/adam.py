@@ -33,7 +33,7 @@ from amp8.config.validation import removed_name
 from amp8.optim import checkpoint
 from amp8.optim import fused as fused_step
 from amp8.optim import state as state_storage
-from amp8.optim.bound import ratio_bound
+from amp8.optim.bound import held_to_bound, ratio_bound
 from amp8.optim.fused import cpp_compiler_found
 from amp8.optim.foreach_step import foreach_adam_step, takes_foreach_step
 from amp8.optim.fused_update import fused_update
@@ -426,10 +426,8 @@ class LowBitAdam(torch.optim.Optimizer):
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = lr / (1 - beta1**step)
         denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-        numerator = exp_avg
-        if bounded:  # stored moments: held to exact Adam's bound (amp8.optim.bound)
-            limit = denom * ratio_bound(beta1, beta2, step)
-            numerator = torch.minimum(torch.maximum(exp_avg, -limit), limit)
+        # Stored moments: the step is held to exact Adam's bound (amp8.optim.bound).
+        numerator = held_to_bound(exp_avg, denom, ratio_bound(beta1, beta2, step)) if bounded else exp_avg
         weight.addcdiv_(numerator, denom, value=-step_size)
         noise_key = self.stored.update_noise_key(param)
         for key, value in zip(MOMENTS, (exp_avg, exp_avg_sq)):

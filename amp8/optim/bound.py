@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 SLACK = 1.25
 """How far past the exact bound a stored pair of moments may go before it is clamped:
 above E4M3's largest relative rounding step (1/8, which a stochastically rounded first
@@ -35,3 +37,12 @@ def ratio_bound(beta1: float, beta2: float, step: float) -> float:
     r = beta1**2 / beta2
     terms = step if r == 1 else (1 - r**step) / (1 - r)
     return SLACK * (1 - beta1) * math.sqrt(terms * (1 - beta2**step) / (1 - beta2))
+
+
+def held_to_bound(exp_avg: torch.Tensor, denom: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
+    """``exp_avg`` clamped to ``[-bound * denom, bound * denom]``, so that ``exp_avg / denom``
+    (the step in learning rates, before bias correction) is at most ``bound``
+    (``ratio_bound``'s). Unchanged, bit for bit, where it is within: the reference and the
+    fused step divide the result as they divided ``exp_avg``."""
+    limit = denom * bound
+    return torch.minimum(torch.maximum(exp_avg, -limit), limit)

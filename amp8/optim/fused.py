@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from amp8.optim.bound import ratio_bound
+from amp8.optim.bound import held_to_bound, ratio_bound
 from amp8.optim.state import FIRST_MOMENT_STREAM
 from amp8.quant import noise, scaling
 from amp8.tensor.stored import encode_fp16
@@ -209,10 +209,7 @@ def adam_tensor_step(
     exp_avg = torch.lerp(exp_avg, grad, scalars.lerp_weight)
     exp_avg_sq = exp_avg_sq * scalars.beta2 + scalars.one_minus_beta2 * grad * grad
     denom = torch.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
-    numerator = exp_avg
-    if spec.bounded:  # |exp_avg / denom| <= Adam's bound (amp8.optim.bound)
-        limit = denom * scalars.ratio_bound
-        numerator = torch.minimum(torch.maximum(exp_avg, -limit), limit)
+    numerator = held_to_bound(exp_avg, denom, scalars.ratio_bound) if spec.bounded else exp_avg
     weight = weight + scalars.neg_step_size * numerator / denom
     exp_avg_data, exp_avg_scale = _store(exp_avg, spec.exp_avg, noise_key)
     exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, spec.exp_avg_sq, noise_key)
