@@ -44,7 +44,7 @@ from amp8 import ControllerConfig, Recipe
 from amp8.frontend import default_recipe
 from amp8.tools.experiments.corpus import CorpusConfig, load_corpus, sample_batch
 from amp8.tools.experiments.stress import IGNORE_INDEX, mask_position
-from amp8.tools.experiments.train import evaluate
+from amp8.tools.experiments.train import evaluate, warmup_cosine_lr
 from common import write_result
 
 NAME = "stress-layers"
@@ -73,10 +73,7 @@ class Setup:
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return warmup_cosine_lr(step, self.lr, self.warmup, self.steps, self.min_lr_ratio)
 
     def gain(self, step: int) -> float:
         """The outlier's gain at ``step``."""

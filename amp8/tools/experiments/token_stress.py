@@ -18,7 +18,6 @@ one.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch.nn import functional as F
 import amp8
 from amp8.config.controller import ControllerConfig
 from amp8.config.recipe import Recipe
+from amp8.tools.experiments.train import warmup_cosine_lr
 
 IGNORED_SHARE = 0.25
 """The loss leaves out every fourth token in every run, stressed or not, so all runs
@@ -60,10 +60,7 @@ class TokenSetup:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based)."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return warmup_cosine_lr(step, self.lr, self.warmup, self.steps, 0.1)
 
 
 @dataclass(frozen=True)

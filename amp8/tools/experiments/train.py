@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -106,6 +107,15 @@ def _to_torchao(model: nn.Module, recipe: str) -> nn.Module:
 
 
 @torch.no_grad()
+def warmup_cosine_lr(step: int, peak: float, warmup: int, steps: int, floor_ratio: float) -> float:
+    """The learning rate of step ``step`` (0-based) of ``steps``: a linear warm-up over
+    ``warmup`` steps to ``peak``, then a cosine decay to ``floor_ratio * peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean loss of ``model`` over ``batches``, in eval mode (restores train mode)."""
     model.eval()
