@@ -22,6 +22,7 @@ from amp8.frontend import initialize
 from amp8.monitor.controller import Controller
 from amp8.monitor.report import report
 from amp8.nn.memory import count_saved_bytes
+from amp8.nn.state_dict_form import compact_state_dict
 from amp8.optim.clip import clip_grad_norm_
 
 
@@ -77,6 +78,7 @@ __all__ = [
     "__version__",
     "clip_grad_norm_",
     "compare",
+    "compact_state_dict",
     "count_saved_bytes",
     "export",
     "initialize",

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+import amp8
 from amp8 import Recipe
 from amp8.nn import Fp8Linear
 from amp8.quant.scaling import sqnr
@@ -150,13 +151,23 @@ def train_steps(model: nn.Module, optimizer: Any, batches: list[torch.Tensor]) -
     return losses
 
 
+def compact_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` in its compact form: the FP8 layers' weights as stored, with
+    their scales and amp8's buffers."""
+    with amp8.compact_state_dict(model):
+        return model.state_dict()
+
+
 def resume_from_checkpoint(
     build: Callable[[], tuple[nn.Module, Any]], model: nn.Module, optimizer: Any
 ) -> tuple[nn.Module, Any]:
-    """A fresh ``build()`` restored from ``model`` and ``optimizer``'s state dicts, saved
-    with ``torch.save`` and read back with ``torch.load(weights_only=True)``."""
+    """A fresh ``build()`` restored from ``model``'s compact state dict (amp8's own
+    checkpoint: the weights as stored, with their scales and amp8's buffers) and
+    ``optimizer``'s, saved with ``torch.save`` and read back with
+    ``torch.load(weights_only=True)``."""
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    with amp8.compact_state_dict(model):
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)
     resumed_model, resumed_optimizer = build()
@@ -171,8 +182,10 @@ def assert_checkpoint_round_trips(
     """``resume_from_checkpoint(build, model, optimizer)``, asserting that every tensor of
     the model's and the optimizer's state came back bit for bit."""
     resumed_model, resumed_optimizer = resume_from_checkpoint(build, model, optimizer)
-    for key, value in model.state_dict().items():
-        assert_bitwise_equal(resumed_model.state_dict()[key], value)
+    with amp8.compact_state_dict(model), amp8.compact_state_dict(resumed_model):
+        saved, resumed = model.state_dict(), resumed_model.state_dict()
+    for key, value in saved.items():
+        assert_bitwise_equal(resumed[key], value)
     for index, param_state in optimizer.state_dict()["state"].items():
         for key, value in param_state.items():
             if torch.is_tensor(value):

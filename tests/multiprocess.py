@@ -12,6 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+
+import amp8
+
 TIMEOUT_S = 180
 
 
@@ -51,10 +54,13 @@ def run(
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every DTensor (a weight sharded over the ranks) gathered
-    whole on every rank, moved as bytes (gloo has no FP8 dtype); call it on every rank."""
+    """``model.state_dict()`` in its compact form (the weights as stored) with every
+    DTensor (a weight sharded over the ranks) gathered whole on every rank, moved as bytes
+    (gloo has no FP8 dtype); call it on every rank."""
     state = {}
-    for key, value in model.state_dict().items():
+    with amp8.compact_state_dict(model):
+        saved = model.state_dict()
+    for key, value in saved.items():
         to_local = getattr(value, "to_local", None)
         if to_local is not None:
             local = to_local()

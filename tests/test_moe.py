@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import amp8
 from amp8._compat import native_rowwise_scaled_mm
 from amp8.nn import Fp8Experts, Fp8Linear
+from amp8.tensor import stored_weight
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 from conftest import assert_checkpoint_round_trips
 from moe_models import TinyExperts, TinyMoeBlock, tiny_moe_model
@@ -83,7 +84,9 @@ def test_initialize_runs_every_experts_module_in_fp8_at_every_level(level: str) 
     assert type(model[1].gate) is nn.Linear, "the router stays in high precision"
     for name in ("gate_up_proj", "down_proj"):
         assert getattr(swapped, name) is getattr(experts, name), "the user's Parameters are reused"
-        assert getattr(swapped, name).dtype == STORED_DTYPE.get(level, params[f"1.experts.{name}"][1])
+        handle = stored_weight(getattr(swapped, name))
+        stored = params[f"1.experts.{name}"][1] if handle is None else handle.data.dtype
+        assert stored == STORED_DTYPE.get(level, params[f"1.experts.{name}"][1])
     x, target = torch.randn(32, 32), torch.randn(32, 32)
     before = swapped.down_proj.detach().clone()
     losses = _train(model, optimizer, lambda: (model(x) - target).pow(2).mean(), 4)
@@ -102,7 +105,7 @@ def test_expert_weights_gradients_and_adam_state_take_scales_per_expert(recipe_n
     _train(model, optimizer, lambda: model(x).pow(2).mean(), 2)
     experts = model[1].experts
     weight = experts.gate_up_proj  # (16 experts, 32, 32)
-    assert weight.dtype == torch.float16 and experts.gate_up_proj_scale.shape == ()
+    assert stored_weight(weight).data.dtype == torch.float16 and experts.gate_up_proj_scale.shape == ()
     grad = weight.grad
     assert isinstance(grad, WeightGrad) and grad.fp8.dtype == torch.float8_e4m3fn
     per_expert = (16, 1, 1) if recipe_name == "tensorwise" else (16, 32, 1)

@@ -71,6 +71,10 @@ ALLOWED: dict[str, str] = {
         "how a tensor subclass holding FP8 data and scales (WeightGrad) presents the weight's "
         "shape and dtype; the constructor torch documents for wrapper subclasses"
     ),
+    "torch.ops.aten._unsafe_view": (
+        "an FP8 GEMM's fresh (M, N) output reshaped to (..., N) without making it a view, as torch's "
+        "own matmul does: a view made inside an autograd Function cannot be changed in place"
+    ),
     "torch._C._disabled_torch_function_impl": (
         "turns __torch_function__ off for a __torch_dispatch__ subclass, as torch's subclass "
         "examples do"

@@ -14,7 +14,7 @@ from torch import nn
 import amp8
 from amp8.distributed import DataParallelGroup, fp8_compress_hook
 from amp8.tensor.weight_grad import WeightGrad
-from conftest import assert_bitwise_equal, assert_sqnr_at_least, mlp
+from conftest import assert_bitwise_equal, assert_sqnr_at_least, compact_state, mlp
 from multiprocess import run
 
 LEVELS = ["O1", "O2", "O3"]
@@ -115,8 +115,8 @@ def test_hand_built_low_bit_adam_finds_the_fp8_weights(level: str) -> None:
             opt.zero_grad()
             _backward(model, seed=step)
             opt.step()
-    for name, value in managed.state_dict().items():
-        assert torch.equal(built.state_dict()[name], value), name
+    for name, value in compact_state(managed).items():
+        assert torch.equal(compact_state(built)[name], value), name
     assert not torch.equal(managed[0].read_weight(), mlp(32, 64, 16)[0].weight.detach()), "FP8 weights must move"
 
 
@@ -142,9 +142,10 @@ def test_autocast_output_dtype_is_autocasts(level: str, dtype: torch.dtype) -> N
 def test_dtype_cast_keeps_fp8_layers_exact(level: str, cast: str) -> None:
     model, _ = amp8.initialize(mlp(32, 64, 16), None, level, recipe=amp8.Recipe())
     weight, scale = model[0].read_weight(), model[0].weight_scale.clone()
-    stored_dtype = model[0].weight.dtype
+    stored_dtype = model[0].weight_dtype
     model = model.to(torch.float16) if cast == "to_float16" else getattr(model, cast)()
-    assert model[0].weight_scale.dtype == torch.float32 and model[0].weight.dtype == stored_dtype
+    assert model[0].weight_scale.dtype == torch.float32 and model[0].weight_dtype == stored_dtype
+    assert model[0].weight.dtype == model[0].bias.dtype, "the weight reports the dtype the model was cast to"
     assert_bitwise_equal(model[0].weight_scale, scale)
     assert_bitwise_equal(model[0].read_weight(), weight)
     out = model(torch.randn(4, 32).to(model[0].bias.dtype))
@@ -184,7 +185,7 @@ def _train_data_parallel(rank: int, world: int, level: str, wrap: str, preset: s
         losses.append(float(loss))
     stats = amp8.distributed.data_parallel_group(model).stats
     return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": {k: v.clone() for k, v in compact_state(model).items()},
         "losses": losses,
         "bytes": dict(stats.bytes_by_kind),
         "hooked": ddp is not None and bool(ddp._comm_hooks),
@@ -295,7 +296,7 @@ def _ddp_options_and_no_sync(rank: int, world: int) -> dict:
         inside_no_sync.append(stats.total - before)
         ddp(torch.randn(8, 32, generator=generator)).pow(2).mean().backward()
         optimizer.step()
-    state = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith(("scale", "amax_history"))}
+    state = {k: v.clone() for k, v in compact_state(model).items() if not k.endswith(("scale", "amax_history"))}
     return {"state": state, "inside_no_sync": inside_no_sync, "unused_grad": model.unused.weight.grad}
 
 
@@ -334,7 +335,7 @@ def _ddp_skipped_branch(rank: int, world: int) -> dict:
         block_grads.append(model.block.weight_grad.dequantize().clone())  # averaged when backward ends
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
-    state = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith(("scale", "amax_history"))}
+    state = {k: v.clone() for k, v in compact_state(model).items() if not k.endswith(("scale", "amax_history"))}
     return {"state": state, "block_grads": block_grads}
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from amp8.distributed.fp8_collectives import WireStats
 from amp8.distributed.layout import ShardLayout
+from amp8.nn.state_dict_form import compact_state_dict
 from amp8.tensor.stored import StoredWeight
 
 
@@ -37,11 +38,14 @@ def process_group_size(group: dist.ProcessGroup | None = None) -> int:
 
 
 def broadcast_module(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Copy rank 0's parameters and persistent buffers (what ``state_dict`` holds) to every
-    rank, as DDP does at wrap; FP8 tensors travel as their bytes."""
+    """Copy rank 0's parameters and persistent buffers (what the compact ``state_dict``
+    holds: FP8 layers' weights as stored, with their scales) to every rank, as DDP does
+    at wrap; FP8 tensors travel as their bytes."""
     source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad(), compact_state_dict(model):
+        state = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for tensor in model.state_dict(keep_vars=True).values():
+        for tensor in state.values():
             data = tensor.data
             if data.element_size() == 1 and data.is_floating_point():
                 data = data.view(torch.uint8)

@@ -46,11 +46,11 @@ def shard_weights(model: nn.Module, layers: Iterable[StoredWeightsModule], data_
     mesh = DeviceMesh.from_group(group, device_type)
     sharded = set()
     for layer in layers:
-        names = [handle.name for handle in layer.stored_weights()]
-        for name in names:
-            weight = getattr(layer, name)
-            setattr(layer, name, nn.Parameter(
-                Fp8WeightShard(weight.detach(), data_parallel.stats), requires_grad=weight.requires_grad
+        handles = layer.stored_weights()
+        names = [handle.name for handle in handles]
+        for handle in handles:  # FSDP2 shards the stored FP8 data, which the sharded Parameter holds from now on
+            setattr(layer, handle.name, nn.Parameter(
+                Fp8WeightShard(handle.data, data_parallel.stats), requires_grad=handle.param.requires_grad
             ))
         others = {param for name, param in layer.named_parameters() if name not in names}
         fully_shard(layer, mesh=mesh, ignored_params=others)

@@ -223,11 +223,13 @@ def _shard_linear(module: nn.Module, dim: int, comm: GroupComm, src_data_rank: i
         )
     if src_data_rank is not None:
         source = dist.get_global_rank(comm.group, src_data_rank)
-        tensors = [module.weight, *([module.bias] if module.bias is not None else [])]
-        tensors += [module.weight_scale] if amp8_layer else []
+        tensors = [module.stored_weight.data, module.weight_scale] if amp8_layer else [module.weight.data]
+        tensors += [module.bias.data] if module.bias is not None else []
         with torch.no_grad():
             for tensor in tensors:
-                dist.broadcast(tensor.data, src=source, group=comm.group)
+                dist.broadcast(tensor, src=source, group=comm.group)
+        if amp8_layer:
+            module.drop_weight_cache()
     # New Parameters of the local shapes (autograd keeps a Parameter's shape).
     start = comm.rank * local
     if amp8_layer:

@@ -271,6 +271,13 @@ _STATS = (
 )
 
 
+def _stored_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype ``param`` is stored in: an FP8 layer's storage (its Parameter reports the
+    model's dtype), else its own."""
+    handle = stored_weight(param)
+    return param.dtype if handle is None else handle.data.dtype
+
+
 def report(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -326,7 +333,7 @@ def report(
             "layer": type(module).__name__,
             "fp8": fp8_layer is not None or isinstance(module, Fp8Experts),
             "note": note,
-            "weight": short_name(param.dtype),
+            "weight": short_name(_stored_dtype(param)),
             "grad": FROZEN if not param.requires_grad else short_name(grad_dtype),
             "frozen": not param.requires_grad,
             "master": state_dtype("master"),

@@ -171,7 +171,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x2, record=True, update_history=config.update_history, watch=config.input_operands
             )
             y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, Gemm.FPROP)  # type: ignore[union-attr]
-        y = y.view(*x.shape[:-1], config.out_features)
+        # A fresh tensor of the output's shape, not a view (torch refuses to change a view
+        # made inside a Function in place: ``y += residual``; FSDP2 warns of views).
+        y = torch.ops.aten._unsafe_view(y, (*x.shape[:-1], config.out_features))
         if bias is not None:  # the sum is a new tensor, not a view (FSDP2 warns of views)
             y = y + bias.to(config.out_dtype)
         # The input for wgrad goes through save_for_backward, so saved-tensor hooks see

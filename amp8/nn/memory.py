@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from amp8.config.formats import short_name
+from amp8.tensor.scaled_weight import ScaledWeight
 
 if TYPE_CHECKING:
     from amp8.nn.activations import ActivationStorage
@@ -44,8 +45,8 @@ def persistent_storages(model: nn.Module | None) -> frozenset[StorageKey]:
     """The storages of ``model``'s parameters and buffers (none without a model)."""
     if model is None:
         return frozenset()
-    tensors = [*model.parameters(), *model.buffers()]
-    return frozenset(storage_key(t) for t in tensors if t.device.type != "meta")
+    tensors = [p._data if isinstance(p, ScaledWeight) else p for p in model.parameters()]  # a stored weight's storage
+    return frozenset(storage_key(t) for t in [*tensors, *model.buffers()] if t.device.type != "meta")
 
 
 _COPY_NODES = frozenset({

@@ -23,6 +23,7 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe
 from amp8.quant.checks import check_loaded_scales
 from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.scaled_weight import ScaledWeight, retarget
 from amp8.tensor.stored import StoredWeight, requiring_grad, stored_weight
 from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
 
@@ -37,9 +38,13 @@ class StoredWeightsModule(nn.Module):
     FP8 storage the weight's scales at the recipe's granularity).
     """
 
+    compact_state_dict = False
+    """Whether ``state_dict()`` gives the compact form (see ``amp8.nn.state_dict_form``);
+    set inside ``amp8.compact_state_dict(model)``."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.register_state_dict_post_hook(_record_recipe)
+        self.register_state_dict_post_hook(_state_dict_form)
 
     def stored_weights(self) -> tuple[StoredWeight, ...]:
         """The handles of this module's stored weights."""
@@ -51,11 +56,9 @@ class StoredWeightsModule(nn.Module):
         """Take over ``weight`` as Parameter ``name`` and store its values at ``storage``
         (see ``StoredWeight`` for ``fixed_storage``), with its ``{name}_scale`` buffer."""
         self.register_buffer(f"{name}_scale", torch.ones((), device=weight.device))
-        real_weight = weight.detach().float()
         setattr(self, name, weight)
-        handle = StoredWeight(self, recipe, storage, fixed_storage=fixed_storage, name=name)
-        handle.write(real_weight)
-        return handle
+        # The handle stores the values and makes ``weight`` a ``ScaledWeight`` (see amp8.tensor.scaled_weight).
+        return StoredWeight(self, recipe, storage, fixed_storage=fixed_storage, name=name)
 
     def drop_weight_cache(self) -> None:
         """Forget anything derived from the stored weights (nothing here; ``Fp8Linear``
@@ -82,6 +85,7 @@ class StoredWeightsModule(nn.Module):
         self.__dict__.update(state)
         for handle in self.stored_weights():  # copied handles hold no layer, copied Parameters no mark
             handle.bind(self)
+        self._refresh_storage()
         self._after_move()
         self._build_grad_routes()
 
@@ -108,66 +112,133 @@ class StoredWeightsModule(nn.Module):
             handle.shard(handle.param)
         self._build_grad_routes()
 
-    def _convert_loaded_weight(
-        self, handle: StoredWeight, state_dict: dict[str, Any], prefix: str, block_size: int
+    def _load_stored_weight(
+        self, handle: StoredWeight, saved: torch.Tensor, saved_scale: torch.Tensor | None, block_size: int, key: str,
+        error_msgs: list[str],
     ) -> None:
-        """Re-encode ``handle``'s weight saved at another storage (another opt level,
-        another recipe's scales, or the plain module amp8 replaced) into this one's, in
-        ``state_dict``, with a warning. ``block_size``: that of the saved scales."""
-        weight_key, scale_key = prefix + handle.name, prefix + handle.scale_name
+        """Store the checkpoint's ``saved`` weight in ``handle``: as saved (bit for bit)
+        from the compact form at this layer's storage; re-encoded from the plain form's
+        real values (``saved_scale`` None); converted, with a warning, from the compact
+        form of another storage (another opt level, another recipe's scales).
+        ``block_size``: that of the saved scales."""
         param, stored_scale = handle.param, getattr(self, handle.scale_name)
-        saved, saved_scale = state_dict.get(weight_key), state_dict.get(scale_key)
-        if saved_scale is not None:
-            check_loaded_scales(scale_key, saved_scale)
-        if saved is None or (
-            saved.dtype == param.dtype and saved_scale is not None
-            and saved_scale.shape == stored_scale.shape and saved_scale.dtype == stored_scale.dtype
-        ):
+        if tuple(saved.shape) != tuple(param.shape):
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(saved.shape)} from checkpoint, "
+                f"the shape in current model is {tuple(param.shape)}."
+            )
             return
         if saved_scale is None:
-            saved_scale = torch.ones((), device=saved.device)
+            handle.write(saved.to(param.device, torch.float32))
+            return
+        scale_key = key[: -len(handle.name)] + handle.scale_name
+        check_loaded_scales(scale_key, saved_scale)
+        if saved.dtype == handle.dtype and saved_scale.shape == stored_scale.shape and (
+            saved_scale.dtype == stored_scale.dtype
+        ):
+            handle.store(saved.to(param.device), saved_scale.to(param.device))
+            return
         real = ScaledTensor(saved, saved_scale.to(saved.device), block_size).dequantize()
-        state_dict[weight_key], state_dict[scale_key] = handle.encode(real.to(param.device))
+        handle.write(real.to(param.device))
         warnings.warn(
-            f"amp8: converted {weight_key} from {saved.dtype} to {handle.dtype} storage "
+            f"amp8: converted {key} from {saved.dtype} to {handle.dtype} storage "
             f"(scales of shape {tuple(saved_scale.shape)}, blocks of {block_size}, to "
-            f"{tuple(state_dict[scale_key].shape)})",
-            stacklevel=3,
+            f"{tuple(getattr(self, handle.scale_name).shape)})",
+            stacklevel=4,
         )
 
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Load, converting a weight saved at another storage (see
-        ``_convert_loaded_weight``; ``args[0]`` is the layer's checkpoint metadata, which
-        names the recipe its scales were made with)."""
-        saved = saved_recipe(args[0] if args else None)
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
+        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+    ) -> None:
+        """Load either form of ``state_dict`` (see ``compact_state_dict``): the stored
+        weights through ``_load_stored_weight`` (``local_metadata`` names the recipe the
+        saved scales were made with), amp8's buffers from a compact checkpoint or kept as
+        they are for a plain one."""
+        saved = saved_recipe(local_metadata)
+        order = list(self._parameters.items())
+        taken: dict[str, nn.Parameter] = {}
         for handle in self.stored_weights():
+            if not isinstance(handle.param, ScaledWeight):
+                continue  # AS_IS and sharded weights load as torch loads any Parameter
+            key, scale_key = prefix + handle.name, prefix + handle.scale_name
             block_size = handle.recipe.block_size if saved is None else saved["block_size"]
-            self._convert_loaded_weight(handle, state_dict, prefix, block_size)
+            weight = state_dict.pop(key, None)
+            if weight is None:
+                missing_keys.append(key)
+            else:
+                self._load_stored_weight(handle, weight, state_dict.get(scale_key), block_size, key, error_msgs)
+            state_dict[scale_key] = getattr(self, handle.scale_name).clone()
+            taken[handle.name] = self._parameters.pop(handle.name)  # type: ignore[assignment]
+        for name, buffer in self._buffers.items():  # a plain checkpoint has none of amp8's buffers
+            if buffer is not None and name not in self._non_persistent_buffers_set:
+                state_dict.setdefault(prefix + name, buffer.clone())
         self.drop_weight_cache()
-        super()._load_from_state_dict(state_dict, prefix, *args)
+        try:
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
+        finally:
+            loaded = dict(self._parameters)
+            self._parameters.clear()
+            self._parameters.update((name, taken.get(name, loaded.get(name))) for name, _ in order)
+        self._refresh_storage()
         self._after_move()
+
+    def _refresh_storage(self) -> None:
+        """Point each stored weight at the scale buffer the layer holds now."""
+        for handle in self.stored_weights():
+            handle.refresh()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "StoredWeightsModule":
         """``.to()``, ``.cuda()``, ``.half()`` and friends: move amp8's tensors to the new
-        device, keeping their dtypes (a float32 scale of 2**17 would be inf in FP16)."""
+        device, keeping their dtypes (a float32 scale of 2**17 would be inf in FP16); a
+        stored weight keeps its storage and reports the dtype ``fn`` gives."""
         self.drop_weight_cache()
         kept = {name: (buffer, buffer.dtype) for name, buffer in self._buffers.items() if buffer is not None}
-        weights = [(handle, handle.param.dtype, handle.param.data) for handle in self.stored_weights()]
-        super()._apply(fn, recurse)
+        order = list(self._parameters.items())
+        weights = {name: param for name, param in order if isinstance(param, ScaledWeight)}
+        for name in weights:
+            del self._parameters[name]
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            moved = dict(self._parameters)
+            self._parameters.clear()
+            self._parameters.update((name, weights.get(name, moved.get(name))) for name, _ in order)
         for name, (original, dtype) in kept.items():
             buffer = self._buffers[name]
             if buffer is not None and buffer.dtype != dtype:
                 self._buffers[name] = original.to(buffer.device)
-        for handle, dtype, stored in weights:
-            param = handle.param
-            if param.dtype != dtype and handle.storage is not Precision.AS_IS:
-                param.data = stored.to(param.device)
+        for handle in self.stored_weights():
+            if isinstance(handle.param, ScaledWeight):
+                _apply_to_weight(handle, fn, getattr(self, handle.scale_name))
         self._after_apply()
         self._after_move()
         return self
 
     def _after_apply(self) -> None:
         """What ``_apply`` does last, before ``_after_move``."""
+
+
+def _apply_to_weight(handle: StoredWeight, fn: Callable[[torch.Tensor], torch.Tensor], scale: torch.Tensor) -> None:
+    """``fn`` (a ``.to()``) on ``handle``'s ``ScaledWeight``: its storage moves, keeping
+    its dtype, and it reports the dtype ``fn`` gives a tensor of its reported dtype; its
+    gradient moves with it."""
+    param = handle.param
+    reported = fn(torch.empty((), dtype=param.dtype, device=param.device)).dtype
+    data = fn(param._data)
+    if data.dtype != param._data.dtype:
+        data = param._data.to(data.device)
+    grad, param.grad = param.grad, None
+    retarget(param, data, scale, reported)
+    if isinstance(grad, WeightGrad):
+        fp8 = grad.fp8
+        param.grad = WeightGrad(
+            ScaledTensor(fp8.data.to(data.device), fp8.scale.to(data.device), fp8.block_size), reported, grad.grad_layout
+        )
+    elif grad is not None:
+        param.grad = fn(grad)
 
 
 def grad_sink(handle: StoredWeight) -> torch.Tensor:
@@ -269,10 +340,15 @@ class StoredWeightModule(StoredWeightsModule):
         weight from ``start``, at the same scale, in a new ``weight`` Parameter (autograd
         keeps a Parameter's shape): one rank's shard under tensor parallelism (see
         ``amp8.distributed.tensor_parallel``). Build the optimizer afterwards."""
-        old = self.weight
-        self.weight = nn.Parameter(old.detach().narrow(dim, start, length).clone(), requires_grad=old.requires_grad)
-        if self.weight_storage is not Precision.AS_IS:
-            self.stored_weight.mark(self.weight)
+        old, handle = self.weight, self.stored_weight
+        if isinstance(old, ScaledWeight):
+            data = handle.data.narrow(dim, start, length).clone()
+            self.weight = nn.Parameter(
+                ScaledWeight(data, old._scale, old.block_size, old.dtype, handle.write), requires_grad=old.requires_grad
+            )
+            handle.mark(self.weight)
+        else:
+            self.weight = nn.Parameter(old.detach().narrow(dim, start, length).clone(), requires_grad=old.requires_grad)
         self.drop_weight_cache()
         self._build_grad_routes()
 
@@ -382,6 +458,26 @@ def saved_recipe(local_metadata: dict[str, Any] | None) -> dict[str, Any] | None
     return record
 
 
-def _record_recipe(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
-    """``state_dict`` post-hook: the layer's recipe goes into its checkpoint metadata."""
-    local_metadata[RECIPE_METADATA] = recipe_record(module.stored_weights()[0].recipe)
+def _state_dict_form(
+    module: StoredWeightsModule, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
+    """``state_dict`` post-hook: the plain form (each stored weight's real values in the
+    dtype it reports, none of amp8's buffers) or, under ``compact_state_dict`` or where
+    FSDP2 shards a weight, the compact form (each weight as stored, with its scales and
+    amp8's buffers, and the layer's recipe in its checkpoint metadata). See
+    ``amp8.nn.state_dict_form``."""
+    handles = module.stored_weights()
+    compact = module.compact_state_dict or any(handle.sharded for handle in handles)
+    if compact:
+        local_metadata[RECIPE_METADATA] = recipe_record(handles[0].recipe)
+    for handle in handles:
+        key = prefix + handle.name
+        if key not in state_dict or not isinstance(handle.param, ScaledWeight):
+            continue
+        if compact:
+            state_dict[key] = handle.data.detach()
+        else:
+            state_dict[key] = handle.read().to(handle.param.dtype)
+    if not compact:
+        for name in module._buffers:
+            state_dict.pop(prefix + name, None)

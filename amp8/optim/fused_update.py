@@ -45,7 +45,7 @@ def fused_update(
         weight, weight_scale = _stored_tensor(param_state, MASTER)[:2]
     elif handle is not None:
         kind = fused.WeightKind.FP16_SCALED
-        weight, weight_scale = handle.param.detach(), handle.scale
+        weight, weight_scale = handle.data, handle.scale
     else:
         kind, weight, weight_scale = fused.WeightKind.PLAIN, param.detach(), None
     fp8_storage, fp8_previous = fused.Storage(), False

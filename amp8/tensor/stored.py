@@ -33,6 +33,7 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe, Scaling
 from amp8.quant import scaling
 from amp8.tensor.scaled import ScaledTensor, is_sharded, local_tensor
+from amp8.tensor.scaled_weight import ScaledWeight
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 
@@ -121,6 +122,7 @@ class StoredWeight:
         self._grad_ready_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
         self._hooked: weakref.ref[nn.Parameter] | None = None  # the Parameter that runs them
         if storage is not Precision.AS_IS:  # an AS_IS weight is a plain Parameter to everyone
+            self._take_over(self.param)
             self.mark(self.param)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -165,6 +167,31 @@ class StoredWeight:
                 param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
             self._hooked = weakref.ref(param)
 
+    def _take_over(self, param: nn.Parameter) -> None:
+        """Store ``param``'s values and make ``param`` itself (the same object: optimizers
+        and tied modules hold it) a ``ScaledWeight`` around the storage, reporting the
+        dtype it had."""
+        data, scale = self.encode(param.detach().float())
+        module = self._module
+        setattr(module, self.scale_name, scale.to(self.scale_dtype, copy=True))
+        weight = nn.Parameter(
+            ScaledWeight(data, self._stored_scale, self.block_size, param.dtype, self.write),
+            requires_grad=param.requires_grad,
+        )
+        # The user's own attributes on the Parameter stay (hooks stay with the old tensor).
+        weight.__dict__.update({
+            key: value for key, value in param.__dict__.items()
+            if key not in weight.__dict__ and not key.endswith("_hooks") and key != _ATTRIBUTE
+        })
+        try:
+            torch.utils.swap_tensors(param, weight)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"amp8 cannot take over the weight Parameter {self.name!r} of {type(module).__name__} "
+                f"({error}); call amp8.initialize on the model as built, before other tools hold its "
+                "Parameters (weak references, views or autograd graphs of them)"
+            ) from error
+
     def shard(self, param: nn.Parameter) -> None:
         """Attach this handle to ``param``, the Parameter FSDP2 put in place, which holds
         this rank's rows: from now on the gradient stays on the handle (see ``add_grad``)."""
@@ -188,9 +215,24 @@ class StoredWeight:
         return getattr(self._module, self.scale_name)
 
     @property
+    def data(self) -> torch.Tensor:
+        """The stored tensor (this rank's rows of a sharded weight): ``w * scale`` in FP16
+        or FP8, which the Parameter (a ``ScaledWeight``) holds; the Parameter itself for
+        ``AS_IS`` storage."""
+        param = self.param
+        return param._data if isinstance(param, ScaledWeight) else local_tensor(param)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the stored weight holds on this rank: its data and its scales, as stored."""
-        return local_tensor(self.param).nbytes + self._stored_scale.nbytes
+        return self.data.nbytes + self._stored_scale.nbytes
+
+    def refresh(self) -> None:
+        """Point the Parameter at the scale buffer the layer holds now (``.to()`` and
+        ``load_state_dict(assign=True)`` replace buffers)."""
+        param = self.param
+        if isinstance(param, ScaledWeight):
+            param._scale = self._stored_scale
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -235,7 +277,7 @@ class StoredWeight:
 
     def stored(self) -> ScaledTensor:
         """The stored data (this rank's rows of a sharded weight) with its scales."""
-        data = local_tensor(self.param).detach()
+        data = self.data.detach()
         return ScaledTensor(data, self._scale_of_rows(self.scale, data), self.block_size)
 
     def local_rows(self) -> tuple[int, int]:
@@ -317,15 +359,19 @@ class StoredWeight:
         param, module = self.param, self._module
         module.drop_weight_cache()
         with torch.no_grad():
-            if param.dtype == data.dtype:
-                local_tensor(param).copy_(data)
-            else:
-                param.data = data
             stored_scale = self._stored_scale
             if stored_scale.shape == scale.shape and stored_scale.dtype == self.scale_dtype:
                 stored_scale.copy_(scale)  # to E8M0 exactly: its scales are powers of two
             else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
                 setattr(module, self.scale_name, scale.to(self.scale_dtype, copy=True))
+            current = self.data
+            if current.dtype == data.dtype:
+                current.copy_(data)
+            elif isinstance(param, ScaledWeight):  # another storage (O3's FP8 beside FP16 masters)
+                param._data = data.detach().clone()
+            else:
+                param.data = data
+            self.refresh()
 
     def restore(self, storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
@@ -366,14 +412,20 @@ class StoredWeight:
         a later backward or clip changes it in place."""
         if self.sharded:
             return None if self._held_grad is None else self._held_grad.fp8
-        grad = self.param.grad
+        param = self.param
+        grad = param.grad
         if grad is None:
             return None
         if not isinstance(grad, WeightGrad):
-            raise TypeError(
-                f"the weight gradient of an FP8 layer must be an amp8 WeightGrad (FP8 + "
-                f"scale), found a {type(grad).__name__} of {grad.dtype}; {PLAIN_GRAD_FIX}"
-            )
+            if not (type(grad) is torch.Tensor and grad.is_floating_point() and grad.shape == param.shape):
+                raise TypeError(
+                    f"the weight gradient of an FP8 layer must be an amp8 WeightGrad (FP8 + "
+                    f"scale), found a {type(grad).__name__} of {grad.dtype}; {PLAIN_GRAD_FIX}"
+                )
+            # Model code that reads the weight itself (a product with ``layer.weight``)
+            # gets its real gradient from autograd: stored in FP8 like the layer's own.
+            self.set_grad_from_float(grad.float())
+            grad = param.grad
         return grad.fp8
 
     def set_grad(self, value: ScaledTensor | None) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 import amp8
 from amp8 import Recipe
 from amp8.config.levels import Precision
+from amp8.tensor.scaled_weight import ScaledWeight
 from amp8.distributed import DataParallelGroup, register_ddp, register_ddp_when_wrapped
 from amp8.distributed.ddp import DdpGuard, data_parallel_group, guard_ddp
 from amp8.nn import Fp8Linear
@@ -91,10 +92,13 @@ def _reachable(root: object, kinds: tuple[type, ...]) -> list[str]:
 
 
 def _shared_storage(copied: nn.Module, original: nn.Module) -> list[str]:
-    """Names of the copy's parameters and buffers that share storage with the original's."""
-    pointers = {t.untyped_storage().data_ptr() for t in [*original.parameters(), *original.buffers()]}
+    """Names of the copy's parameters and buffers that share storage with the original's
+    (an FP8 layer's weight: its stored tensor)."""
+    def address(tensor: torch.Tensor) -> int:
+        return (tensor._data if isinstance(tensor, ScaledWeight) else tensor).untyped_storage().data_ptr()
+    pointers = {address(t) for t in [*original.parameters(), *original.buffers()]}
     named = [*copied.named_parameters(), *copied.named_buffers()]
-    return [name for name, t in named if t.untyped_storage().data_ptr() in pointers]
+    return [name for name, t in named if address(t) in pointers]
 
 
 def _unbound_handles(model: nn.Module) -> list[str]:

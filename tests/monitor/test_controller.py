@@ -21,7 +21,7 @@ from amp8.frontend import default_recipe
 from amp8.monitor.controller import STATE_DICT_KEY
 from amp8.monitor.ladder import GemmState, candidate_steps
 from amp8.tools.experiments.token_stress import TokenRun, TokenSetup, TokenStress, train
-from conftest import mlp
+from conftest import compact_state, mlp
 
 OUTLIER = 2.0**22
 
@@ -341,7 +341,7 @@ def test_resume_after_a_move_is_bit_exact(level, steps) -> None:
     model, optimizer, controller = _build(LADDER, level)
     _train(model, optimizer, steps)
     assert controller.moves, "the checkpoint is taken after a move"
-    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    saved = copy.deepcopy({"model": compact_state(model), "optimizer": optimizer.state_dict()})
     assert saved["optimizer"][STATE_DICT_KEY]["step"] == steps
     _train(model, optimizer, 5, start=steps)
 
@@ -351,9 +351,9 @@ def test_resume_after_a_move_is_bit_exact(level, steps) -> None:
     assert resumed_controller.rungs() == {name: rung for name, rung in _rungs_at(saved).items()}
     _train(resumed_model, resumed_optimizer, 5, start=steps)
     assert resumed_controller.moves == controller.moves
-    for key, value in model.state_dict().items():
+    for key, value in compact_state(model).items():
         assert torch.equal(value.view(torch.uint8) if value.element_size() == 1 else value,
-                           _bytes(resumed_model.state_dict()[key])), key
+                           _bytes(compact_state(resumed_model)[key])), key
 
 
 def _bytes(value: torch.Tensor) -> torch.Tensor:
@@ -375,7 +375,7 @@ def _rungs_at(saved: dict) -> dict[str, str]:
 def test_a_model_checkpoint_keeps_the_gemm_precision_and_loads_old_ones() -> None:
     model, optimizer, _ = _build(LADDER)
     _train(model, optimizer, 4)
-    state = model.state_dict()
+    state = compact_state(model)
     fresh, _ = amp8.initialize(mlp(32, 64, 32), None, "O2", recipe=amp8.Recipe())
     fresh.load_state_dict(state)
     assert fresh[0].gemm_granularity is amp8.config.Granularity.ROWWISE and fresh[0].splits_wgrad_outliers
@@ -409,13 +409,13 @@ def _two_ranks(rank: int, world: int) -> dict:
         optimizer.zero_grad()
         model(x)[1:].square().mean().backward()
         optimizer.step()
-    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    saved = copy.deepcopy({"model": compact_state(model), "optimizer": optimizer.state_dict()})
     _train(model, optimizer, 3, start=9, seed=rank)
     resumed_model, resumed_optimizer, resumed_controller = _build(LADDER)
     resumed_model.load_state_dict(saved["model"])
     resumed_optimizer.load_state_dict(saved["optimizer"])
     _train(resumed_model, resumed_optimizer, 3, start=9, seed=rank)
-    same = all(torch.equal(_bytes(v), _bytes(resumed_model.state_dict()[k])) for k, v in model.state_dict().items())
+    same = all(torch.equal(_bytes(v), _bytes(compact_state(resumed_model)[k])) for k, v in compact_state(model).items())
     dist.barrier()
     return {"moves": controller.moves, "resumed_moves": resumed_controller.moves, "bit_exact": same}
 
@@ -473,7 +473,7 @@ def test_accelerate_steps_and_checkpoints_the_controller() -> None:
 
 def test_a_corrupt_gemm_precision_is_refused_by_name() -> None:
     model, _ = amp8.initialize(mlp(32, 64, 32), None, "O2", recipe=amp8.Recipe())
-    state = model.state_dict()
+    state = compact_state(model)
     for corrupt in ([7, 0, 0, 0], [2, 2, 0, 0], [2, 0, 0, 3]):
         state["0.gemm_precision"] = torch.tensor(corrupt)
         with pytest.raises(ValueError, match=r"0\.gemm_precision .* is not a GEMM precision"):

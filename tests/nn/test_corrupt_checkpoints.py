@@ -32,7 +32,8 @@ def _trained(level: str, recipe: amp8.Recipe) -> nn.Module:
 
 def _assert_refused_by_name(level: str, recipe: amp8.Recipe, key: str) -> None:
     model = _trained(level, recipe)
-    state = model.state_dict()
+    with amp8.compact_state_dict(model):  # the form that holds amp8's scales and histories
+        state = model.state_dict()
     model.load_state_dict(state)  # the good one loads
     state[key] = state[key].clone()
     state[key].view(-1)[0] = BAD[key]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -95,7 +96,7 @@ def test_initialize_stores_untied_tables_and_keeps_the_others(level: str) -> Non
     model["head"].weight = model["tied"].weight
     model, _ = amp8.initialize(model, torch.optim.Adam(model.parameters()), level, layer_selection="all", recipe=amp8.Recipe())
     assert isinstance(model["plain"], LowBitEmbedding)
-    assert model["plain"].weight.dtype == torch.float16
+    assert model["plain"].weight_dtype == torch.float16 and model["plain"].weight.dtype == torch.float32
     for name in ("renormalized", "sparse", "tied"):
         assert type(model[name]) is nn.Embedding, name
     notes = {row["name"]: row["note"] for row in amp8.report(model).rows}
@@ -146,10 +147,11 @@ def test_o2_table_bytes_follow_the_level() -> None:
     assert 6.0 < row["bytes"] / row["numel"] <= 6.0 + 3 * 4 / 64 + 0.01
 
 
-def test_plain_checkpoint_loads_with_a_warning_and_export_gives_a_plain_table() -> None:
+def test_plain_checkpoint_loads_and_export_gives_a_plain_table() -> None:
     plain = _Lookup()
     model, _ = amp8.initialize(copy.deepcopy(plain), None, "O2", layer_selection="all", recipe=amp8.Recipe())
-    with pytest.warns(UserWarning, match="converted embedding.weight"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the plain form is what a model's state_dict() gives: no conversion
         model.load_state_dict(plain.state_dict())
     assert_bitwise_equal(model.embedding.read_weight(), plain.embedding.weight.half().float())
     exported = amp8.export(model)
@@ -200,7 +202,8 @@ def test_rows_follow_the_model_dtype_and_the_table_keeps_its_storage(dtype: torc
     table = model.embedding.read_weight()
     model.to(dtype)
     ids = _zipf_ids(96, (2, 8))
-    assert model.embedding.weight.dtype == torch.float16 and model.embedding.weight_scale.dtype == torch.float32
+    assert model.embedding.weight_dtype == torch.float16 and model.embedding.weight_scale.dtype == torch.float32
+    assert model.embedding.weight.dtype == dtype, "the table reports the dtype the model was cast to"
     assert_bitwise_equal(model.embedding.read_weight(), table)
     assert model.embedding(ids).dtype == dtype
     model.float()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import amp8
 from amp8 import Recipe
 from amp8.config.levels import Precision
 from amp8.nn import ExpertsLayout, Fp8Experts, Fp8Linear, swap_experts, swap_linear_layers
@@ -151,9 +152,11 @@ def test_from_module_reuses_the_parameters_and_to_module_gives_the_module_back()
     keys = list(experts.state_dict())
     module = Fp8Experts.from_module(experts, Recipe())
     assert module.gate_up_proj is experts.gate_up_proj and module.down_proj is experts.down_proj
-    assert list(module.state_dict()) == [*keys, *(f"{key}_scale" for key in keys)], (
-        "checkpoints keep the Parameters' keys, and add their scales"
-    )
+    assert list(module.state_dict()) == keys, "the plain form has the replaced module's keys"
+    with amp8.compact_state_dict(module):
+        assert list(module.state_dict()) == [*keys, *(f"{key}_scale" for key in keys)], (
+            "compact checkpoints keep the Parameters' keys, and add their scales"
+        )
     copied = copy.deepcopy(module)
     back = copied.to_module()
     assert type(back) is TinyExperts and back.gate_up_proj is copied.gate_up_proj
@@ -181,7 +184,8 @@ def test_stored_experts_compute_from_their_real_weights_and_return_fp8_gradients
     assert_bitwise_equal(y, y_plain)
     assert_bitwise_equal(x_grad, x_grad_plain)
     for handle, param in zip(stored.stored_weights(), (plain.gate_up_proj, plain.down_proj)):
-        assert handle.param.dtype == {Precision.FP16: torch.float16, Precision.FP8: torch.float8_e4m3fn}[storage]
+        assert handle.data.dtype == {Precision.FP16: torch.float16, Precision.FP8: torch.float8_e4m3fn}[storage]
+        assert handle.param.dtype == torch.float32, "the Parameter reports the model's dtype"
         fp8 = handle.grad()
         expected = handle.grad_layout.quantize(param.grad)
         assert_bitwise_equal(fp8.data, expected.data)
@@ -213,7 +217,8 @@ def test_other_layouts_take_part_through_the_protocol() -> None:
     module = Fp8Experts.from_module(copy.deepcopy(experts), Recipe())
     index, weights = routing(16, 4)
     x = torch.randn(16, 32)
-    assert list(module.state_dict()) == ["w13", "w2", "w13_scale", "w2_scale"]
+    with amp8.compact_state_dict(module):
+        assert list(module.state_dict()) == ["w13", "w2", "w13_scale", "w2_scale"]
     assert_sqnr_at_least(experts(x, index, weights), module(x, index, weights), 18.0)
 
 

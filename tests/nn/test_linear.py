@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch import nn
 
+import amp8
 from amp8 import Recipe
 from amp8.config.formats import E4M3, E5M2, max_value
 from amp8.config.levels import Precision
@@ -84,22 +85,26 @@ def test_from_linear_reuses_the_parameters_and_stores_fp16() -> None:
     original = weight.detach().clone()
     layer = Fp8Linear.from_linear(linear, Recipe())
     assert layer.weight is weight and layer.bias is bias
-    assert weight.dtype == torch.float16 and bias.dtype == torch.float32
+    # The Parameter reports the model's dtype and reads as the weight; the storage is FP16.
+    assert weight.dtype == torch.float32 and bias.dtype == torch.float32
+    assert layer.weight_dtype == torch.float16 and layer.stored_weight.data.dtype == torch.float16
     scale = layer.weight_scale
     mantissa, _ = torch.frexp(scale)
     assert float(mantissa) == 0.5, "the FP16 storage scale is a power of two"
     # Scaling by a power of two commutes with rounding: storage is exactly FP16(w * s).
-    assert_bitwise_equal(weight.detach(), (original * scale).half())
+    stored = layer.stored_weight.data
+    assert_bitwise_equal(stored, (original * scale).half())
     assert_bitwise_equal(layer.read_weight(), (original * scale).half().float() / scale)
-    assert float(weight.detach().abs().max().float()) <= max_value(torch.float16) / 2
+    assert_bitwise_equal(weight.float(), layer.read_weight())
+    assert float(stored.abs().max().float()) <= max_value(torch.float16) / 2
 
 
 def test_fp8_weight_storage_feeds_the_gemm_directly() -> None:
     reference, _ = _pair(64, 32, Recipe())
     layer = Fp8Linear.from_linear(nn.Linear(64, 32), Recipe(), weight_storage=Precision.FP8)
-    assert layer.weight.dtype == E4M3
+    assert layer.weight_dtype == E4M3 and layer.weight.dtype == torch.float32
     fp8_weight = layer.fp8_weight()
-    assert fp8_weight.data.data_ptr() == layer.weight.data_ptr()
+    assert fp8_weight.data.data_ptr() == layer.stored_weight.data.data_ptr()
     with torch.no_grad():
         reference.weight.copy_(layer.read_weight())
         reference.bias.copy_(layer.bias)
@@ -259,7 +264,8 @@ def test_bf16_inputs_give_bf16_outputs() -> None:
 def test_state_dict_holds_scales_and_history() -> None:
     _, layer = _pair(32, 16, Recipe(scaling="delayed", amax_history_len=4))
     layer(torch.randn(4, 32))
-    state = layer.state_dict()
+    with amp8.compact_state_dict(layer):
+        state = layer.state_dict()
     assert set(state) == {"weight", "bias", "weight_scale", "scale", "amax_history", "gemm_precision"}
     assert state["weight"].dtype == torch.float16
 
@@ -337,4 +343,4 @@ def test_weight_is_cast_once_until_it_is_written(fused: bool) -> None:
 def test_o3_fp8_weights_are_used_as_stored_not_cached() -> None:
     model, _ = _accumulating_model("O3", Recipe())
     layer = model[0]
-    assert layer.fp8_weight().data.data_ptr() == layer.weight.data_ptr()
+    assert layer.fp8_weight().data.data_ptr() == layer.stored_weight.data.data_ptr()

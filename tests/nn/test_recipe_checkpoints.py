@@ -31,9 +31,11 @@ def _model(level: str, recipe: str) -> nn.Module:
 
 
 def _saved_and_loaded(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` through ``torch.save`` and ``torch.load(weights_only=True)``."""
+    """``model.state_dict()`` in its compact form (the stored weights, their scales and
+    recipe) through ``torch.save`` and ``torch.load(weights_only=True)``."""
     buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
+    with amp8.compact_state_dict(model):
+        torch.save(model.state_dict(), buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
 
@@ -62,7 +64,7 @@ def test_o3_checkpoints_load_across_scale_layouts(source: str, target: str) -> N
         model.load_state_dict(_saved_and_loaded(saved))
     for index in (0, 2):
         data, scale = model[index].stored_weight.encode(saved[index].read_weight())
-        assert_bitwise_equal(model[index].weight.detach(), data)
+        assert_bitwise_equal(model[index].stored_weight.data, data)
         assert_bitwise_equal(model[index].weight_scale, scale.to(model[index].weight_scale.dtype))
 
 
@@ -73,11 +75,12 @@ def test_a_checkpoint_of_the_same_recipe_loads_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.load_state_dict(_saved_and_loaded(saved))
-    assert_bitwise_equal(model[0].weight.detach(), saved[0].weight.detach())
+    assert_bitwise_equal(model[0].stored_weight.data, saved[0].stored_weight.data)
 
 
 def test_a_corrupt_recipe_record_is_refused() -> None:
-    state = _model("O1", "tensorwise").state_dict()
+    with amp8.compact_state_dict(model := _model("O1", "tensorwise")):
+        state = model.state_dict()
     state._metadata["0"]["amp8_recipe"] = {"granularity": "tensorwise"}  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="amp8_recipe.*not an amp8 recipe record"):
         _model("O1", "tensorwise").load_state_dict(state)

@@ -16,7 +16,7 @@ from amp8.ops.gemm import fp8_gemm
 from amp8.quant.hadamard import random_hadamard, rotate_rows
 from amp8.tensor.block_scaled import BlockScaledTensor
 from amp8.tools.experiments.compare import KNOB_ABLATIONS, CompareConfig, run_specs
-from conftest import assert_bitwise_equal, assert_checkpoint_round_trips, assert_sqnr_at_least, mlp, train_steps
+from conftest import assert_bitwise_equal, assert_checkpoint_round_trips, assert_sqnr_at_least, compact_state, mlp, train_steps
 from conftest import linear_pair as _pair
 
 RECIPES = ["mxfp8", "nvfp4"]
@@ -180,9 +180,9 @@ def test_hadamard_knob_rotates_the_wgrad_operands_only() -> None:
     assert not torch.equal(with_rht, without)
     assert_sqnr_at_least(grad_out.t() @ x, with_rht, 13.0)
     _, layer = _pair(256, 160, base)
-    assert "hadamard" in layer.state_dict() and layer.quantizers.weight.rotation is None
+    assert "hadamard" in compact_state(layer) and layer.quantizers.weight.rotation is None
     assert layer.quantizers.input.rotation is layer.hadamard
-    assert "hadamard" not in _pair(256, 160, base.replace(wgrad_hadamard=False))[1].state_dict()
+    assert "hadamard" not in compact_state(_pair(256, 160, base.replace(wgrad_hadamard=False))[1])
 
 
 def test_hadamard_spreads_outlier_tokens_in_wgrad() -> None:
@@ -246,7 +246,7 @@ def test_every_microscaled_recipe_trains_at_every_level(level, name) -> None:
     if level != "O1":
         assert optimizer.state[model[0].weight]["exp_avg_scale"].shape == tile, "the first moment takes the tiles"
     if level == "O3":
-        assert model[0].weight.dtype == torch.float8_e4m3fn and model[0].weight_scale.shape == tile
+        assert model[0].weight_dtype == torch.float8_e4m3fn and model[0].weight_scale.shape == tile
 
 
 @pytest.mark.parametrize(("name", "fmt", "block"), [("mxfp8", "mxfp8 e4m3/e8m0", "1x32"),
@@ -280,7 +280,7 @@ def test_checkpoint_round_trips_bit_for_bit(level, name) -> None:
 
     model, optimizer = build()
     train_steps(model, optimizer, _batches(3))
-    assert ("0.hadamard" in model.state_dict()) is (name == "nvfp4")
+    assert ("0.hadamard" in compact_state(model)) is (name == "nvfp4")
     resumed_model, resumed_optimizer = assert_checkpoint_round_trips(build, model, optimizer)
     assert train_steps(resumed_model, resumed_optimizer, _batches(3, seed=1)) == train_steps(
         model, optimizer, _batches(3, seed=1))
@@ -338,7 +338,7 @@ def test_mxfp8_o3_state_takes_fewer_bytes_with_e8m0_scales() -> None:
                                        recipe=Recipe.preset("mxfp8"))
     train_steps(model, optimizer, _batches(1))
     state, numel = optimizer.state[model[0].weight], model[0].weight.numel()
-    weight_bytes = model[0].weight.nbytes + model[0].weight_scale.nbytes
+    weight_bytes = model[0].stored_weight.data.nbytes + model[0].weight_scale.nbytes
     moment_bytes = state["exp_avg"].nbytes + state["exp_avg_scale"].nbytes
     assert weight_bytes == moment_bytes == numel + numel // 32
     # The report counts the bytes as stored: one per E8M0 scale, four per float32 one.
@@ -358,7 +358,7 @@ def test_float32_scales_of_an_older_mxfp8_checkpoint_load_exactly() -> None:
 
     model, optimizer = build()
     train_steps(model, optimizer, _batches(2))
-    saved = {key: value.float() if key.endswith("weight_scale") else value for key, value in model.state_dict().items()}
+    saved = {key: value.float() if key.endswith("weight_scale") else value for key, value in compact_state(model).items()}
     assert saved["0.weight_scale"].dtype == torch.float32
     loaded, _ = build()
     loaded.load_state_dict(saved)

@@ -43,18 +43,18 @@ def test_frozen_weight_gets_no_gradient_state_or_master_and_stays_exact(level: s
     model = _model()
     model, optimizer = amp8.initialize(model, _optimizer(model, given), level)
     frozen, trainable = model[0], model[2]
-    stored, scale = frozen.weight.detach().clone(), frozen.weight_scale.clone()
+    stored, scale = frozen.stored_weight.data.clone(), frozen.weight_scale.clone()
     trained_before = trainable.read_weight()
     _train(model, optimizer, steps=5)
     assert frozen.weight.grad is None and frozen.bias.grad is None
     assert not optimizer.state.get(frozen.weight), "a frozen weight must hold no optimizer state"
     assert not optimizer.state.get(frozen.bias), "a frozen bias must hold no optimizer state"
-    assert_bitwise_equal(frozen.weight.detach(), stored)
+    assert_bitwise_equal(frozen.stored_weight.data, stored)
     assert_bitwise_equal(frozen.weight_scale, scale)
     assert not torch.equal(trainable.read_weight(), trained_before), "the trainable layer must train"
     assert "exp_avg" in optimizer.state[trainable.weight]
     expected_dtype = torch.float8_e4m3fn if level == "O3" else torch.float16
-    assert frozen.weight.dtype == expected_dtype
+    assert frozen.weight_dtype == expected_dtype
     if level == "O3":
         assert "master" in optimizer.state[trainable.weight]
 
@@ -69,7 +69,7 @@ def test_report_says_frozen_and_counts_one_byte_per_frozen_fp8_weight_at_o3(leve
     assert rows["0.bias"]["grad"] == "frozen"
     assert rows["2.weight"]["frozen"] is False and rows["2.weight"]["grad"] != "frozen"
     frozen = model[0]
-    weight_bytes = frozen.weight.numel() * frozen.weight.element_size() + frozen.weight_scale.nbytes
+    weight_bytes = frozen.stored_weight.data.nbytes + frozen.weight_scale.nbytes
     assert rows["0.weight"]["bytes"] == weight_bytes, "a frozen weight holds its storage and scales only"
     if level == "O3":  # one byte per element plus one float32 scale per row
         assert rows["0.weight"]["bytes"] == WIDTH * WIDTH + 4 * WIDTH

@@ -1,0 +1,281 @@
+"""``ScaledWeight``: an FP8 layer's weight Parameter, which reads as the real weight.
+
+An FP8 layer stores its weight as ``w * scale`` in FP16 (O1, O2) or FP8 (O3) beside the
+scale (``amp8.tensor.StoredWeight``). The weight Parameter is a ``ScaledWeight`` around
+those two tensors: it reports the dtype the model had before ``amp8.initialize`` and the
+weight's shape, and to any torch code it reads as ``w``, dequantized on each read, while
+amp8's GEMMs read the stored tensors directly. It is the twin of the gradient contract
+(``amp8.tensor.WeightGrad``).
+
+What torch code gets from it:
+
+- Reads (``w.float()``, ``w.norm()``, ``w @ x``, ``w.to(dtype)``, ``w.clone()``, views and
+  indexing, ``torch.equal``, ...) run on the real values in the reported dtype and give
+  plain tensors.
+- Writes re-encode the whole weight, with fresh scales: ``copy_``, ``fill_``,
+  ``zero_``, ``torch.nn.init.*_``, in-place arithmetic (``mul_``, ``add_``, ...),
+  ``w.data = value`` and ``w[index] = value``.
+- ``detach()`` and ``w.data`` give a ``ScaledWeight`` that shares the storage; views
+  (``w.view(-1)``, ``w.t()``, ``w[0]``, ``w.data[index]``) give a ``WeightView``, which
+  reads as that view of the real weight and whose writes rewrite the weight
+  (``w[0].zero_()``, ``w.view_as(q).copy_(q)`` as ``orthogonal_`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from amp8.tensor.scaled import ScaledTensor
+
+aten = torch.ops.aten
+_DATA_DESCRIPTOR = inspect.getattr_static(torch.Tensor, "data")
+_SHARED = (aten.detach.default, aten.alias.default)
+_REFUSED = ("set_", "resize_", "as_strided_", "resize_as_")
+
+
+class ScaledWeight(torch.Tensor):
+    """The weight Parameter of an FP8 layer: stored scaled, read as real values.
+
+    Args:
+        data: the stored tensor, ``w * scale`` in FP16 or FP8 (kept, not copied).
+        scale: its scales (the layer's ``{name}_scale`` buffer, kept, not copied): one, per
+            row, or per ``block_size`` block, in float32 or the recipe's scale dtype.
+        block_size: elements per block edge of block scales (0 otherwise).
+        dtype: the dtype it reports and reads as (the model's, before ``initialize``).
+        writer: stores new real values of the whole weight (the weight's
+            ``StoredWeight.write``), where writes go.
+    """
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+    block_size: int
+    writer: Callable[[torch.Tensor], None]
+
+    @staticmethod
+    def __new__(
+        cls, data: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype,
+        writer: Callable[[torch.Tensor], None],
+    ) -> "ScaledWeight":
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
+        )
+
+    def __init__(
+        self, data: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype,
+        writer: Callable[[torch.Tensor], None],
+    ) -> None:
+        self._data, self._scale, self.block_size, self.writer = data, scale, block_size, writer
+
+    def stored(self) -> ScaledTensor:
+        """The stored tensor and its float32 scales, sharing memory with this weight."""
+        return ScaledTensor(self._data, self._scale.float(), self.block_size)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The real weight, as a plain tensor of ``dtype`` (the reported dtype by default)."""
+        return self.stored().dequantize(dtype or self.dtype)
+
+    def write(self, value: torch.Tensor) -> None:
+        """Store ``value`` (real values of the weight's shape) as the whole weight, with
+        fresh scales."""
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(
+                f"cannot write a tensor of shape {tuple(value.shape)} into an FP8 layer's weight of shape "
+                f"{tuple(self.shape)}: write values of the weight's shape (build a new layer to change it)"
+            )
+        self.writer(value.detach().to(self.device, torch.float32))
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"ScaledWeight(stored as {self._data.dtype} with scales of shape {tuple(self._scale.shape)}, " \
+               f"reads as {self.dequantize()!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle (``torch.save`` of a whole model) with the stored tensors and the writer."""
+        return (_rebuild, (self._data, self._scale, self.block_size, self.dtype, self.writer, self.requires_grad,
+                           isinstance(self, torch.nn.Parameter)))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ScaledWeight":
+        """A copy with copies of the stored tensors (through ``memo``, so a copied layer's
+        scale buffer and its copied weight share one tensor) and of the writer."""
+        if id(self) in memo:
+            return memo[id(self)]
+        result = ScaledWeight(
+            copy.deepcopy(self._data, memo), copy.deepcopy(self._scale, memo), self.block_size, self.dtype,
+            copy.deepcopy(self.writer, memo),
+        )
+        result.requires_grad_(self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):
+            result._is_param = True  # type: ignore[attr-defined]
+        extra = {key: value for key, value in self.__dict__.items() if key not in _OWN}
+        result.__dict__.update(copy.deepcopy(extra, memo))
+        memo[id(self)] = result
+        return result
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int]]:
+        """The stored tensors and what rebuilds the wrapper (torch.compile), without the
+        writer: compiled code reads the storage and never writes the weight."""
+        return ["_data", "_scale"], (self.dtype, self.block_size)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], context: tuple[torch.dtype, int], outer_size: Any, outer_stride: Any
+    ) -> "ScaledWeight":
+        """The wrapper around ``inner`` (see ``__tensor_flatten__``)."""
+        dtype, block_size = context
+        return ScaledWeight(inner["_data"], inner["_scale"], block_size, dtype, _traced_write)
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """``w.data = value`` writes the weight (see the module's docstring); everything
+        else goes on to ``__torch_dispatch__``."""
+        if getattr(func, "__self__", None) is _DATA_DESCRIPTOR and func.__name__ == "__set__":
+            target, value = args
+            if getattr(value, "_retarget", False):  # ``retarget``: the wrapper's own dtype and device
+                return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+            if not (isinstance(value, ScaledWeight) and value._data is target._data):
+                with torch.no_grad():
+                    target.write(_real(value))
+            return None
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Reads on the real values; in-place operations on a ``ScaledWeight`` write it."""
+        return _dispatch(func, args, kwargs or {})
+
+
+class WeightView(torch.Tensor):
+    """A view of a ``ScaledWeight`` (``w.t()``, ``w.view(-1)``, ``w[0]``): reads as that
+    view of the real weight; an in-place operation on it changes the view of the real
+    weight and stores the whole weight again.
+
+    Args:
+        base: the weight.
+        view: the view, as a function of a tensor of the weight's shape.
+        example: the view of the real weight (its shape and strides).
+    """
+
+    base: ScaledWeight
+    view: Callable[[torch.Tensor], torch.Tensor]
+
+    @staticmethod
+    def __new__(cls, base: ScaledWeight, view: Callable[[torch.Tensor], torch.Tensor],
+                example: torch.Tensor) -> "WeightView":
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, example.shape, strides=example.stride(), dtype=base.dtype, device=base.device, requires_grad=False
+        )
+
+    def __init__(self, base: ScaledWeight, view: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor) -> None:
+        self.base, self.view = base, view
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This view of the real weight, as a plain tensor of ``dtype`` (the reported one
+        by default)."""
+        return self.view(self.base.dequantize(dtype))
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"WeightView(of an FP8 layer's weight, reads as {self.dequantize()!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """As ``ScaledWeight``'s: reads on the real view, writes through to the weight."""
+        return _dispatch(func, args, kwargs or {})
+
+
+def _weight_and_view(tensor: torch.Tensor) -> tuple[ScaledWeight, Callable[[torch.Tensor], torch.Tensor]]:
+    if isinstance(tensor, WeightView):
+        return tensor.base, tensor.view
+    return tensor, _whole  # type: ignore[return-value]
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The aten operation ``func`` with a ``ScaledWeight`` or ``WeightView`` among its
+    arguments (see the module's docstring)."""
+    target = args[0] if args else None
+    stored = isinstance(target, (ScaledWeight, WeightView))
+    if func in _SHARED and stored:
+        if isinstance(target, WeightView):
+            return WeightView(target.base, target.view, target.dequantize())
+        return ScaledWeight(target._data, target._scale, target.block_size, target.dtype, target.writer)
+    if func is aten.detach_.default:
+        return target
+    name = func.overloadpacket.__name__
+    if name in _REFUSED:
+        raise TypeError(
+            f"amp8: {func} is not supported on an FP8 layer's weight (stored scaled); write new values "
+            "with weight.copy_(value) or weight.data = value"
+        )
+    if stored and name.endswith("_"):
+        weight, view = _weight_and_view(target)
+        if func is aten.copy_.default and isinstance(args[1], ScaledWeight) and view is _whole and (
+            args[1]._data is weight._data
+        ):
+            return target
+        real = weight.dequantize(torch.float32)
+        func(view(real), *tree_map(_real, args[1:]), **tree_map(_real, kwargs))
+        weight.write(real)
+        return target
+    if stored and func.is_view:
+        weight, view = _weight_and_view(target)
+        rest = args[1:]
+        viewed = func(view(weight.dequantize()), *rest, **kwargs)
+        if isinstance(viewed, torch.Tensor):
+            return WeightView(weight, lambda t: func(view(t), *rest, **kwargs), viewed)
+        return type(viewed)(
+            WeightView(weight, lambda t, i=index: func(view(t), *rest, **kwargs)[i], part)  # type: ignore[misc]
+            for index, part in enumerate(viewed)
+        )
+    if name.startswith("_foreach_") and name.endswith("_"):
+        method = getattr(torch.Tensor, name[len("_foreach_"):])
+        for index, tensor in enumerate(args[0]):
+            method(tensor, *[v[index] if isinstance(v, (list, tuple)) else v for v in args[1:]], **kwargs)
+        return None
+    return func(*tree_map(_real, args), **tree_map(_real, kwargs))
+
+
+_OWN = ("_data", "_scale", "block_size", "writer", "_is_param")
+
+
+def _traced_write(value: torch.Tensor) -> None:
+    raise RuntimeError("amp8: a weight inside a compiled graph cannot be written; write it outside torch.compile")
+
+
+def _real(value: Any) -> Any:
+    return value.dequantize() if isinstance(value, (ScaledWeight, WeightView)) else value
+
+
+def _rebuild(
+    data: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype, writer: Any, requires_grad: bool,
+    is_param: bool,
+) -> ScaledWeight:
+    weight = ScaledWeight(data, scale, block_size, dtype, writer)
+    weight.requires_grad_(requires_grad)
+    if is_param:
+        weight._is_param = True  # type: ignore[attr-defined]
+    return weight
+
+
+def retarget(weight: ScaledWeight, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """Make ``weight`` (the same object: optimizers, hooks and tied modules keep it) hold
+    ``data`` and ``scale`` and report ``dtype`` on ``data``'s device (after ``.to()``)."""
+    if weight.dtype != dtype or weight.device != data.device:
+        shell = ScaledWeight(data, scale, weight.block_size, dtype, weight.writer)
+        shell._retarget = True  # type: ignore[attr-defined]
+        _DATA_DESCRIPTOR.__set__(weight, shell)
+    weight._data, weight._scale = data, scale
