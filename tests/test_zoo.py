@@ -5,11 +5,15 @@ FLOPs of one forward and backward, measured by torch's FLOP counter), gives a re
 the precision report for every GEMM weight it keeps in high precision, saves with
 ``save_pretrained`` what the plain class loads back (the logits of ``amp8.export``), and
 reports the dtype it had before ``initialize``. Then T5's feed-forward, which casts its
-input to ``wo``'s weight dtype."""
+input to ``wo``'s weight dtype, and timm's Vision Transformer: timm's own where timm imports
+(its torchvision needs a CUDA build of torch), and everywhere its plain-torch twin
+(``zoo_models.TimmStyleViT``), checked against timm's where both run."""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -201,9 +205,7 @@ T5_FEED_FORWARDS = ["relu", "gated-gelu"]  # T5DenseActDense and T5DenseGatedAct
 
 
 def _t5(feed_forward: str) -> ZooModel:
-    t5 = ZOO["t5"]
-    return ZooModel(t5.family, t5.model_class, t5.config_class, {**t5.config, "feed_forward_proj": feed_forward},
-                    t5.batch)
+    return replace(ZOO["t5"], config={**ZOO["t5"].config, "feed_forward_proj": feed_forward})
 
 
 @pytest.mark.parametrize("feed_forward", T5_FEED_FORWARDS)
@@ -236,6 +238,7 @@ def test_t5_feed_forward_input_to_wo_stays_in_the_model_dtype(level: str, feed_f
 
 # -- timm's Vision Transformer ---------------------------------------------------------
 
+@functools.cache  # a failed import leaves torchvision's op registrations half done: try it once
 def timm_import_error() -> str | None:
     """Why ``import timm`` fails here, or None. timm imports torchvision, and PyPI's
     torchvision wheels link torch's CUDA libraries: beside a CPU-only build of torch
