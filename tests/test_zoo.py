@@ -54,7 +54,9 @@ FP8_GEMMS = {"_scaled_mm"}
 #   vit 0.85 (timm's and the timm-style ViT 0.85 too)   convnext 0.30 (its convolutions)
 #   gpt2 0.00: Conv1D is not swapped yet (0.89 with its layers as nn.Linear)
 #   falcon 0.00: FalconLinear is not swapped yet
-#   mamba: no count yet, its forward reads x_proj/dt_proj weights as their FP16 storage
+#   mamba: no count yet: without its CUDA kernels, transformers' Mamba multiplies by
+#   x_proj, dt_proj and out_proj's weight Parameters itself (reading their FP16 storage
+#   today), so only in_proj's GEMMs can run in FP8 there
 #   t5 at O3: no count yet, T5 casts wo's input to the FP8 storage dtype
 MIN_FP8_SHARE = {"gpt2": 0.70}
 """Floors of the FP8 share for the architectures that name one (GPT-2: its tied head
