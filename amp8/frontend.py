@@ -203,7 +203,7 @@ def _initialize(
     first_storage = Precision.FP16 if level.weight is not Precision.AS_IS else Precision.AS_IS
     swap_linear_layers(
         model,
-        lambda linear: Fp8Linear.from_linear(linear, recipe, first_storage),
+        lambda layer: Fp8Linear.from_module(layer, recipe, first_storage),
         module_filter,
         layer_selection,
         recipe.high_precision_layers,

@@ -27,6 +27,7 @@ from amp8 import _compat
 from amp8.config.levels import Precision
 from amp8.config.recipe import GRANULARITY_LADDER, Granularity, Recipe
 from amp8.config.validation import removed_name
+from amp8.nn.gemm_layers import GemmKind, gemm_kind
 from amp8.nn.function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
 from amp8.nn.quantizer import LinearQuantizers, TensorRole
 from amp8.nn.stored_module import StoredWeightModule, recipe_record, saved_recipe
@@ -138,6 +139,28 @@ class Fp8Linear(StoredWeightModule):
         layer = cls(linear.weight, linear.bias, recipe, weight_storage)
         layer.train(linear.training)
         return layer
+
+    @classmethod
+    def from_module(
+        cls, module: nn.Module, recipe: Recipe, weight_storage: Precision = Precision.FP16
+    ) -> "Fp8Linear":
+        """Swap-in for a GEMM layer of either kind ``amp8.nn.gemm_layers.gemm_kind``
+        knows: ``from_linear`` for an ``nn.Linear`` (or subclass), ``from_conv1d`` for a
+        ``Conv1D``-like layer. Whether its forward computes that math is the swap's
+        check (``amp8.nn.gemm_layers.math_reason``).
+
+        Raises:
+            TypeError: ``module`` is neither.
+        """
+        kind = gemm_kind(module)
+        if kind is GemmKind.LINEAR:
+            return cls.from_linear(module, recipe, weight_storage)  # type: ignore[arg-type]
+        if kind is GemmKind.TRANSPOSED:
+            return cls.from_conv1d(module, recipe, weight_storage)
+        raise TypeError(
+            f"Fp8Linear.from_module takes an nn.Linear or a Conv1D-like module (amp8.nn.gemm_layers), "
+            f"got {type(module).__name__}"
+        )
 
     @classmethod
     def from_conv1d(

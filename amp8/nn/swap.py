@@ -1,4 +1,5 @@
-"""Explicit, filterable replacement of ``nn.Linear`` layers and experts modules by FP8
+"""Explicit, filterable replacement of GEMM layers (``nn.Linear``, its subclasses with
+Linear's math, ``Conv1D``-like layers: ``amp8.nn.gemm_layers``) and experts modules by FP8
 ones (and of embeddings by low-bit ones).
 
 Nothing in torch is patched: the swap walks the model's children and re-binds the
@@ -8,6 +9,7 @@ attributes of the parent modules that held eligible modules.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Callable
 
@@ -16,7 +18,8 @@ from torch import nn
 from amp8.nn.adapters import adapted_embeddings, adapter_modules
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import experts_layout, experts_reason, routers
-from amp8.nn.selection import LayerSelection, resolve_selection
+from amp8.nn.gemm_layers import attention_out_projections, gemm_features, gemm_kind, math_reason
+from amp8.nn.selection import LayerSelection, SpeedRule, resolve_selection
 from amp8.quant.scale_layout import GEMM_ALIGNMENT
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -34,17 +37,19 @@ def shared_weight_names(model: nn.Module) -> dict[int, list[str]]:
     return {key: value for key, value in names.items() if len(value) > 1}
 
 
-def high_precision_reason(linear: nn.Linear, shared: dict[int, list[str]]) -> str | None:
-    """Why ``linear`` cannot run in FP8, or None if it can.
+def high_precision_reason(linear: nn.Module, shared: dict[int, list[str]]) -> str | None:
+    """Why the GEMM layer ``linear`` (an ``nn.Linear`` or ``Conv1D``-like) cannot run in
+    FP8, or None if it can.
 
     FP8 GEMMs need in_features and out_features to be multiples of 16, and the weight
     must belong to this layer alone (FP8 layers re-store it, a tied user would see that).
     """
     reasons = []
-    if linear.in_features % GEMM_ALIGNMENT:
-        reasons.append(f"in_features={linear.in_features} is not a multiple of {GEMM_ALIGNMENT}")
-    if linear.out_features % GEMM_ALIGNMENT:
-        reasons.append(f"out_features={linear.out_features} is not a multiple of {GEMM_ALIGNMENT}")
+    in_features, out_features = gemm_features(linear)
+    if in_features % GEMM_ALIGNMENT:
+        reasons.append(f"in_features={in_features} is not a multiple of {GEMM_ALIGNMENT}")
+    if out_features % GEMM_ALIGNMENT:
+        reasons.append(f"out_features={out_features} is not a multiple of {GEMM_ALIGNMENT}")
     names = shared.get(id(linear.weight))
     if names:
         reasons.append(f"weight is shared ({', '.join(names)})")
@@ -94,15 +99,65 @@ def recipe_pattern_reason(fqn: str, high_precision_layers: tuple[str, ...]) -> s
     return f"matches Recipe.high_precision_layers pattern {matched[0]!r}" if matched else None
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the reasons for keeping a GEMM layer in high precision need to know of the
+    whole model, each ``{id(module): why}`` (shared weights: ``{id(weight): names}``)."""
+
+    shared: dict[int, list[str]]
+    heads: dict[int, str]
+    routing: dict[int, str]
+    adapters: dict[int, str]
+    attention: dict[int, str]
+
+    @classmethod
+    def of(cls, model: nn.Module, keep_output_heads: bool) -> "ModelFacts":
+        """The facts of ``model``; output heads only where they are kept (``keep_output_heads``)."""
+        return cls(
+            shared=shared_weight_names(model),
+            heads=output_heads(model) if keep_output_heads else {},
+            routing=routers(model),
+            adapters=adapter_modules(model),
+            attention=attention_out_projections(model),
+        )
+
+
+def gemm_layer_reason(
+    layer: nn.Module,
+    fqn: str,
+    facts: ModelFacts,
+    rule: SpeedRule | None,
+    module_filter: ModuleFilter | None = None,
+    high_precision_layers: tuple[str, ...] = (),
+) -> str | None:
+    """Why the GEMM layer ``layer`` named ``fqn`` stays in high precision, or None to run
+    it in FP8: the first of what the layer cannot do (read directly by its attention,
+    shapes, a shared weight, a router, a PEFT adapter, math other than its kind's), the
+    speed ``rule``, the ``module_filter``, an output head ``facts`` keeps, and a pattern
+    of ``high_precision_layers``."""
+    key = id(layer)
+    found = (
+        facts.attention.get(key) or high_precision_reason(layer, facts.shared) or facts.routing.get(key)
+        or facts.adapters.get(key) or math_reason(layer)
+    )
+    if found is None and rule is not None:
+        found = rule.reason(layer)
+    if found is None and module_filter is not None and not module_filter(layer, fqn):
+        found = "excluded by module_filter"
+    return found or output_head_reason(layer, facts.heads) or recipe_pattern_reason(fqn, high_precision_layers)
+
+
 def swap_linear_layers(
     model: nn.Module,
-    make_fp8: Callable[[nn.Linear], nn.Module],
+    make_fp8: Callable[[nn.Module], nn.Module],
     module_filter: ModuleFilter | None = None,
     layer_selection: LayerSelection = "all",
     high_precision_layers: tuple[str, ...] = (),
     keep_output_heads: bool = False,
 ) -> dict[str, str]:
-    """Replace eligible ``nn.Linear`` children of ``model`` by ``make_fp8(linear)``.
+    """Replace eligible GEMM layers of ``model`` (``nn.Linear``, its subclasses, and
+    ``Conv1D``-like layers: ``amp8.nn.gemm_layers.gemm_kind``) by ``make_fp8(layer)``
+    (``Fp8Linear.from_module`` builds the right one of each kind).
 
     Children are visited before their parents and every candidate is passed to
     ``module_filter(module, fqn)`` with its full dotted name. A layer FP8 cannot run
@@ -111,31 +166,25 @@ def swap_linear_layers(
     one that the speed rule of ``layer_selection`` (for the device the layer's weight is
     on, see ``amp8.nn.selection``) finds too small to gain from FP8, nor one whose name
     matches an ``fnmatch`` pattern of ``high_precision_layers`` (``Recipe``'s), nor,
-    with ``keep_output_heads``, the model's output head (see ``output_heads``).
+    with ``keep_output_heads``, the model's output head (see ``output_heads``), nor a
+    layer whose forward computes other math than its kind's, nor ``nn.MultiheadAttention``'s
+    ``out_proj`` (see ``amp8.nn.gemm_layers``).
 
     Returns:
-        ``{fqn: reason}`` for every ``nn.Linear`` left in high precision.
+        ``{fqn: reason}`` for every GEMM layer left in high precision.
     """
     if isinstance(model, nn.Linear):
         raise TypeError(
             "amp8 swaps layers inside a model; got a bare nn.Linear. Wrap it, e.g. "
             "nn.Sequential(linear), and pass that"
         )
-    shared = shared_weight_names(model)
-    heads = output_heads(model) if keep_output_heads else {}
-    routing = routers(model)
-    adapters = adapter_modules(model)
+    facts = ModelFacts.of(model, keep_output_heads)
 
-    def reason(linear: nn.Linear, fqn: str) -> str | None:
-        found = high_precision_reason(linear, shared) or routing.get(id(linear)) or adapters.get(id(linear))
-        rule = resolve_selection(layer_selection, linear.weight.device.type)
-        if found is None and rule is not None:
-            found = rule.reason(linear)
-        if found is None and module_filter is not None and not module_filter(linear, fqn):
-            found = "excluded by module_filter"
-        return found or output_head_reason(linear, heads) or recipe_pattern_reason(fqn, high_precision_layers)
+    def reason(layer: nn.Module, fqn: str) -> str | None:
+        rule = resolve_selection(layer_selection, layer.weight.device.type)  # type: ignore[union-attr]
+        return gemm_layer_reason(layer, fqn, facts, rule, module_filter, high_precision_layers)
 
-    return _swap_children(model, lambda child: type(child) is nn.Linear, reason, make_fp8)
+    return _swap_children(model, lambda child: gemm_kind(child) is not None, reason, make_fp8)
 
 
 def swap_experts(
