@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,6 +20,7 @@ from amp8.nn.activations import attach_activation_storage
 from amp8.nn.adapters import adopt_lora_layers, check_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
+from amp8.nn.gemm_share import GemmShare
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import LayerSelection, resolve_selection
 from amp8.nn.stored_module import StoredWeightModule
@@ -201,7 +204,7 @@ def _initialize(
     # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
     # them before the weights themselves drop to FP8.
     first_storage = Precision.FP16 if level.weight is not Precision.AS_IS else Precision.AS_IS
-    swap_linear_layers(
+    kept = swap_linear_layers(
         model,
         lambda layer: Fp8Linear.from_module(layer, recipe, first_storage),
         module_filter,
@@ -210,10 +213,13 @@ def _initialize(
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
     )
     adopt_lora_layers(model)  # PEFT's LoRA layers over the new FP8 bases: merging is refused, with the fix
-    swap_experts(
+    kept |= swap_experts(
         model, lambda experts: Fp8Experts.from_module(experts, recipe, first_storage), module_filter,
         recipe.high_precision_layers,
     )
+    message = GemmShare.of(model, kept).warning(level.name)
+    if message is not None:
+        warnings.warn(message, stacklevel=3)
     layers = fp8_layers(model)
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
         return model, optimizer
