@@ -210,6 +210,21 @@ class Fp8Linear(StoredWeightModule):
         plain.train(self.training)
         return plain
 
+    def narrow_weight(self, dim: int, start: int, length: int) -> None:
+        """Keep a slice of the weight (``StoredWeightModule.narrow_weight``: one rank's
+        shard under tensor parallelism), of an (out, in) weight only.
+
+        Raises:
+            ValueError: the weight Parameter holds ``W^T`` (``from_conv1d``).
+        """
+        if self.weight_transposed:
+            raise ValueError(
+                "this Fp8Linear holds a Conv1D's (in, out) weight (weight_transposed): amp8's tensor-parallel "
+                "styles shard (out, in) weights; keep this layer out of the tensor-parallel plan, or convert "
+                "the model's Conv1D layers to nn.Linear before amp8.initialize"
+            )
+        super().narrow_weight(dim, start, length)
+
     def _bind_quantizers(self) -> None:
         """(Re)build ``quantizers`` over the current ``scale``, ``amax_history`` and
         ``health`` buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace

@@ -127,3 +127,9 @@ def test_from_conv1d_refuses_a_module_without_a_2d_weight() -> None:
 def test_repr_says_the_weight_is_transposed() -> None:
     layer = Fp8Linear.from_conv1d(Conv1D(48, 32), Recipe())
     assert "in_features=32, out_features=48" in repr(layer) and "weight_transposed=True" in repr(layer)
+
+
+def test_tensor_parallel_narrowing_is_refused() -> None:
+    layer = Fp8Linear.from_conv1d(Conv1D(64, 32), Recipe())
+    with pytest.raises(ValueError, match="keep this layer out of the tensor-parallel plan"):
+        layer.narrow_weight(0, 0, 16)
