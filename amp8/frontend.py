@@ -103,10 +103,13 @@ def initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``.
 
-    Eligible ``nn.Linear`` layers become ``amp8.nn.Fp8Linear`` layers and mixture-of-experts
-    experts modules (found by structure, ``amp8.nn.experts_layout``) ``amp8.nn.Fp8Experts``,
-    each reusing its Parameters, and Adam/AdamW becomes ``amp8.optim.LowBitAdam`` with the same param
-    groups (docs/levels.md). Use the returned objects from here on and build LR
+    Eligible GEMM layers (``nn.Linear``, its subclasses with Linear's math, GPT-2's
+    ``Conv1D``: ``amp8.nn.gemm_layers``) become ``amp8.nn.Fp8Linear`` layers and
+    mixture-of-experts experts modules (found by structure, ``amp8.nn.experts_layout``)
+    ``amp8.nn.Fp8Experts``, each reusing its Parameters, and Adam/AdamW becomes
+    ``amp8.optim.LowBitAdam`` with the same param groups (docs/levels.md). A level that
+    runs no layer in FP8, or leaves more than half of the GEMM work in high precision,
+    warns, naming the largest layers kept and why (``amp8.nn.gemm_share``). Use the returned objects from here on and build LR
     schedulers after this call. In a ``torch.distributed`` group, call it in every
     process with the bare model; at O1/O2 wrap the result in ``DistributedDataParallel``
     and pass that to ``amp8.distributed.register_ddp`` (docs/distributed.md).

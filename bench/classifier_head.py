@@ -1,0 +1,149 @@
+"""Does a classification head need high precision? A small BERT sequence classifier
+trained on a synthetic task at O2 with its ``classifier`` in FP8 against the same run with
+it kept high (``Recipe.high_precision_layers``), and at O0 for scale; paired seeds (same
+init, same data), final held-out loss mean and standard error.
+
+    python bench/classifier_head.py                  # 3 seeds, 300 steps: bench/results/classifier_head-cpu.json
+    python bench/classifier_head.py --steps 20 --seeds 1 --out-dir /tmp
+
+The task: 32 tokens drawn at random from a vocabulary of 256, where each token votes for
+class ``token % labels``; the label is the class with the most votes (the smallest on a
+tie). A bag-of-words count the model learns in a few hundred steps without reaching zero
+loss, so a head that rounds its logits badly shows in the final loss. ``labels`` is 32, a
+multiple of 16 so that the head can take the FP8 GEMM at all (with fewer than 16 outputs
+amp8 keeps it high: ``amp8.nn.swap.high_precision_reason``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, write_result  # noqa: E402
+
+import amp8  # noqa: E402
+from amp8.frontend import default_recipe  # noqa: E402
+from amp8.config.levels import resolve_level  # noqa: E402
+from amp8.tools.experiments.train import warmup_cosine_lr  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Config:
+    """One study: the model, the task and the training run."""
+
+    steps: int = 300
+    seeds: tuple[int, ...] = (0, 1, 2)
+    batch_size: int = 32
+    seq_len: int = 32
+    vocab: int = 256
+    labels: int = 32
+    hidden: int = 64
+    layers: int = 2
+    lr: float = 1e-3
+    warmup: int = 30
+    lr_floor_ratio: float = 0.1
+    eval_samples: int = 1024
+
+
+VARIANTS = {
+    "O0": ("O0", ()),
+    "O2 head fp8": ("O2", ()),
+    "O2 head high": ("O2", ("classifier",)),
+}
+"""name -> (opt level, Recipe.high_precision_layers)."""
+
+
+def batch(config: Config, generator: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens (size, seq_len), labels (size,))`` of the synthetic task."""
+    tokens = torch.randint(0, config.vocab, (size, config.seq_len), generator=generator)
+    votes = torch.nn.functional.one_hot(tokens % config.labels, config.labels).sum(1)  # (size, labels)
+    return tokens, votes.argmax(-1)
+
+
+def model_for(config: Config, seed: int) -> torch.nn.Module:
+    """A BertForSequenceClassification from a small config, initialized from ``seed``."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    bert = BertConfig(
+        vocab_size=config.vocab, hidden_size=config.hidden, num_hidden_layers=config.layers,
+        num_attention_heads=4, intermediate_size=4 * config.hidden, max_position_embeddings=config.seq_len,
+        num_labels=config.labels, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(bert)
+
+
+def run(config: Config, seed: int, level: str, high: tuple[str, ...]) -> dict[str, float]:
+    """Train one variant; its final held-out loss and accuracy, and where the head ran."""
+    model = model_for(config, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    recipe = default_recipe(resolve_level(level)).replace(high_precision_layers=high)
+    model, optimizer = amp8.initialize(model, optimizer, opt_level=level, recipe=recipe)
+    head_fp8 = isinstance(model.classifier, amp8.nn.Fp8Linear)
+    data = torch.Generator().manual_seed(1000 + seed)  # the same batches for every variant of a seed
+    model.train()
+    for step in range(config.steps):
+        for group in optimizer.param_groups:  # type: ignore[union-attr]
+            group["lr"] = warmup_cosine_lr(step, config.lr, config.warmup, config.steps, config.lr_floor_ratio)
+        tokens, labels = batch(config, data, config.batch_size)
+        loss = model(input_ids=tokens, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    tokens, labels = batch(config, torch.Generator().manual_seed(99), config.eval_samples)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    return {
+        "loss": float(torch.nn.functional.cross_entropy(logits, labels)),
+        "accuracy": float((logits.argmax(-1) == labels).float().mean()),
+        "head_fp8": head_fp8,
+    }
+
+
+def mean_and_error(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for one value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0)
+
+
+def study(config: Config) -> dict[str, object]:
+    """Every variant on every seed, with the paired gap of the FP8 head against the high one."""
+    runs = {name: [run(config, seed, *variant) for seed in config.seeds] for name, variant in VARIANTS.items()}
+    summary: dict[str, object] = {}
+    for name, rows in runs.items():
+        loss, loss_error = mean_and_error([row["loss"] for row in rows])
+        summary[name] = {"loss_mean": loss, "loss_stderr": loss_error, "runs": rows}
+    gaps = [
+        100 * (fp8["loss"] - high["loss"]) / high["loss"]
+        for fp8, high in zip(runs["O2 head fp8"], runs["O2 head high"])
+    ]
+    gap, gap_error = mean_and_error(gaps)
+    summary["paired gap, head fp8 vs high (% of loss)"] = {"mean": gap, "stderr": gap_error, "per_seed": gaps}
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=Config.steps)
+    parser.add_argument("--seeds", type=int, default=len(Config.seeds), help="seeds 0 .. n-1")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    config = Config(steps=args.steps, seeds=tuple(range(args.seeds)))
+    result = {"config": asdict(config), **study(config)}
+    print(write_result("classifier_head", torch.device("cpu"), result, args.out_dir))
+    for name in VARIANTS:
+        print(f"{name}: loss {result[name]['loss_mean']:.4f} +- {result[name]['loss_stderr']:.4f}")
+    gap = result["paired gap, head fp8 vs high (% of loss)"]
+    print(f"paired gap, head fp8 vs high: {gap['mean']:+.2f}% +- {gap['stderr']:.2f}%")
+
+
+if __name__ == "__main__":
+    main()
