@@ -3,13 +3,14 @@ trained on a synthetic task at O2 with its ``classifier`` in FP8 against the sam
 it kept high (``Recipe.high_precision_layers``), and at O0 for scale; paired seeds (same
 init, same data), final held-out loss mean and standard error.
 
-    python bench/classifier_head.py                  # 3 seeds, 300 steps: bench/results/classifier_head-cpu.json
+    python bench/classifier_head.py                  # 3 seeds, 800 steps: bench/results/classifier_head-cpu.json
     python bench/classifier_head.py --steps 20 --seeds 1 --out-dir /tmp
 
-The task: 32 tokens drawn at random from a vocabulary of 256, where each token votes for
-class ``token % labels``; the label is the class with the most votes (the smallest on a
-tie). A bag-of-words count the model learns in a few hundred steps without reaching zero
-loss, so a head that rounds its logits badly shows in the final loss. ``labels`` is 32, a
+The task: 32 tokens from a vocabulary of 256, each voting for class ``token % labels``:
+random but for ``planted`` (10) positions that vote for one class drawn at random; the label
+is the class with the most votes (the smallest on a tie). A bag-of-words count the model
+learns in a few hundred steps without reaching zero loss, so a head that rounds its
+logits badly shows in the final loss. ``labels`` is 32, a
 multiple of 16 so that the head can take the FP8 GEMM at all (with fewer than 16 outputs
 amp8 keeps it high: ``amp8.nn.swap.high_precision_reason``).
 """
@@ -38,7 +39,7 @@ from amp8.tools.experiments.train import warmup_cosine_lr  # noqa: E402
 class Config:
     """One study: the model, the task and the training run."""
 
-    steps: int = 300
+    steps: int = 800
     seeds: tuple[int, ...] = (0, 1, 2)
     batch_size: int = 32
     seq_len: int = 32
@@ -46,23 +47,33 @@ class Config:
     labels: int = 32
     hidden: int = 64
     layers: int = 2
-    lr: float = 1e-3
+    lr: float = 2e-3
+    planted: int = 10
     warmup: int = 30
     lr_floor_ratio: float = 0.1
     eval_samples: int = 1024
 
 
 VARIANTS = {
-    "O0": ("O0", ()),
-    "O2 head fp8": ("O2", ()),
-    "O2 head high": ("O2", ("classifier",)),
+    "O0": ("O0", (), False),
+    "O0 null (init perturbed by 1e-6)": ("O0", (), True),
+    "O2 head fp8": ("O2", (), False),
+    "O2 head high": ("O2", ("classifier",), False),
 }
-"""name -> (opt level, Recipe.high_precision_layers)."""
+"""name -> (opt level, Recipe.high_precision_layers, init perturbed). The null variant shows
+how far rounding alone moves a run: a gap below it is no measurement."""
+
+NULL_PERTURBATION = 1e-6
+"""Relative noise of the null variant's init: ``p * (1 + 1e-6 * N(0, 1))``."""
 
 
 def batch(config: Config, generator: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens (size, seq_len), labels (size,))`` of the synthetic task."""
     tokens = torch.randint(0, config.vocab, (size, config.seq_len), generator=generator)
+    planted = torch.randint(0, config.labels, (size, 1), generator=generator)  # the class most tokens vote for
+    where = torch.rand(size, config.seq_len, generator=generator).argsort(-1)[:, : config.planted]
+    offsets = config.labels * torch.randint(0, config.vocab // config.labels, (size, config.planted), generator=generator)
+    tokens.scatter_(1, where, planted + offsets)
     votes = torch.nn.functional.one_hot(tokens % config.labels, config.labels).sum(1)  # (size, labels)
     return tokens, votes.argmax(-1)
 
@@ -80,9 +91,14 @@ def model_for(config: Config, seed: int) -> torch.nn.Module:
     return BertForSequenceClassification(bert)
 
 
-def run(config: Config, seed: int, level: str, high: tuple[str, ...]) -> dict[str, float]:
+def run(config: Config, seed: int, level: str, high: tuple[str, ...], perturbed: bool = False) -> dict[str, float]:
     """Train one variant; its final held-out loss and accuracy, and where the head ran."""
     model = model_for(config, seed)
+    if perturbed:
+        noise = torch.Generator().manual_seed(2000 + seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1 + NULL_PERTURBATION * torch.randn(param.shape, generator=noise))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     recipe = default_recipe(resolve_level(level)).replace(high_precision_layers=high)
     model, optimizer = amp8.initialize(model, optimizer, opt_level=level, recipe=recipe)
@@ -121,13 +137,19 @@ def study(config: Config) -> dict[str, object]:
     for name, rows in runs.items():
         loss, loss_error = mean_and_error([row["loss"] for row in rows])
         summary[name] = {"loss_mean": loss, "loss_stderr": loss_error, "runs": rows}
-    gaps = [
-        100 * (fp8["loss"] - high["loss"]) / high["loss"]
-        for fp8, high in zip(runs["O2 head fp8"], runs["O2 head high"])
-    ]
-    gap, gap_error = mean_and_error(gaps)
-    summary["paired gap, head fp8 vs high (% of loss)"] = {"mean": gap, "stderr": gap_error, "per_seed": gaps}
+    for name, (variant, baseline) in GAPS.items():
+        gaps = [100 * (a["loss"] - b["loss"]) / b["loss"] for a, b in zip(runs[variant], runs[baseline])]
+        gap, gap_error = mean_and_error(gaps)
+        summary[name] = {"mean": gap, "stderr": gap_error, "per_seed": gaps}
     return summary
+
+
+GAPS = {
+    "paired gap, head fp8 vs high (% of loss)": ("O2 head fp8", "O2 head high"),
+    "paired gap, null vs O0 (% of loss)": ("O0 null (init perturbed by 1e-6)", "O0"),
+    "paired gap, O2 head high vs O0 (% of loss)": ("O2 head high", "O0"),
+}
+"""name -> (variant, baseline) of each paired gap the study reports."""
 
 
 def main() -> None:
@@ -141,8 +163,8 @@ def main() -> None:
     print(write_result("classifier_head", torch.device("cpu"), result, args.out_dir))
     for name in VARIANTS:
         print(f"{name}: loss {result[name]['loss_mean']:.4f} +- {result[name]['loss_stderr']:.4f}")
-    gap = result["paired gap, head fp8 vs high (% of loss)"]
-    print(f"paired gap, head fp8 vs high: {gap['mean']:+.2f}% +- {gap['stderr']:.2f}%")
+    for name in GAPS:
+        print(f"{name}: {result[name]['mean']:+.2f} +- {result[name]['stderr']:.2f}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class PrecisionReport:
     """One row per parameter, with what is really stored for it.
 
     Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
-    weights of FP8 layers and of ``Fp8Experts``, whose GEMMs run in FP8), note (why a Linear weight stays in high precision, or None),
+    weights of FP8 layers and of ``Fp8Experts``, whose GEMMs run in FP8), note (why a GEMM layer's weight stays in high precision, or None),
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
     None; grad is "frozen" for a parameter with ``requires_grad=False``), frozen (True
     for those: they hold no gradient and no optimizer state), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.

@@ -97,11 +97,21 @@ def attention_out_projections(model: nn.Module) -> dict[int, str]:
 def math_reason(module: nn.Module) -> str | None:
     """Why ``module`` (one ``gemm_kind`` knows) does not compute the math its kind runs
     as in FP8, or None where it does: ``nn.Linear`` and subclasses that keep its forward
-    at once, others by a probe (see the module docstring)."""
+    at once, others by a probe (see the module docstring). A subclass that holds other
+    Parameters or submodules (a LoRA-style layer with its own ``lora_A``, ``lora_B``)
+    stays too: the FP8 layer would drop them."""
     kind = gemm_kind(module)
+    name = type(module).__name__
+    if kind is GemmKind.LINEAR and type(module) is not nn.Linear:
+        others = [n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+        others += [n for n, _ in module.named_children()]
+        if others:
+            return (
+                f"{name} (an nn.Linear subclass) holds other Parameters or submodules ({', '.join(others)}) "
+                "that an FP8 layer in its place would drop; amp8 runs Linear's math alone in FP8"
+            )
     if kind is GemmKind.LINEAR and type(module).forward is nn.Linear.forward:
         return None
-    name = type(module).__name__
     if kind is GemmKind.LINEAR:
         what, reference = "F.linear(x, weight, bias)", _linear_math
         prefix = f"{name} (an nn.Linear subclass) overrides forward"

@@ -199,3 +199,33 @@ def test_gpt2_conv1d_weight_grad_has_the_conv1d_shape() -> None:
     model(input_ids=tokens, labels=tokens).loss.backward()
     layer = model.transformer.h[0].mlp.c_fc
     assert isinstance(layer.weight.grad, WeightGrad) and layer.weight.grad.shape == (64, 256)
+
+
+class LoraStyleLinear(nn.Linear):
+    """loralib's layout: an nn.Linear subclass holding its adapter as its own Parameters,
+    lora_B zero-initialized (a probe with those values alone would see Linear's math)."""
+
+    def __init__(self, in_features: int, out_features: int, r: int = 4) -> None:
+        super().__init__(in_features, out_features)
+        self.lora_A = nn.Parameter(torch.randn(r, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, r))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + x @ self.lora_A.T @ self.lora_B.T
+
+
+class WithChild(nn.Linear):
+    """Keeps Linear's forward but holds a submodule: the swap would drop it."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.norm = nn.LayerNorm(in_features)
+
+
+@pytest.mark.parametrize(("layer", "named"), [(LoraStyleLinear(32, 32), "lora_A, lora_B"), (WithChild(32, 32), "norm")])
+def test_subclasses_holding_more_than_weight_and_bias_are_kept(layer: nn.Linear, named: str) -> None:
+    reason = math_reason(layer)
+    assert reason is not None and f"holds other Parameters or submodules ({named})" in reason
+    model = nn.ModuleDict({"layer": layer})
+    assert set(swap_linear_layers(model, _to_fp8)) == {"layer"}
+    assert model["layer"] is layer
