@@ -18,6 +18,7 @@ from torch import nn
 from amp8.nn.adapters import adapted_embeddings, adapter_modules
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import experts_layout, experts_reason, routers
+from amp8.nn.linear import Fp8Linear
 from amp8.nn.gemm_layers import attention_out_projections, gemm_features, gemm_kind, math_reason
 from amp8.nn.selection import LayerSelection, SpeedRule, resolve_selection
 from amp8.quant.scale_layout import GEMM_ALIGNMENT
@@ -64,12 +65,44 @@ def output_heads(model: nn.Module) -> dict[int, str]:
     models have), else the last Linear, in module order, whose weight has the shape of
     the vocabulary's table (the embedding with the most rows: ``num_embeddings`` x
     ``embedding_dim``), the untied twin of the input embedding. Names play no part, so
-    a renamed head is still found; a model without an embedding has none.
+    a renamed head is still found; a model without an embedding has none, nor has one
+    whose ``get_output_embeddings()`` returns None (a BERT classifier's FFN may have the
+    vocabulary table's shape). A model without a vocabulary head may have a
+    classification head (``classification_head``).
     """
     getter = getattr(model, "get_output_embeddings", None)
     found = getter() if callable(getter) else None
     if isinstance(found, nn.Linear):
         return {id(found): "the model's get_output_embeddings()"}
+    if callable(getter):  # the model says it has no vocabulary head: a layer of that shape is another
+        return classification_head(model)
+    return _vocabulary_head(model) or classification_head(model)
+
+
+def classification_head(model: nn.Module) -> dict[int, str]:
+    """The model's classification head: ``{id(layer): why it is one}``, or ``{}``.
+
+    The last GEMM layer in module order (``amp8.nn.gemm_layers.gemm_kind``) where its
+    out_features equal ``model.config.num_labels`` (what ``transformers``' sequence,
+    token and image classifiers and question-answering models hold): ``score``,
+    ``classifier``, ``qa_outputs``, a RoBERTa head's ``out_proj``, found without their
+    names. Its logits feed the loss directly, as a vocabulary head's do (measured:
+    ``bench/classifier_head.py``).
+    """
+    labels = getattr(getattr(model, "config", None), "num_labels", None)
+    if not isinstance(labels, int) or isinstance(labels, bool):
+        return {}
+    last = None
+    for module in model.modules():
+        if gemm_kind(module) is not None or isinstance(module, Fp8Linear):  # the report looks after the swap
+            last = module
+    if last is None or _out_features(last) != labels:
+        return {}
+    return {id(last): f"classification head: the last GEMM layer, with model.config.num_labels={labels} outputs"}
+
+
+def _vocabulary_head(model: nn.Module) -> dict[int, str]:
+    """The untied head of the vocabulary's table (see ``output_heads``), or ``{}``."""
     tables = [  # nn.Embedding, and the low-bit tables amp8 puts in their place
         (m.num_embeddings, m.embedding_dim, fqn) for fqn, m in model.named_modules()
         if isinstance(getattr(m, "num_embeddings", None), int) and isinstance(getattr(m, "embedding_dim", None), int)
@@ -90,6 +123,11 @@ def output_head_reason(linear: nn.Linear, heads: dict[int, str]) -> str | None:
     if why is None:
         return None
     return f"output head ({why}), kept by Recipe.output_head='high'; output_head='fp8' runs it in FP8"
+
+
+def _out_features(layer: nn.Module) -> int:
+    features = getattr(layer, "out_features", None)
+    return features if isinstance(features, int) else gemm_features(layer)[1]
 
 
 def recipe_pattern_reason(fqn: str, high_precision_layers: tuple[str, ...]) -> str | None:
