@@ -1,7 +1,8 @@
 """Does a classification head need high precision? A small BERT sequence classifier
-trained on a synthetic task at O2 with its ``classifier`` in FP8 against the same run with
-it kept high (``Recipe.high_precision_layers``), and at O0 for scale; paired seeds (same
-init, same data), final held-out loss mean and standard error.
+trained on a synthetic task at O2 with its ``classifier`` in FP8 (``output_head="fp8"``)
+against the same run with it kept high (``output_head="high"``, the default recipe's,
+which finds it by ``amp8.nn.swap.classification_head``), and at O0 for scale; paired seeds
+(same init, same data), final held-out loss mean and standard error, beside a null variant.
 
     python bench/classifier_head.py                  # 3 seeds, 800 steps: bench/results/classifier_head-cpu.json
     python bench/classifier_head.py --steps 20 --seeds 1 --out-dir /tmp
@@ -55,12 +56,12 @@ class Config:
 
 
 VARIANTS = {
-    "O0": ("O0", (), False),
-    "O0 null (init perturbed by 1e-6)": ("O0", (), True),
-    "O2 head fp8": ("O2", (), False),
-    "O2 head high": ("O2", ("classifier",), False),
+    "O0": ("O0", "high", False),
+    "O0 null (init perturbed by 1e-6)": ("O0", "high", True),
+    "O2 head fp8": ("O2", "fp8", False),
+    "O2 head high": ("O2", "high", False),
 }
-"""name -> (opt level, Recipe.high_precision_layers, init perturbed). The null variant shows
+"""name -> (opt level, Recipe.output_head, init perturbed). The null variant shows
 how far rounding alone moves a run: a gap below it is no measurement."""
 
 NULL_PERTURBATION = 1e-6
@@ -91,7 +92,7 @@ def model_for(config: Config, seed: int) -> torch.nn.Module:
     return BertForSequenceClassification(bert)
 
 
-def run(config: Config, seed: int, level: str, high: tuple[str, ...], perturbed: bool = False) -> dict[str, float]:
+def run(config: Config, seed: int, level: str, output_head: str, perturbed: bool = False) -> dict[str, float]:
     """Train one variant; its final held-out loss and accuracy, and where the head ran."""
     model = model_for(config, seed)
     if perturbed:
@@ -100,7 +101,7 @@ def run(config: Config, seed: int, level: str, high: tuple[str, ...], perturbed:
             for param in model.parameters():
                 param.mul_(1 + NULL_PERTURBATION * torch.randn(param.shape, generator=noise))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    recipe = default_recipe(resolve_level(level)).replace(high_precision_layers=high)
+    recipe = default_recipe(resolve_level(level)).replace(output_head=output_head)
     model, optimizer = amp8.initialize(model, optimizer, opt_level=level, recipe=recipe)
     head_fp8 = isinstance(model.classifier, amp8.nn.Fp8Linear)
     data = torch.Generator().manual_seed(1000 + seed)  # the same batches for every variant of a seed
