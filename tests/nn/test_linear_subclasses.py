@@ -185,10 +185,12 @@ def test_gpt2_and_falcon_blocks_run_in_fp8(level: str, build) -> None:
         assert row["underflow"] is not None and row["saturated"] == 0.0, row
 
 
-def test_gpt2_exports_to_its_own_conv1d_layers() -> None:
-    model, _ = amp8.initialize(_gpt2().eval(), opt_level="O2")
+@pytest.mark.parametrize("level", LEVELS)
+def test_gpt2_exports_to_its_own_conv1d_layers(level: str) -> None:
+    model = _gpt2().eval()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level)
     tokens = torch.randint(0, 128, (2, 16))
-    exported = amp8.export(model)
+    exported = amp8.export(model, optimizer)  # O3: the FP16 master weights
     conv = exported.transformer.h[0].attn.c_attn
     assert type(conv) is Conv1D and conv.weight.shape == (64, 192) and conv.weight.dtype == torch.float32
     with torch.no_grad():
