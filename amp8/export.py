@@ -76,6 +76,8 @@ def export(
             plain: nn.Module = nn.Embedding(
                 layer.num_embeddings, layer.embedding_dim, padding_idx=layer.padding_idx, device=real.device,
             )
+        elif layer.weight_transposed:  # a Conv1D-like layer: the model's own module, weight (in, out)
+            plain = layer.replaced_module(real)
         else:
             plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device=real.device)
         with torch.no_grad():

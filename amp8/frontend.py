@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,6 +20,7 @@ from amp8.nn.activations import attach_activation_storage
 from amp8.nn.adapters import adopt_lora_layers, check_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
+from amp8.nn.gemm_share import GemmShare
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import LayerSelection, resolve_selection
 from amp8.nn.stored_module import StoredWeightModule
@@ -100,10 +103,13 @@ def initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``.
 
-    Eligible ``nn.Linear`` layers become ``amp8.nn.Fp8Linear`` layers and mixture-of-experts
-    experts modules (found by structure, ``amp8.nn.experts_layout``) ``amp8.nn.Fp8Experts``,
-    each reusing its Parameters, and Adam/AdamW becomes ``amp8.optim.LowBitAdam`` with the same param
-    groups (docs/levels.md). Use the returned objects from here on and build LR
+    Eligible GEMM layers (``nn.Linear``, its subclasses with Linear's math, GPT-2's
+    ``Conv1D``: ``amp8.nn.gemm_layers``) become ``amp8.nn.Fp8Linear`` layers and
+    mixture-of-experts experts modules (found by structure, ``amp8.nn.experts_layout``)
+    ``amp8.nn.Fp8Experts``, each reusing its Parameters, and Adam/AdamW becomes
+    ``amp8.optim.LowBitAdam`` with the same param groups (docs/levels.md). A level that
+    runs no layer in FP8, or leaves more than half of the GEMM work in high precision,
+    warns, naming the largest layers kept and why (``amp8.nn.gemm_share``). Use the returned objects from here on and build LR
     schedulers after this call. In a ``torch.distributed`` group, call it in every
     process with the bare model; at O1/O2 wrap the result in ``DistributedDataParallel``
     and pass that to ``amp8.distributed.register_ddp`` (docs/distributed.md).
@@ -201,19 +207,22 @@ def _initialize(
     # Layers start with FP16 weights, so that O3's FP16 master weights are taken from
     # them before the weights themselves drop to FP8.
     first_storage = Precision.FP16 if level.weight is not Precision.AS_IS else Precision.AS_IS
-    swap_linear_layers(
+    kept = swap_linear_layers(
         model,
-        lambda linear: Fp8Linear.from_linear(linear, recipe, first_storage),
+        lambda layer: Fp8Linear.from_module(layer, recipe, first_storage),
         module_filter,
         layer_selection,
         recipe.high_precision_layers,
         keep_output_heads=recipe.output_head is OutputHead.HIGH,
     )
     adopt_lora_layers(model)  # PEFT's LoRA layers over the new FP8 bases: merging is refused, with the fix
-    swap_experts(
+    kept |= swap_experts(
         model, lambda experts: Fp8Experts.from_module(experts, recipe, first_storage), module_filter,
         recipe.high_precision_layers,
     )
+    message = GemmShare.of(model, kept).warning(level.name)
+    if message is not None:
+        warnings.warn(message, stacklevel=3)
     layers = fp8_layers(model)
     if not level.takes_over_optimizer:  # FP8 compute only: a plain model to everyone else
         return model, optimizer

@@ -339,3 +339,40 @@ def test_removed_layer_methods_name_their_replacement(name: str, replacement: st
     assert hasattr(layer, "mark_weights_sharded") and layer.weight.shape == (16, 16)
     with pytest.raises(AttributeError, match="'Fp8Linear' object has no attribute 'no_such_name'"):
         layer.no_such_name
+
+
+def _amp8_warnings(model: nn.Module, level: str, **kwargs) -> list[str]:
+    """The messages of the GEMM-share warnings ``initialize`` gives for ``model``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp8.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level, **kwargs)
+    return [str(w.message) for w in caught if str(w.message).startswith("amp8: opt level")]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O1-compute"])
+def test_no_gemm_share_warning_on_an_ordinary_model(level: str) -> None:
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.Linear(32, 64))
+    assert _amp8_warnings(model, level) == []
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_warns_when_no_layer_runs_in_fp8(level: str) -> None:
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    (message,) = _amp8_warnings(model, level, module_filter=lambda module, fqn: False)
+    assert message.startswith(f"amp8: opt level {level} runs no layer in FP8: FP8 compute is absent")
+    # Shares of the GEMM weights' elements: 32 x 64 and 64 x 10.
+    assert "the largest: 0 (Linear, 76%): excluded by module_filter; 2 (Linear, 24%): out_features=10" in message
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_warns_when_most_gemm_work_stays_high(level: str) -> None:
+    # The untied head (32 x 1024) holds 80% of the GEMM weights; the default recipe keeps it high.
+    model = nn.Sequential(nn.Embedding(1024, 32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.Linear(32, 1024))
+    (message,) = _amp8_warnings(model, level)
+    assert message.startswith(f"amp8: opt level {level} leaves about 80% of the GEMM FLOPs per token"), message
+    assert "4 (Linear, 80%): output head" in message
+
+
+def test_warns_when_the_model_has_no_gemm_layer() -> None:
+    (message,) = _amp8_warnings(nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32)), "O2")
+    assert message.startswith("amp8: opt level O2 found no GEMM layer to run in FP8")

@@ -89,8 +89,9 @@ class Recipe:
             ``model.named_modules()``) that ``amp8.initialize`` keeps in high precision,
             e.g. ``("blocks.11.*", "head")`` for the last block and the head.
         output_head: "fp8" (the field's default) runs the model's output head (the
-            Linear that maps hidden states to the vocabulary, found by structure) in FP8
-            like any other layer; "high" keeps it in high precision.
+            Linear that maps hidden states to the vocabulary, or a classifier's head,
+            found by structure) in FP8 like any other layer; "high" keeps it in high
+            precision.
 
     The field defaults are the tensorwise recipe. ``amp8.initialize`` without a recipe
     uses ``amp8.frontend.default_recipe``: the rowwise preset with the head high.

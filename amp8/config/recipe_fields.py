@@ -86,7 +86,8 @@ class ActivationFormat(str, Enum):
 
 class OutputHead(str, Enum):
     """How ``amp8.initialize`` treats the model's output head: the ``nn.Linear`` that maps
-    hidden states to the vocabulary's logits, found by structure (``amp8.nn.swap.output_heads``).
+    hidden states to the vocabulary's logits, or a classifier's head (the last GEMM layer,
+    with ``model.config.num_labels`` outputs), found by structure (``amp8.nn.swap.output_heads``).
 
     HIGH: it stays in high precision (``initialize``'s default: its logits feed the
         loss directly, and measured runs lose most of their FP8 gap there).

@@ -21,15 +21,12 @@ from amp8.config.validation import check_model_and_optimizer
 from amp8.monitor.console import default_console
 from amp8.monitor.report_table import human_bytes, print_table
 from amp8.monitor.weight_stats import weight_cast_stats
-from amp8.nn.adapters import adapted_embeddings, adapter_modules
+from amp8.nn.adapters import adapted_embeddings
 from amp8.nn.experts import Fp8Experts
-from amp8.nn.experts_layout import routers
+from amp8.nn.gemm_layers import gemm_kind
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import resolve_selection
-from amp8.nn.swap import (
-    embedding_reason, high_precision_reason, output_head_reason, output_heads, recipe_pattern_reason,
-    shared_weight_names,
-)
+from amp8.nn.swap import ModelFacts, embedding_reason, gemm_layer_reason
 from amp8.tensor.stored import stored_weight
 
 FP32_ADAM_BYTES_PER_PARAM = 16
@@ -43,40 +40,33 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.nbytes
 
 
-def _default_rule_reason(linear: nn.Linear) -> str | None:
-    """Why the default speed rule of the layer's device keeps ``linear`` in high precision."""
-    rule = resolve_selection("auto", linear.weight.device.type)
-    return None if rule is None else rule.reason(linear)
-
-
 def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     """``id(param) -> (owning module, note)``; the note says why a parameter that could
-    look like an FP8 candidate stays in high precision."""
-    shared = shared_weight_names(model)
+    look like an FP8 candidate stays in high precision: every GEMM layer amp8 did not
+    swap (``nn.Linear``, its subclasses, ``Conv1D``-like layers) gets one.
+
+    The reasons are found again as the swap found them (``gemm_layer_reason``), with the
+    recipes the FP8 layers hold (the default recipe's where there is none: the output
+    head kept) and the default speed rule of each layer's device; what only the call
+    knew (``module_filter``, another ``layer_selection``) is the last note."""
+    fp8 = [module for module in model.modules() if isinstance(module, Fp8Linear)]
     kept_by_recipe = tuple(dict.fromkeys(  # the recipes' patterns, in order, once each
-        pattern for module in model.modules() if isinstance(module, Fp8Linear)
-        for pattern in module.recipe.high_precision_layers
+        pattern for module in fp8 for pattern in module.recipe.high_precision_layers
     ))
-    keeps_heads = any(isinstance(m, Fp8Linear) and m.recipe.output_head is OutputHead.HIGH for m in model.modules())
-    heads = output_heads(model) if keeps_heads else {}
-    routing = routers(model)
-    adapters, adapted = adapter_modules(model), adapted_embeddings(model)
+    keeps_heads = not fp8 or any(m.recipe.output_head is OutputHead.HIGH for m in fp8)
+    facts = ModelFacts.of(model, keeps_heads)
+    adapted = adapted_embeddings(model)
     owners: dict[int, tuple[nn.Module, str | None]] = {}
     for fqn, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             note = None
-            if type(module) is nn.Linear and param_name == "weight":
-                note = (
-                    high_precision_reason(module, shared)
-                    or routing.get(id(module))
-                    or adapters.get(id(module))
-                    or _default_rule_reason(module)
-                    or output_head_reason(module, heads)
-                    or recipe_pattern_reason(fqn, kept_by_recipe)
-                    or "not selected for FP8 (module_filter or layer_selection)"
+            if gemm_kind(module) is not None and param_name == "weight":
+                rule = resolve_selection("auto", param.device.type)
+                note = gemm_layer_reason(module, fqn, facts, rule, None, kept_by_recipe) or (
+                    "not selected for FP8 (module_filter or layer_selection)" if fp8 else _NO_FP8_NOTE
                 )
             elif type(module) is nn.Embedding and param_name == "weight":
-                note = embedding_reason(module, shared) or adapted.get(id(module))
+                note = embedding_reason(module, facts.shared) or adapted.get(id(module))
             elif isinstance(module, Fp8Experts):
                 note = _EXPERTS_NOTE if module.weight_storage is not Precision.AS_IS else _EXPERTS_AS_IS_NOTE
             owner = owners.setdefault(id(param), (module, note))
@@ -87,6 +77,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     return owners
 
 
+_NO_FP8_NOTE = "no FP8 layer in the model: O0, or every layer refused by module_filter or layer_selection"
 _EXPERTS_NOTE = "MoE experts: GEMMs in FP8, stored as FP8 layers' weights with scales per expert"
 _EXPERTS_AS_IS_NOTE = "MoE experts: GEMMs in FP8; weight and gradient as the model keeps them"
 _LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row): a lookup, not a GEMM"
@@ -97,7 +88,7 @@ class PrecisionReport:
     """One row per parameter, with what is really stored for it.
 
     Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
-    weights of FP8 layers and of ``Fp8Experts``, whose GEMMs run in FP8), note (why a Linear weight stays in high precision, or None),
+    weights of FP8 layers and of ``Fp8Experts``, whose GEMMs run in FP8), note (why a GEMM layer's weight stays in high precision, or None),
     weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
     None; grad is "frozen" for a parameter with ``requires_grad=False``), frozen (True
     for those: they hold no gradient and no optimizer state), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
@@ -184,13 +175,15 @@ class PrecisionReport:
         kept = [
             row for row in rows if row["note"] and row["note"] != _LOW_BIT_TABLE_NOTE and row["layer"] != "Fp8Experts"
         ]
+        shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
+        shown += f" and {len(kept) - top} more" if len(kept) > top else ""
         line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
-        if not fp8_rows:
-            line = "FP8: none (no FP8 layers)"
+        if not fp8_rows and kept:
+            line = f"FP8: none; {len(kept)} kept in high precision: {shown}"
+        elif not fp8_rows:
+            line = "FP8: none (no GEMM layers found)"
         elif kept:
-            shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
-            more = f" and {len(kept) - top} more" if len(kept) > top else ""
-            line += f"; high precision: {shown}{more}"
+            line += f"; high precision: {shown}"
         if tables:
             line += f"; FP16 tables with FP8 gradients: {', '.join(tables)}"
         lines = [line]

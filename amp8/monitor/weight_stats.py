@@ -26,10 +26,14 @@ _ROUNDING = 2.0**-20
 
 def weight_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     """Granularity, scales, amax, underflow and saturation of the FP8 cast of ``weight``,
-    the layer's real weight (its master weight where the optimizer keeps one)."""
+    the layer's real weight (its master weight where the optimizer keeps one), in the
+    weight Parameter's shape."""
+    stored_fp8 = layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if layer.weight_transposed and (layer.quantizers.weight.rule.microscaled or not stored_fp8):
+        weight = weight.t()  # the GEMMs cast W, (N, K), from the Parameter's W^T
     if layer.quantizers.weight.rule.microscaled:
         return {**_microscaled_cast_stats(layer, weight), **_gemm_fields(layer)}
-    if layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if stored_fp8:
         scale, weight_amax = layer.stored_weight.scale, scaling.amax(weight)
         block_size = layer.block_size
     else:  # the cast the forward GEMM gets, at the GEMMs' granularity

@@ -49,6 +49,9 @@ class LinearGemmConfig:
         wgrad_outlier_share: the most tokens, as a share, whose wgrad contribution
             runs in float32 (``Recipe.wgrad_outlier_split``, ``split_outlier_tokens``);
             0 where wgrad does not split.
+        weight_transposed: the weight Parameter holds ``W^T``, (K, N) (a ``Conv1D``-like
+            layer): the (N, K) weight gradient is handed to autograd transposed, in the
+            Parameter's shape.
     """
 
     in_features: int
@@ -64,6 +67,7 @@ class LinearGemmConfig:
     watch_health: bool = False
     grad_layout: GradLayout | None = None
     wgrad_outlier_share: float = 0.0
+    weight_transposed: bool = False
 
     def __post_init__(self) -> None:
         if self.fp8_wgrad and self.grad_layout is None:
@@ -73,12 +77,13 @@ class LinearGemmConfig:
     def build(
         cls, recipe: Recipe, in_features: int, out_features: int, *,
         fp8_wgrad: bool, update_history: bool, out_dtype: torch.dtype, watch_health: bool = False,
-        grad_layout: GradLayout | None = None,
+        grad_layout: GradLayout | None = None, weight_transposed: bool = False,
     ) -> "LinearGemmConfig":
         """The config of one call of a layer with ``recipe`` and an (N, K) weight
         (``grad_layout``: see the attribute; the recipe's, for its shape, when None)."""
         if fp8_wgrad and grad_layout is None:
-            grad_layout = GradLayout.for_weight(recipe, (out_features, in_features))
+            shape = (in_features, out_features) if weight_transposed else (out_features, in_features)
+            grad_layout = GradLayout.for_weight(recipe, shape)
         high_fprop, high_dgrad, high_wgrad = recipe.override_linear_precision
         return cls(
             in_features=in_features,
@@ -94,6 +99,7 @@ class LinearGemmConfig:
             watch_health=watch_health,
             grad_layout=grad_layout if fp8_wgrad else None,
             wgrad_outlier_share=recipe.wgrad_outlier_share if recipe.wgrad_outlier_split else 0.0,
+            weight_transposed=weight_transposed,
         )
 
     def watched(self, *operands: GemmOperand) -> tuple[GemmOperand, ...]:
@@ -234,6 +240,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.w8_dgrad = ctx.w_stored = None
         unused = (None,) * 5  # w8, w8_dgrad, w_stored, quantizers, config
         if grad_w is not None:
+            if config.weight_transposed:  # the Parameter holds W^T: its gradient is (K, N)
+                grad_w = grad_w.t().contiguous()
             if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
                 grad_w = ctx.grad_class.from_float(grad_w, config.grad_layout, ctx.weight_dtype)
             else:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear's

@@ -1,5 +1,10 @@
 """``Fp8Linear``: ``y = x W^T + b`` with all three GEMMs in FP8.
 
+It also takes the place of a ``Conv1D``-like layer (GPT-2's ``transformers.pytorch_utils.Conv1D``:
+``y = x W + b`` with the weight stored (in, out)): ``Fp8Linear.from_conv1d`` keeps that
+Parameter in its own (K, N) orientation (``weight_transposed``), so the model's
+``state_dict`` keys and shapes stay its own; the GEMMs take its transpose.
+
 The layer reuses the caller's ``weight`` and ``bias`` Parameters. The weight's data is
 stored as FP16 (O1, O2) or FP8 (O3) holding ``w * weight_scale``; ``weight_scale`` is a
 buffer beside it. ``layer.stored_weight`` (an ``amp8.tensor.StoredWeight``) is the one place that
@@ -11,6 +16,7 @@ See DESIGN.md, "Weight gradients".
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -21,6 +27,7 @@ from amp8 import _compat
 from amp8.config.levels import Precision
 from amp8.config.recipe import GRANULARITY_LADDER, Granularity, Recipe
 from amp8.config.validation import removed_name
+from amp8.nn.gemm_layers import GemmKind, gemm_kind
 from amp8.nn.function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
 from amp8.nn.quantizer import LinearQuantizers, TensorRole
 from amp8.nn.stored_module import StoredWeightModule, recipe_record, saved_recipe
@@ -50,9 +57,13 @@ REMOVED_METHODS = {
 class Fp8Linear(StoredWeightModule):
     """A linear layer whose forward, input-gradient and weight-gradient GEMMs run in FP8.
 
-    Build one with ``Fp8Linear.from_linear(linear, recipe, weight_storage)``; it takes
-    over the ``nn.Linear``'s Parameter objects, so an optimizer that holds them still
-    points at the right tensors.
+    Build one with ``Fp8Linear.from_linear(linear, recipe, weight_storage)`` (or
+    ``from_conv1d`` for a ``Conv1D``-like layer); it takes over the layer's Parameter
+    objects, so an optimizer that holds them still points at the right tensors.
+
+    ``weight_transposed``: the weight Parameter holds ``W^T``, shape (in_features,
+    out_features), as a ``Conv1D`` stores it; it stays so (storage, its gradient, its
+    checkpoint entry), and the GEMMs take its transpose.
 
     Buffers (saved in ``state_dict``):
         weight_scale: float32, ``weight.data == w * weight_scale``: a scalar for FP16
@@ -96,9 +107,13 @@ class Fp8Linear(StoredWeightModule):
         bias: nn.Parameter | None,
         recipe: Recipe,
         weight_storage: Precision = Precision.FP16,
+        weight_transposed: bool = False,
     ) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        self.weight_transposed = weight_transposed
+        rows, columns = weight.shape
+        self.out_features, self.in_features = (columns, rows) if weight_transposed else (rows, columns)
+        self._replaced: tuple[nn.Module, ...] = ()  # see ``from_conv1d``
         self.recipe = recipe
         device = weight.device
         self.register_buffer("scale", torch.ones(len(TensorRole), device=device))
@@ -124,6 +139,91 @@ class Fp8Linear(StoredWeightModule):
         layer = cls(linear.weight, linear.bias, recipe, weight_storage)
         layer.train(linear.training)
         return layer
+
+    @classmethod
+    def from_module(
+        cls, module: nn.Module, recipe: Recipe, weight_storage: Precision = Precision.FP16
+    ) -> "Fp8Linear":
+        """Swap-in for a GEMM layer of either kind ``amp8.nn.gemm_layers.gemm_kind``
+        knows: ``from_linear`` for an ``nn.Linear`` (or subclass), ``from_conv1d`` for a
+        ``Conv1D``-like layer. Whether its forward computes that math is the swap's
+        check (``amp8.nn.gemm_layers.math_reason``).
+
+        Raises:
+            TypeError: ``module`` is neither.
+        """
+        kind = gemm_kind(module)
+        if kind is GemmKind.LINEAR:
+            return cls.from_linear(module, recipe, weight_storage)  # type: ignore[arg-type]
+        if kind is GemmKind.TRANSPOSED:
+            return cls.from_conv1d(module, recipe, weight_storage)
+        raise TypeError(
+            f"Fp8Linear.from_module takes an nn.Linear or a Conv1D-like module (amp8.nn.gemm_layers), "
+            f"got {type(module).__name__}"
+        )
+
+    @classmethod
+    def from_conv1d(
+        cls, conv1d: nn.Module, recipe: Recipe, weight_storage: Precision = Precision.FP16
+    ) -> "Fp8Linear":
+        """Swap-in for a ``Conv1D``-like layer (``y = x W + b``, ``weight`` of shape
+        (in, out); see ``amp8.nn.gemm_layers``) that reuses its Parameters in their own
+        shapes (``weight_transposed``). ``replaced_module`` gives the replaced module back.
+
+        Raises:
+            TypeError: ``conv1d`` has no 2-D ``weight`` Parameter with a bias of its
+                second dim (or none).
+        """
+        weight, bias = getattr(conv1d, "weight", None), getattr(conv1d, "bias", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or (
+            bias is not None and tuple(bias.shape) != (weight.shape[1],)
+        ):
+            raise TypeError(
+                f"Fp8Linear.from_conv1d takes a Conv1D-like module (a 2-D weight Parameter of shape "
+                f"(in, out) and a bias of shape (out,) or None), got {type(conv1d).__name__}; use "
+                "Fp8Linear.from_linear for an nn.Linear"
+            )
+        layer = cls(weight, bias, recipe, weight_storage, weight_transposed=True)
+        # A copy without its Parameters, outside the module tree (not in state_dict, and
+        # holding no weight that sharding replaces): ``replaced_module`` gives it back.
+        layer._replaced = (copy.deepcopy(conv1d, {id(p): None for p in conv1d.parameters(recurse=False)}),)
+        layer.train(conv1d.training)
+        return layer
+
+    def replaced_module(self, real_weight: torch.Tensor) -> nn.Module:
+        """The ``Conv1D``-like module ``from_conv1d`` replaced (a new copy), holding
+        ``real_weight`` (float, (in, out)) and a copy of this layer's bias: a plain
+        module computing this layer's math (``amp8.export``).
+
+        Raises:
+            TypeError: this layer was not built by ``from_conv1d``.
+        """
+        if not self._replaced:
+            raise TypeError(
+                "Fp8Linear.replaced_module gives back the Conv1D-like module of a layer built by "
+                "Fp8Linear.from_conv1d; for one built from an nn.Linear, build an nn.Linear"
+            )
+        plain = copy.deepcopy(self._replaced[0])
+        plain.weight = nn.Parameter(real_weight.detach().clone(), requires_grad=self.weight.requires_grad)
+        if self.bias is not None:
+            plain.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=self.bias.requires_grad)
+        plain.train(self.training)
+        return plain
+
+    def narrow_weight(self, dim: int, start: int, length: int) -> None:
+        """Keep a slice of the weight (``StoredWeightModule.narrow_weight``: one rank's
+        shard under tensor parallelism), of an (out, in) weight only.
+
+        Raises:
+            ValueError: the weight Parameter holds ``W^T`` (``from_conv1d``).
+        """
+        if self.weight_transposed:
+            raise ValueError(
+                "this Fp8Linear holds a Conv1D's (in, out) weight (weight_transposed): amp8's tensor-parallel "
+                "styles shard (out, in) weights; keep this layer out of the tensor-parallel plan, or convert "
+                "the model's Conv1D layers to nn.Linear before amp8.initialize"
+            )
+        super().narrow_weight(dim, start, length)
 
     def _bind_quantizers(self) -> None:
         """(Re)build ``quantizers`` over the current ``scale``, ``amax_history`` and
@@ -186,7 +286,27 @@ class Fp8Linear(StoredWeightModule):
     def weight_tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
         ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
-        return self.quantizers.weight.rule.tile(tuple(self.weight.shape), contract_dim)
+        return self.quantizers.weight.rule.tile(self._gemm_weight_shape(), contract_dim)
+
+    def _gemm_weight_shape(self) -> tuple[int, int]:
+        """The (N, K) shape of the weight as the GEMMs take it."""
+        rows, columns = self.weight.shape
+        return (columns, rows) if self.weight_transposed else (rows, columns)
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight's real values in float32 as the GEMMs take them, (N, K): the
+        transpose of ``read_weight()`` where the Parameter holds ``W^T``."""
+        real = self.read_weight()
+        return real.t().contiguous() if self.weight_transposed else real
+
+    def _stored_for_gemms(self) -> tuple[ScaledTensor, tuple[int, int] | None]:
+        """The stored weight as the GEMMs take it, (N, K), and the tile of its scales
+        for the forward GEMM: where the Parameter holds ``W^T``, its transpose with the
+        scales transposed alongside (exact: the same values and scales)."""
+        stored, tile = self.stored_weight.stored(), self.stored_weight.tile()
+        if not self.weight_transposed:
+            return stored, tile
+        return stored.t(), None if tile is None else (tile[1], tile[0])
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Load, converting a weight saved at another storage (another opt level, another
@@ -261,18 +381,24 @@ class Fp8Linear(StoredWeightModule):
         watch = self._weight_operands(contract_dim) if self.watch_health else ()
         if self.weight_storage is Precision.AS_IS:  # the user's optimizer writes it: no cache
             return weight.cast(
-                self.read_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
+                self.gemm_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
             )
         if self.weight_storage is Precision.FP8:
-            stored = self.stored_weight.stored()
+            stored, stored_tile = self._stored_for_gemms()
             # Microscaled GEMMs take their own format: re-cast from the stored real values.
-            if self.weight_tile(contract_dim) == self.stored_weight.tile() and not weight.rule.microscaled:
+            if self.weight_tile(contract_dim) != stored_tile or weight.rule.microscaled:
+                return weight.cast(stored.dequantize().contiguous(), contract_dim, watch=watch)
+            if not self.weight_transposed:
                 return stored  # the optimizer cast it: nothing to watch here
-            return weight.cast(stored.dequantize(), contract_dim, watch=watch)
+            # W^T's bytes laid out as (N, K), once until the weight is next written.
+            cached = self._weight_cache.get(contract_dim)
+            if cached is None:
+                cached = self._weight_cache[contract_dim] = stored.with_data(stored.data.contiguous())
+            return cached
         cached = self._weight_cache.get(contract_dim)
         if cached is None:
             cached = weight.cast(
-                self.read_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
+                self.gemm_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
             )
             self._weight_cache[contract_dim] = cached
         return cached
@@ -308,6 +434,7 @@ class Fp8Linear(StoredWeightModule):
             self.gemm_recipe, self.in_features, self.out_features,
             fp8_wgrad=fp8_wgrad, update_history=self.training, out_dtype=output_dtype(x),
             watch_health=self.watch_health, grad_layout=self.stored_weight.grad_layout if fp8_wgrad else None,
+            weight_transposed=self.weight_transposed,
         )
         # The weight's FP8 casts happen here, outside the autograd.Function, so that the
         # cache (a module attribute) is written where a compiled graph may write it.
@@ -316,7 +443,7 @@ class Fp8Linear(StoredWeightModule):
         needs_dgrad = torch.is_grad_enabled() and x.requires_grad and not config.high_dgrad
         if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):
             w8_dgrad = self.fp8_weight(contract_dim=0)  # rowwise: scales per column
-        w_stored = self.stored_weight.stored() if config.high_fprop or config.high_dgrad else None
+        w_stored = self._stored_for_gemms()[0] if config.high_fprop or config.high_dgrad else None
         if self.watch_health:  # a GEMM in high precision: watch the cast it would get
             for contract_dim, high in ((1, config.high_fprop), (0, config.high_dgrad)):
                 if high:
@@ -334,7 +461,8 @@ class Fp8Linear(StoredWeightModule):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight={self.weight_dtype}, "
-            f"format={self.recipe.fp8_format.value}, scaling={self.recipe.scaling.value}, "
+            + ("weight_transposed=True (in, out), " if self.weight_transposed else "")
+            + f"format={self.recipe.fp8_format.value}, scaling={self.recipe.scaling.value}, "
             f"granularity={self.gemm_granularity.value}"
             + (f", gemms={self.gemm_description!r}" if self.high_precision_gemms != (False,) * 3 else "")
         )

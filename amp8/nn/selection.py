@@ -17,6 +17,8 @@ from typing import Iterable, Mapping
 
 from torch import nn
 
+from amp8.nn.gemm_layers import gemm_features
+
 
 @dataclass(frozen=True)
 class SpeedRule:
@@ -50,13 +52,15 @@ class SpeedRule:
             and in_features * out_features >= self.min_weight_elements
         )
 
-    def reason(self, linear: nn.Linear) -> str | None:
-        """Why ``linear`` stays in high precision under this rule, or None."""
-        if self.selects(linear.in_features, linear.out_features):
+    def reason(self, linear: nn.Module) -> str | None:
+        """Why the GEMM layer ``linear`` (an ``nn.Linear`` or ``Conv1D``-like) stays in
+        high precision under this rule, or None."""
+        in_features, out_features = gemm_features(linear)
+        if self.selects(in_features, out_features):
             return None
         return (
-            f"FP8 slower than high precision at in_features={linear.in_features}, "
-            f"out_features={linear.out_features} (speed rule: min(in, out) >= "
+            f"FP8 slower than high precision at in_features={in_features}, "
+            f"out_features={out_features} (speed rule: min(in, out) >= "
             f"{self.min_features} and in*out >= {self.min_weight_elements}; {self.source})"
         )
 

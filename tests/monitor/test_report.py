@@ -124,7 +124,8 @@ def test_highlights_name_hot_spots_and_the_largest_tensors() -> None:
 
 
 def test_highlights_at_o0_and_without_false_saturation() -> None:
-    assert amp8.report(_model()).highlights()[0] == "FP8: none (no FP8 layers)"
+    line = amp8.report(_model()).highlights()[0]
+    assert line.startswith("FP8: none; 3 kept in high precision: 0.weight (no FP8 layer in the model: O0"), line
     model, optimizer = _trained()  # current scaling: the amax maps onto the max, no clipping
     assert "saturation: none" in amp8.report(model, optimizer).highlights()
 
@@ -132,9 +133,52 @@ def test_highlights_at_o0_and_without_false_saturation() -> None:
 def test_tied_weight_row_says_why_it_stays_high_precision() -> None:
     model = nn.Sequential(nn.Embedding(32, 32), nn.Linear(32, 32, bias=False))
     model[1].weight = model[0].weight
-    model, _ = amp8.initialize(model, recipe=amp8.Recipe())
+    with pytest.warns(UserWarning, match="runs no layer in FP8"):
+        model, _ = amp8.initialize(model, recipe=amp8.Recipe())
     (row,) = amp8.report(model).rows
     assert row["layer"] == "Embedding" and row["note"] == "weight is shared (0.weight, 1.weight)"
+
+
+class _Scaled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * super().forward(x)
+
+
+def _kept_kinds() -> nn.Module:
+    """One GEMM layer of each kind amp8 keeps, beside one FP8 layer."""
+    from transformers.pytorch_utils import Conv1D
+
+    return nn.ModuleDict({
+        "fp8": nn.Linear(32, 32),
+        "subclass": _Scaled(32, 32),
+        "conv_small": Conv1D(10, 32),  # out_features 10
+        "attn": nn.MultiheadAttention(32, 2),
+        "excluded": nn.Linear(32, 32),
+    })
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_every_gemm_layer_kept_high_has_a_reason(level: str) -> None:
+    model = _kept_kinds()
+    with pytest.warns(UserWarning, match="in high precision"):
+        model, _ = amp8.initialize(model, opt_level=level, recipe=amp8.Recipe(), module_filter=lambda m, fqn: fqn != "excluded")
+    notes = {row["name"]: row["note"] for row in amp8.report(model).rows if row["name"].endswith("weight")}
+    assert notes["fp8.weight"] is None
+    assert notes["subclass.weight"].startswith("_Scaled (an nn.Linear subclass) overrides forward")
+    assert notes["conv_small.weight"] == "out_features=10 is not a multiple of 16"
+    assert "F.multi_head_attention_forward" in notes["attn.out_proj.weight"]
+    assert notes["excluded.weight"] == "not selected for FP8 (module_filter or layer_selection)"
+
+
+def test_highlights_name_why_when_every_layer_is_kept() -> None:
+    from transformers.pytorch_utils import Conv1D
+
+    model = nn.Sequential(Conv1D(10, 32), nn.GELU(), nn.Linear(10, 32), _Scaled(32, 32))
+    with pytest.warns(UserWarning, match="runs no layer in FP8"):
+        model, _ = amp8.initialize(model, recipe=amp8.Recipe())
+    line = amp8.report(model).highlights()[0]
+    assert line.startswith("FP8: none; 3 kept in high precision: 0.weight (out_features=10 is not a multiple of 16)"), line
+    assert "3.weight (_Scaled (an nn.Linear subclass) overrides forward" in line
 
 
 def test_from_dict_round_trips() -> None:

@@ -22,8 +22,10 @@ def test_swaps_eligible_layers_and_reports_the_rest() -> None:
     weights = {name: p for name, p in model.named_parameters()}
     kept = swap_linear_layers(model, _to_fp8)
     assert isinstance(model.mlp[0], Fp8Linear) and isinstance(model.mlp[2], Fp8Linear)
-    assert kept == {"head": "out_features=10 is not a multiple of 16"}
-    # Subclasses of nn.Linear (MultiheadAttention.out_proj) read .weight directly: untouched.
+    assert kept.pop("head") == "out_features=10 is not a multiple of 16"
+    # MultiheadAttention reads out_proj.weight directly: untouched, and the reason says so.
+    assert "F.multi_head_attention_forward" in kept.pop("attn.out_proj")
+    assert kept == {}
     assert type(model.attn.out_proj) is not Fp8Linear
     assert all(p is weights[name] for name, p in model.named_parameters()), "Parameters must be reused"
 
@@ -68,3 +70,42 @@ def test_high_precision_reason(in_features: int, out_features: int, reason: str 
 def test_bare_linear_is_rejected() -> None:
     with pytest.raises(TypeError, match="nn.Sequential"):
         swap_linear_layers(nn.Linear(32, 32), _to_fp8)
+
+
+def _bert_classifier(labels: int):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    # intermediate_size == vocab_size: the FFN's up projection has the word table's shape.
+    config = BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+        num_labels=labels,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _gpt2_classifier(labels: int):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    config = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=1, n_head=2, num_labels=labels)
+    return GPT2ForSequenceClassification(config)
+
+
+@pytest.mark.parametrize(("build", "head"), [(_bert_classifier, "classifier"), (_gpt2_classifier, "score")])
+@pytest.mark.parametrize("output_head", ["high", "fp8"])
+def test_classification_head_follows_output_head(build, head: str, output_head: str) -> None:
+    model = build(32)
+    kept = swap_linear_layers(model, _to_fp8, keep_output_heads=output_head == "high")
+    if output_head == "high":
+        assert kept == {head: (
+            "output head (classification head: the last GEMM layer, with model.config.num_labels=32 outputs), "
+            "kept by Recipe.output_head='high'; output_head='fp8' runs it in FP8"
+        )}
+    else:
+        assert kept == {} and isinstance(model.get_submodule(head), Fp8Linear)
+
+
+def test_a_classification_head_with_few_labels_is_kept_for_its_shape() -> None:
+    model = _bert_classifier(2)
+    kept = swap_linear_layers(model, _to_fp8, keep_output_heads=True)
+    assert kept == {"classifier": "out_features=2 is not a multiple of 16"}
+    assert isinstance(model.bert.encoder.layer[0].intermediate.dense, Fp8Linear), "an FFN is no vocabulary head"
