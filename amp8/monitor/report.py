@@ -65,6 +65,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
                 note = gemm_layer_reason(module, fqn, facts, rule, None, kept_by_recipe) or (
                     "not selected for FP8 (module_filter or layer_selection)" if fp8 else _NO_FP8_NOTE
                 )
+            elif isinstance(module, _CONVOLUTIONS) and param_name == "weight":
+                note = _CONVOLUTION_NOTE
             elif type(module) is nn.Embedding and param_name == "weight":
                 note = embedding_reason(module, facts.shared) or adapted.get(id(module))
             elif isinstance(module, Fp8Experts):
@@ -77,6 +79,8 @@ def _owners(model: nn.Module) -> dict[int, tuple[nn.Module, str | None]]:
     return owners
 
 
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONVOLUTION_NOTE = "a convolution: amp8 runs linear layers in FP8, convolutions as the model has them"
 _NO_FP8_NOTE = "no FP8 layer in the model: O0, or every layer refused by module_filter or layer_selection"
 _EXPERTS_NOTE = "MoE experts: GEMMs in FP8, stored as FP8 layers' weights with scales per expert"
 _EXPERTS_AS_IS_NOTE = "MoE experts: GEMMs in FP8; weight and gradient as the model keeps them"
