@@ -14,7 +14,8 @@ What torch code gets from it:
   plain tensors.
 - Writes re-encode the whole weight, with fresh scales: ``copy_``, ``fill_``,
   ``zero_``, ``torch.nn.init.*_``, in-place arithmetic (``mul_``, ``add_``, ...),
-  ``w.data = value`` and ``w[index] = value``.
+  ``w.data = value`` and ``w[index] = value``. A chain of in-place operations runs each
+  step on the float32 values the last one wrote (see ``_chained``).
 - ``detach()`` and ``w.data`` give a ``ScaledWeight`` that shares the storage; views
   (``w.view(-1)``, ``w.t()``, ``w[0]``, ``w.data[index]``) give a ``WeightView``, which
   reads as that view of the real weight and whose writes rewrite the weight
@@ -28,7 +29,7 @@ import inspect
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from amp8.tensor.scaled import ScaledTensor
 
@@ -227,9 +228,17 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             args[1]._data is weight._data
         ):
             return target
-        real = weight.dequantize(torch.float32)
+        real = _chained(weight)
+        if real is None:
+            real = weight.dequantize(torch.float32)
         func(view(real), *tree_map(_real, args[1:]), **tree_map(_real, kwargs))
         weight.write(real)
+        # The next in-place operation of a chain (``torch.nn.init.trunc_normal_``'s
+        # uniform_, erfinv_, mul_, ...) starts from these float32 values, as on a plain
+        # weight: the storage's rounding of each step would otherwise add up (FP16 rounds
+        # a uniform sample to 1.0, whose erfinv is inf). Kept until the storage changes
+        # or is read (``drop_chain``).
+        weight._data.__dict__[_CHAIN] = (real, weight._data._version)
         return target
     if stored and func.is_view:
         weight, view = _weight_and_view(target)
@@ -246,7 +255,29 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for index, tensor in enumerate(args[0]):
             method(tensor, *[v[index] if isinstance(v, (list, tuple)) else v for v in args[1:]], **kwargs)
         return None
+    for value in tree_flatten((args, kwargs))[0]:
+        if isinstance(value, (ScaledWeight, WeightView)):
+            drop_chain(_weight_and_view(value)[0]._data)
     return func(*tree_map(_real, args), **tree_map(_real, kwargs))
+
+
+_CHAIN = "_amp8_chained_values"
+
+
+def _chained(weight: ScaledWeight) -> torch.Tensor | None:
+    """The float32 values the last in-place operation on ``weight`` wrote, while the
+    storage holds them still (no other write since)."""
+    chained = weight._data.__dict__.get(_CHAIN)
+    if chained is None or chained[1] != weight._data._version:
+        return None
+    return chained[0]
+
+
+def drop_chain(data: torch.Tensor) -> None:
+    """Forget the float32 values a chain of in-place operations left on the stored
+    tensor ``data`` (they cost 4 bytes per element): at a read, and when the layer uses
+    the weight."""
+    data.__dict__.pop(_CHAIN, None)
 
 
 _OWN = ("_data", "_scale", "block_size", "writer", "_is_param")

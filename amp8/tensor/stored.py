@@ -33,7 +33,7 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe, Scaling
 from amp8.quant import scaling
 from amp8.tensor.scaled import ScaledTensor, is_sharded, local_tensor
-from amp8.tensor.scaled_weight import ScaledWeight
+from amp8.tensor.scaled_weight import ScaledWeight, drop_chain
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 
@@ -277,7 +277,10 @@ class StoredWeight:
 
     def stored(self) -> ScaledTensor:
         """The stored data (this rank's rows of a sharded weight) with its scales."""
-        data = self.data.detach()
+        data = self.data
+        if not torch.compiler.is_compiling():
+            drop_chain(data)
+        data = data.detach()
         return ScaledTensor(data, self._scale_of_rows(self.scale, data), self.block_size)
 
     def local_rows(self) -> tuple[int, int]:

@@ -205,3 +205,26 @@ def test_the_output_can_be_changed_in_place(level: str, bias: bool) -> None:
     y += 1
     y.sum().backward()
     assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_chain_of_in_place_operations_runs_on_float32_values(level: str) -> None:
+    """torch 2.11's ``trunc_normal_`` is ``uniform_``, ``erfinv_``, ``mul_``, ``add_``,
+    ``clamp_``: each step starts from the last one's float32 values, as on a plain weight
+    (rounded to FP16 or FP8 in between, a uniform sample of 1.0 would give erfinv's inf
+    and a weight of 100 standard deviations)."""
+    layer = _model(level)[0]
+    plain = layer.read_weight()
+
+    def chain(tensor: torch.Tensor) -> None:
+        generator = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            tensor.uniform_(-1, 1, generator=generator).erfinv_().mul_(0.02 * 2**0.5).add_(0.0).clamp_(-2, 2)
+
+    chain(plain)
+    chain(layer.weight)
+    data, _ = layer.stored_weight.encode(plain)
+    assert_bitwise_equal(layer.stored_weight.data, data)
+    assert layer.weight.abs().max() < 0.2
+    layer.weight.norm()  # a read: the float32 values are dropped
+    assert not any(key.startswith("_amp8") for key in vars(layer.stored_weight.data))
