@@ -129,21 +129,22 @@ class ScaledWeight(torch.Tensor):
         dtype, block_size = context
         return ScaledWeight(inner["_data"], inner["_scale"], block_size, dtype, _traced_write)
 
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        """``w.data = value`` writes the weight (see the module's docstring); everything
-        else goes on to ``__torch_dispatch__``."""
-        if getattr(func, "__self__", None) is _DATA_DESCRIPTOR and func.__name__ == "__set__":
-            target, value = args
-            if getattr(value, "_retarget", False):  # ``retarget``: the wrapper's own dtype and device
-                return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-            if not (isinstance(value, ScaledWeight) and value._data is target._data):
-                with torch.no_grad():
-                    target.write(_real(value))
-            return None
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+    # No ``__torch_function__`` of its own: torch's fast path for subclasses, so reading
+    # the Parameter's shape, dtype or ``requires_grad`` costs what a plain tensor's does.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def data(self) -> "ScaledWeight":
+        """The weight, detached, sharing the storage (``w.data.mul_(2)`` writes it)."""
+        return ScaledWeight(self._data, self._scale, self.block_size, self.dtype, self.writer)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``w.data = value`` stores ``value``'s real values as the whole weight."""
+        if isinstance(value, ScaledWeight) and value._data is self._data:
+            return
+        with torch.no_grad():
+            self.write(_real(value))
 
     @classmethod
     def __torch_dispatch__(
@@ -307,6 +308,5 @@ def retarget(weight: ScaledWeight, data: torch.Tensor, scale: torch.Tensor, dtyp
     ``data`` and ``scale`` and report ``dtype`` on ``data``'s device (after ``.to()``)."""
     if weight.dtype != dtype or weight.device != data.device:
         shell = ScaledWeight(data, scale, weight.block_size, dtype, weight.writer)
-        shell._retarget = True  # type: ignore[attr-defined]
-        _DATA_DESCRIPTOR.__set__(weight, shell)
+        _DATA_DESCRIPTOR.__set__(weight, shell)  # torch's own setter: the wrapper's dtype and device
     weight._data, weight._scale = data, scale
