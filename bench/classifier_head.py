@@ -156,10 +156,11 @@ GAPS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=Config.steps)
-    parser.add_argument("--seeds", type=int, default=len(Config.seeds), help="seeds 0 .. n-1")
+    parser.add_argument("--seeds", type=int, default=len(Config.seeds), help="how many seeds")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first .. first + n - 1")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
-    config = Config(steps=args.steps, seeds=tuple(range(args.seeds)))
+    config = Config(steps=args.steps, seeds=tuple(range(args.first_seed, args.first_seed + args.seeds)))
     result = {"config": asdict(config), **study(config)}
     print(write_result("classifier_head", torch.device("cpu"), result, args.out_dir))
     for name in VARIANTS:

@@ -86,8 +86,8 @@ def classification_head(model: nn.Module) -> dict[int, str]:
     out_features equal ``model.config.num_labels`` (what ``transformers``' sequence,
     token and image classifiers and question-answering models hold): ``score``,
     ``classifier``, ``qa_outputs``, a RoBERTa head's ``out_proj``, found without their
-    names. Its logits feed the loss directly, as a vocabulary head's do (measured:
-    ``bench/classifier_head.py``).
+    names. Its logits feed the loss directly, as a vocabulary head's do, and FP8 buys
+    nothing there (docs/levels.md; ``bench/classifier_head.py``).
     """
     labels = getattr(getattr(model, "config", None), "num_labels", None)
     if not isinstance(labels, int) or isinstance(labels, bool):
