@@ -49,15 +49,12 @@ FP8_GEMMS = {"_scaled_mm"}
 # transformers 5.24. The rest is attention's own matmuls, the output head (kept in high
 # precision by the default recipe, or tied to the input embedding) and convolutions:
 #
-#   llama 0.85   qwen2 0.85   phi 0.84   gpt-neox 0.84   opt 0.84   mixtral 0.93
-#   bert 0.85    distilbert 0.85   t5 0.89   bart 0.88   whisper 0.81
+#   llama 0.85   qwen2 0.85   phi 0.83   gpt2 0.89   gpt-neox 0.83   falcon 0.88   opt 0.83
+#   mixtral 0.93   bert 0.85   distilbert 0.85   t5 0.89   bart 0.88   whisper 0.81
 #   vit 0.85 (timm's and the timm-style ViT 0.85 too)   convnext 0.30 (its convolutions)
-#   gpt2 0.00: Conv1D is not swapped yet (0.89 with its layers as nn.Linear)
-#   falcon 0.00: FalconLinear is not swapped yet
-#   mamba: no count yet: without its CUDA kernels, transformers' Mamba multiplies by
-#   x_proj, dt_proj and out_proj's weight Parameters itself (reading their FP16 storage
-#   today), so only in_proj's GEMMs can run in FP8 there
-#   t5 at O3: no count yet, T5 casts wo's input to the FP8 storage dtype
+#   mamba 0.47: without its CUDA kernels, transformers' Mamba multiplies by x_proj, dt_proj
+#   and out_proj's weights itself (it reads their real values), so only in_proj's GEMMs
+#   and those three layers' own calls run in FP8 there
 MIN_FP8_SHARE = {"gpt2": 0.70}
 """Floors of the FP8 share for the architectures that name one (GPT-2: its tied head
 stays high); every other architecture's share must be above 0."""
