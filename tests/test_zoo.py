@@ -53,8 +53,8 @@ FP8_GEMMS = {"_scaled_mm"}
 #   mixtral 0.93   bert 0.85   distilbert 0.85   t5 0.89   bart 0.88   whisper 0.81
 #   vit 0.85 (timm's and the timm-style ViT 0.85 too)   convnext 0.30 (its convolutions)
 #   mamba 0.47: without its CUDA kernels, transformers' Mamba multiplies by x_proj, dt_proj
-#   and out_proj's weights itself (it reads their real values), so only in_proj's GEMMs
-#   and those three layers' own calls run in FP8 there
+#   and out_proj's weights itself in places (reading their real values); those products
+#   run in high precision
 MIN_FP8_SHARE = {"gpt2": 0.70}
 """Floors of the FP8 share for the architectures that name one (GPT-2: its tied head
 stays high); every other architecture's share must be above 0."""
