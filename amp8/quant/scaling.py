@@ -243,12 +243,24 @@ def quantize_tiles(
     return quantize_rounded(x, expand_scale(scale, tuple(x.shape), block_size), dtype, noise_key), scale
 
 
+_NONFINITE_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+"""The bits of an FP8 byte (sign masked out) that are all set exactly where the value is
+inf or NaN: E4M3FN's one NaN pattern (it has no inf), E5M2's all-ones exponent."""
+
+
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A bool scalar tensor: True when no tensor holds an inf or NaN."""
+    """A bool scalar tensor: True when no tensor holds an inf or NaN. FP8 tensors are read
+    as bytes (one byte per element, not four for a float32 copy)."""
     if not tensors:
         return torch.tensor(True)
-    # The amax of a tensor is inf or NaN exactly when one of its values is (max keeps NaN).
-    return torch.isfinite(torch.stack([amax(t if t.element_size() > 1 else t.float()) for t in tensors])).all()
+    finite = []
+    for tensor in tensors:
+        bits = _NONFINITE_BITS.get(tensor.dtype)
+        if bits is not None:
+            finite.append(((tensor.view(torch.uint8) & bits) != bits).all())
+        else:  # the amax is inf or NaN exactly when one of the values is (max keeps NaN)
+            finite.append(torch.isfinite(amax(tensor if tensor.element_size() > 1 else tensor.float())))
+    return torch.stack(finite).all()
 
 
 def dequantize(

@@ -141,6 +141,20 @@ def test_push_history_drops_the_oldest() -> None:
     assert scaling.push_history(history[0], torch.tensor(7.0)).tolist() == [7.0, 3.0, 2.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_all_finite_reads_fp8_bytes_as_their_values_say(dtype: torch.dtype) -> None:
+    """Every one of the 256 FP8 bytes, alone among finite ones: finite exactly where its
+    float32 value is."""
+    every = torch.arange(256, dtype=torch.uint8).view(dtype)
+    for byte in range(256):
+        tensor = torch.zeros(5, dtype=dtype)
+        tensor[2] = every[byte]
+        assert bool(scaling.all_finite([tensor])) == bool(torch.isfinite(every[byte].float())), byte
+    transposed = torch.zeros(4, 3, dtype=dtype).t()  # a strided view reads its own elements
+    transposed[1, 2] = every[255]
+    assert not bool(scaling.all_finite([torch.ones(2), transposed]))
+
+
 def test_all_finite() -> None:
     assert bool(scaling.all_finite([torch.ones(3), torch.zeros(2, dtype=E4M3)]))
     assert not bool(scaling.all_finite([torch.ones(3), torch.tensor([float("nan")])]))
