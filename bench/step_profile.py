@@ -27,8 +27,9 @@ the moment and weight stores.
 bilinear in the block count L and the batch B at fixed width and context, so the profile
 runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
 ``a + b L + c B + d L B``: exact for the counts, an estimate for the host time.
-The H100 model (``H100``) and its comparison with bench/results/gpt-cuda.json are in the
-JSON (bench/results/step_profile-<device>.json) and docs/speed.md.
+The H100 model (``H100Model``), calibrated once on the recorded BF16 baseline, and its
+predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
+presets write step_profile-<preset>-<device>.json with the uncalibrated (eager) model.
 """
 
 from __future__ import annotations
@@ -361,7 +362,8 @@ def main(argv: list[str] | None = None) -> Path:
             recorded_text = f", recorded {row['recorded_ms']:.1f} ms ({row['error_pct']:+.0f} %)" if "recorded_ms" in row else ""
             print(f"{level}: modeled {row['modeled_ms']:.1f} ms{recorded_text}")
     payload["levels"] = results
-    path = write_result("step_profile", torch.device("cpu"), payload, args.out)
+    name = "step_profile" if big else f"step_profile-{args.preset}"  # the gpt-1b record is the one kept
+    path = write_result(name, torch.device("cpu"), payload, args.out)
     print(f"wrote {path}")
     return path
 
