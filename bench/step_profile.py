@@ -26,7 +26,7 @@ the moment and weight stores.
 ``--preset gpt-1b`` (batch 8 x 1024, 20 blocks) does not fit a CPU step. Every count is
 bilinear in the block count L and the batch B at fixed width and context, so the profile
 runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
-``a + b L + c B + d L B``: exact for the counts, an estimate for the host time.
+``a + b L + c B + d L B``: exact for the counts; no host time (the small preset gives it).
 The H100 model (``H100Model``), calibrated once on the recorded BF16 baseline, and its
 predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
 presets write step_profile-<preset>-<device>.json with the uncalibrated (eager) model.
@@ -218,7 +218,8 @@ def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_se
         parts = [r for key, r in rows.items() if key.startswith(f"{name}: ")]
         for key in ("ops", "syncs", "bytes", "fp8_flops", "other_flops"):
             row[key] += sum(part[key] for part in parts)
-        row["cpu_ms"] = 1e3 * statistics.median(t[name] for t in times) if times else float("nan")
+        if times:
+            row["cpu_ms"] = 1e3 * statistics.median(t[name] for t in times)
     return {name: rows[name] for name in sorted(rows, key=_order)}
 
 
@@ -235,19 +236,19 @@ def solve_bilinear(points: dict[tuple[int, int], float], blocks: int, batch: int
     return a + b * blocks + c * batch + d * blocks * batch
 
 
-def profile_extrapolated(level: str, config: GPTConfig, batch_size: int, steps: int,
+def profile_extrapolated(level: str, config: GPTConfig, batch_size: int,
                          layer_selection: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """gpt-1b-sized counts from four small (blocks, batch) runs; also each phase's
     share of ops and bytes that lies in the blocks (compiled in the recorded run)."""
     runs = {}
-    for blocks, batch in GPT_1B_POINTS:
-        runs[blocks, batch] = profile(level, dataclasses.replace(config, n_layer=blocks), batch, steps, layer_selection)
+    for blocks, batch in GPT_1B_POINTS:  # host time is not bilinear enough to extrapolate: counts only
+        runs[blocks, batch] = profile(level, dataclasses.replace(config, n_layer=blocks), batch, 0, layer_selection)
     result: dict[str, dict[str, float]] = {}
     block_share: dict[str, float] = {}
     for name in runs[1, 1]:
         row = {key: solve_bilinear({p: runs[p].get(name, {}).get(key, 0.0) for p in GPT_1B_POINTS},
                                    config.n_layer, batch_size) for key in runs[1, 1][name]}
-        result[name] = {key: (round(value) if key != "cpu_ms" else value) for key, value in row.items()}
+        result[name] = {key: round(value) for key, value in row.items()}
         if name in PHASES:
             one_block = {key: solve_bilinear({p: runs[p][name][key] for p in GPT_1B_POINTS}, 1, batch_size)
                          - solve_bilinear({p: runs[p][name][key] for p in GPT_1B_POINTS}, 0, batch_size)
@@ -309,14 +310,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=list(PRESETS), default="small")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 8 (as the recorded run)")
     parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
-    parser.add_argument("--steps", type=int, default=None, help="timed plain steps (default 3; gpt-1b: 1)")
+    parser.add_argument("--steps", type=int, default=3, help="timed plain steps (gpt-1b: none, counts only)")
     parser.add_argument("--layer-selection", choices=("cuda", "all"), default=None,
                         help="amp8's CUDA speed rule (default for gpt-1b, as recorded) or every layer")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
     big = args.preset == "gpt-1b"
     args.batch_size = args.batch_size or 8
-    args.steps = (1 if big else 3) if args.steps is None else args.steps
     args.layer_selection = args.layer_selection or ("cuda" if big else "all")
     if args.batch_size < 1 or args.steps < 0:
         parser.error(f"--batch-size={args.batch_size} and --steps={args.steps}: use >= 1 and >= 0")
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> Path:
     results: dict[str, Any] = {}
     for level in args.levels:
         if big:
-            phases, block_share = profile_extrapolated(level, config, args.batch_size, args.steps, args.layer_selection)
+            phases, block_share = profile_extrapolated(level, config, args.batch_size, args.layer_selection)
             results[level] = {"phases": phases, "compiled_share": compiled_shares(level, block_share)}
         else:
             phases = profile(level, config, args.batch_size, args.steps, args.layer_selection)
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> Path:
     payload: dict[str, Any] = {
         "command": "python bench/step_profile.py" + (f" --preset {args.preset}" if args.preset != "small" else ""),
         "preset": args.preset, "config": dataclasses.asdict(config), "batch_size": args.batch_size,
-        "steps": args.steps, "layer_selection": args.layer_selection, "autocast": "bfloat16",
+        "steps": 0 if big else args.steps, "layer_selection": args.layer_selection, "autocast": "bfloat16",
         "amp8_optimizer": "reference step (fused=False), every operation eager",
         "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors",
     }
