@@ -302,3 +302,58 @@ def test_classifier_head_study_pairs_the_head_variants(tmp_path: Path) -> None:
     tokens, labels = classifier_head.batch(config, torch.Generator().manual_seed(0), 64)
     votes = torch.nn.functional.one_hot(tokens % config.labels, config.labels).sum(1)
     assert torch.equal(votes.argmax(-1), labels) and votes.max(-1).values.min() >= config.planted
+
+
+# -- bench/step_profile.py ---------------------------------------------------------------
+step_profile = load_bench("step_profile")
+
+
+def test_step_profile_tiny_counts_every_level_and_phase(tmp_path: Path) -> None:
+    """Every level's step splits into the three phases; the GEMM FLOPs are the same work
+    at every level, all high precision at O0 and mostly FP8 at O1-O3."""
+    path = step_profile.main(["--preset", "tiny", "--batch-size", "2", "--steps", "1", "--out", str(tmp_path)])
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "step_profile-tiny" and record["torch"] == torch.__version__
+    assert set(record["levels"]) == set(step_profile.LEVELS)
+    gemm = {}
+    for level, result in record["levels"].items():
+        phases = result["phases"]
+        for name in step_profile.PHASES:
+            assert phases[name]["ops"] > 0 and phases[name]["bytes"] > 0 and phases[name]["cpu_ms"] > 0, (level, name)
+            assert result["modeled_h100_ms"][name] > 0, (level, name)
+        gemm[level] = [phases[p]["fp8_flops"] + phases[p]["other_flops"] for p in ("forward", "backward")]
+        fp8 = phases["forward"]["fp8_flops"] + phases["backward"]["fp8_flops"]
+        assert (fp8 == 0) == (level == "O0"), (level, fp8)
+    assert all(gemm[level] == gemm["O0"] for level in step_profile.LEVELS), gemm
+    parts = [name for name in record["levels"]["O1"]["phases"] if name.startswith("optimizer: ")]
+    assert "optimizer: finite check" in parts and "optimizer: weight store" in parts, parts
+    part_ops = sum(record["levels"]["O1"]["phases"][name]["ops"] for name in parts)
+    assert part_ops == record["levels"]["O1"]["phases"]["optimizer"]["ops"]
+
+
+@pytest.mark.parametrize("m, k, n", [(4, 8, 16), (32, 16, 8)])
+def test_step_profile_counter_counts_a_matmul_and_skips_views(m: int, k: int, n: int) -> None:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    counter = step_profile.StepCounter()
+    with counter, counter.phase("forward"):
+        (a.t().t() @ b.view(k, n)).view(-1)
+    row = counter.counts["forward"]
+    assert row["ops"] == 1 and row["other_flops"] == 2 * m * k * n and row["fp8_flops"] == 0, row
+    assert row["bytes"] == 4 * (m * k + k * n + m * n), row
+
+
+def test_step_profile_solves_bilinear_counts_exactly() -> None:
+    def f(blocks: int, batch: int) -> float:
+        return 7 + 3 * blocks + 5 * batch + 11 * blocks * batch
+
+    points = {point: f(*point) for point in step_profile.GPT_1B_POINTS}
+    assert step_profile.solve_bilinear(points, 20, 8) == f(20, 8)
+
+
+def test_step_profile_calibration_reproduces_the_baseline() -> None:
+    counts = {"ops": 2e4, "syncs": 0, "bytes": 2e11, "fp8_flops": 0.0, "other_flops": 5e13}
+    baseline = dict.fromkeys(step_profile.PHASES, counts)
+    shares = dict.fromkeys(step_profile.PHASES, 0.5)
+    model = step_profile.calibrate(baseline, shares, 400.0)
+    total = sum(model.seconds(baseline[p], shares[p]) for p in step_profile.PHASES)
+    assert total == pytest.approx(0.4, rel=1e-9), total

@@ -1,0 +1,372 @@
+"""Where a GPT training step's time goes: forward, backward and optimizer step counted on
+the CPU (aten operations dispatched, bytes they move, GEMM FLOPs, host time), and a
+simple H100 model that turns the counts into milliseconds.
+
+    python bench/step_profile.py                     # small preset, O0-O3, about a minute
+    python bench/step_profile.py --preset tiny --levels O0 O1
+    python bench/step_profile.py --preset gpt-1b     # counts for the recorded H100 run
+
+Each level builds amp8's byte-level GPT (amp8/tools/experiments/gpt.py) from the same
+seeded weights and runs eagerly under BF16 autocast, as bench/gpt.py runs on CUDA:
+O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
+``amp8.initialize`` with amp8's reference (uncompiled) optimizer step, so every operation
+of the update is visible. One warm-up step, then ``--steps`` plain steps give the host
+time per phase (median), then one step under a ``TorchDispatchMode`` gives the counts:
+- ops: aten operations that run a kernel (views, ``detach`` and allocations are left out),
+  a proxy for GPU kernel launches in eager mode; syncs: ``.item()``-style reads;
+- bytes: the nbytes of every plain tensor an operation takes plus those it returns, an
+  upper bound of its memory traffic (a kernel may read a broadcast operand once, and an
+  in-place result is counted as read and written);
+- GEMM FLOPs from ``torch.utils.flop_counter``'s formulas: ``_scaled_mm`` as FP8, the
+  rest (mm, addmm, bmm, attention) as high precision.
+Inside amp8's optimizer step the operations are split by the amp8 function they run
+in (``OPTIMIZER_PARTS``): the finiteness check, gradient and weight reads, the update,
+the moment and weight stores.
+
+``--preset gpt-1b`` (batch 8 x 1024, 20 blocks) does not fit a CPU step. Every count is
+bilinear in the block count L and the batch B at fixed width and context, so the profile
+runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
+``a + b L + c B + d L B``: exact for the counts; no host time (the small preset gives it).
+The H100 model (``H100Model``), calibrated once on the recorded BF16 baseline, and its
+predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
+presets write step_profile-<preset>-<device>.json with the uncalibrated (eager) model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from rich.table import Table
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import amp8
+from amp8.monitor.console import default_console
+from amp8.nn.selection import DEFAULT_RULES
+from amp8.optim import LowBitAdam
+from amp8.tools.experiments.gpt import GPT, PRESETS, GPTConfig
+from common import RESULTS, write_result
+
+aten = torch.ops.aten
+LEVELS = ("O0", "O1", "O2", "O3")
+PHASES = ("forward", "backward", "optimizer")
+# amp8 functions (qualified names) whose operations make up a part of the optimizer step;
+# the innermost one on the stack names the part, anything else is "update".
+OPTIMIZER_PARTS = {
+    "all_finite": "finite check",
+    "LowBitAdam.stored_gradients": "finite check",
+    "LowBitAdam.gradient": "gradient read",
+    "StoredState.weight": "weight read",
+    "StoredState.store_moment": "moment store",
+    "StoredState.write_weight": "weight store",
+}
+# Operations that launch no kernel: allocations and metadata (views are found by schema).
+NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default}
+SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default}
+RECORDED = RESULTS / "gpt-cuda.json"
+GPT_1B_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (blocks, batch) the gpt-1b counts are solved from
+
+
+@dataclasses.dataclass(frozen=True)
+class H100Model:
+    """time = ops * launch_s + bytes / bandwidth + fp8_flops / fp8_rate + other_flops / bf16_rate,
+    each term scaled where the recorded run compiled the code (``compiled_factor``)."""
+
+    bandwidth: float = 2.8e12  # B/s: 3.35 TB/s HBM3 peak, ~85 % achievable
+    bf16_rate: float = 0.65 * 989e12  # FLOP/s: dense BF16 peak, ~65 % reached by large GEMMs
+    fp8_rate: float = 0.65 * 1979e12  # FLOP/s: dense FP8 peak, same share
+    launch_s: float = 6e-6  # per eager kernel launch (host and launch gap)
+    # The recorded run compiled every block: fusion cuts the launches and bytes of the
+    # non-GEMM work there (and amp8's optimizer step is compiled per tensor on CUDA).
+    # One factor for both, fitted once so the model gives the recorded BF16 baseline.
+    compiled_factor: float = 1.0
+
+    def seconds(self, counts: dict[str, float], compiled_share: float) -> float:
+        """Modeled time of ``counts``; ``compiled_share`` (0-1) of its ops and bytes ran compiled."""
+        scale = 1 - compiled_share + compiled_share * self.compiled_factor
+        return (scale * (counts["ops"] * self.launch_s + counts["bytes"] / self.bandwidth)
+                + counts["fp8_flops"] / self.fp8_rate + counts["other_flops"] / self.bf16_rate)
+
+
+def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[int, int]:
+    """(FP8 FLOPs, other GEMM FLOPs) of one operation."""
+    packet = func._overloadpacket
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        return 0, flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        return 0, flop_counter.sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+    if packet not in flop_counter.flop_registry:
+        return 0, 0
+    flops = flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+    return (flops, 0) if packet is aten._scaled_mm else (0, flops)
+
+
+def _optimizer_part() -> str:
+    """The part of amp8's optimizer step the running operation belongs to."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        part = OPTIMIZER_PARTS.get(frame.f_code.co_qualname)
+        if part is not None:
+            return part
+        frame = frame.f_back
+    return "update"
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts ops, syncs, bytes and GEMM FLOPs per phase (``with counter.phase(name)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = ""
+        self.counts: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count what runs inside the block under ``name``."""
+        self.current = name
+        try:
+            yield
+        finally:
+            self.current = ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.current or func.is_view or func in NO_KERNEL:
+            return out
+        name = self.current
+        if name == "optimizer" and func not in SYNC:
+            name = f"optimizer: {_optimizer_part()}"
+        row = self.counts.setdefault(name, dict.fromkeys(("ops", "syncs", "bytes", "fp8_flops", "other_flops"), 0))
+        if func in SYNC:
+            row["syncs"] += 1
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if type(t) in (torch.Tensor, torch.nn.Parameter)]
+        fp8, other = _flops(func, args, kwargs, out)
+        row["ops"] += 1
+        row["bytes"] += sum(t.nbytes for t in tensors)
+        row["fp8_flops"] += fp8
+        row["other_flops"] += other
+        return out
+
+
+def build(level: str, config: GPTConfig, layer_selection: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT and optimizer of ``level`` ("O0": torch AdamW) from seeded weights, on the CPU."""
+    model: torch.nn.Module = GPT(config, torch.Generator().manual_seed(0))
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        try:  # the fused CPU kernel where this torch has it
+            return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+        except RuntimeError:
+            return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), foreach=True)
+
+    optimizer = adamw(model.parameters())
+    if level == "O0":
+        return model, optimizer
+    selection = DEFAULT_RULES["cuda"] if layer_selection == "cuda" else "all"
+    model, optimizer = amp8.initialize(model, optimizer, level, layer_selection=selection)
+    reference = LowBitAdam.from_optimizer(adamw(model.parameters()), optimizer.level, fused=False)
+    return model, reference
+
+
+def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+             counter: StepCounter | None) -> dict[str, float]:
+    """One training step under BF16 autocast; host seconds per phase (counted by ``counter``)."""
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    seconds = {}
+    mode = counter if counter is not None else contextlib.nullcontext()
+    with mode:
+        for name in PHASES:
+            inside = counter.phase(name) if counter is not None else contextlib.nullcontext()
+            start = time.perf_counter()
+            with inside:
+                if name == "forward":
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        _, loss = model(x, y)
+                elif name == "backward":
+                    loss.backward()
+                else:
+                    optimizer.step()
+            seconds[name] = time.perf_counter() - start
+    return seconds
+
+
+def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_selection: str) -> dict[str, dict[str, float]]:
+    """Counts and host ms per phase (and per part of the optimizer) of one step at ``level``."""
+    model, optimizer = build(level, config, layer_selection)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), generator=generator)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    run_step(model, optimizer, batch, None)  # warm-up: lazy optimizer state, first-call costs
+    times = [run_step(model, optimizer, batch, None) for _ in range(steps)]
+    counter = StepCounter()
+    run_step(model, optimizer, batch, counter)
+    rows = counter.counts
+    for name in PHASES:
+        row = rows.setdefault(name, dict.fromkeys(("ops", "syncs", "bytes", "fp8_flops", "other_flops"), 0))
+        parts = [r for key, r in rows.items() if key.startswith(f"{name}: ")]
+        for key in ("ops", "syncs", "bytes", "fp8_flops", "other_flops"):
+            row[key] += sum(part[key] for part in parts)
+        if times:
+            row["cpu_ms"] = 1e3 * statistics.median(t[name] for t in times)
+    return {name: rows[name] for name in sorted(rows, key=_order)}
+
+
+def _order(name: str) -> tuple[int, str]:
+    return PHASES.index(name.split(":")[0]), name
+
+
+def solve_bilinear(points: dict[tuple[int, int], float], blocks: int, batch: int) -> float:
+    """``f(blocks, batch)`` of the ``f = a + b L + c B + d L B`` through four (L, B) points at {1, 2}^2."""
+    f11, f21, f12, f22 = (points[p] for p in GPT_1B_POINTS)
+    d = f22 - f21 - f12 + f11
+    b, c = f21 - f11 - d, f12 - f11 - d
+    a = f11 - b - c - d
+    return a + b * blocks + c * batch + d * blocks * batch
+
+
+def profile_extrapolated(level: str, config: GPTConfig, batch_size: int,
+                         layer_selection: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """gpt-1b-sized counts from four small (blocks, batch) runs; also each phase's
+    share of ops and bytes that lies in the blocks (compiled in the recorded run)."""
+    runs = {}
+    for blocks, batch in GPT_1B_POINTS:  # host time is not bilinear enough to extrapolate: counts only
+        runs[blocks, batch] = profile(level, dataclasses.replace(config, n_layer=blocks), batch, 0, layer_selection)
+    result: dict[str, dict[str, float]] = {}
+    block_share: dict[str, float] = {}
+    for name in runs[1, 1]:
+        row = {key: solve_bilinear({p: runs[p].get(name, {}).get(key, 0.0) for p in GPT_1B_POINTS},
+                                   config.n_layer, batch_size) for key in runs[1, 1][name]}
+        result[name] = {key: round(value) for key, value in row.items()}
+        if name in PHASES:
+            one_block = {key: solve_bilinear({p: runs[p][name][key] for p in GPT_1B_POINTS}, 1, batch_size)
+                         - solve_bilinear({p: runs[p][name][key] for p in GPT_1B_POINTS}, 0, batch_size)
+                         for key in ("ops", "bytes")}
+            cost = row["ops"] * H100Model.launch_s + row["bytes"] / H100Model.bandwidth
+            block_cost = config.n_layer * (one_block["ops"] * H100Model.launch_s + one_block["bytes"] / H100Model.bandwidth)
+            block_share[name] = block_cost / cost if cost else 0.0
+    return result, block_share
+
+
+def compiled_shares(level: str, block_share: dict[str, float]) -> dict[str, float]:
+    """Share of each phase's ops and bytes that ran compiled in the recorded run: the
+    blocks in forward and backward; amp8's optimizer step (compiled per tensor on CUDA),
+    not torch's fused AdamW (one kernel already)."""
+    return {"forward": block_share["forward"], "backward": block_share["backward"],
+            "optimizer": 0.0 if level == "O0" else 1.0}
+
+
+def calibrate(baseline: dict[str, dict[str, float]], shares: dict[str, float], measured_ms: float) -> H100Model:
+    """The model whose ``compiled_factor`` makes the baseline's modeled step ``measured_ms``
+    (the modeled time is linear in the factor)."""
+    at = {f: sum(H100Model(compiled_factor=f).seconds(baseline[p], shares[p]) for p in PHASES) for f in (0.0, 1.0)}
+    factor = (measured_ms / 1e3 - at[0.0]) / (at[1.0] - at[0.0])
+    return H100Model(compiled_factor=factor)
+
+
+def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, Any]) -> dict[str, Any]:
+    """Modeled gpt-1b ms per level and phase against the recorded step times."""
+    names = {"O0": "baseline", "O1": "amp8 O1", "O2": "amp8 O2"}
+    out = {}
+    for level, result in results.items():
+        shares = result["compiled_share"]
+        phases = {p: 1e3 * model.seconds(result["phases"][p], shares[p]) for p in PHASES}
+        row: dict[str, Any] = {"modeled_ms": sum(phases.values()), "phases_ms": phases}
+        run = recorded["runs"].get(names.get(level, ""), {})
+        if "step_ms" in run:
+            row["recorded_ms"] = run["step_ms"]
+            row["error_pct"] = 100 * (row["modeled_ms"] / run["step_ms"] - 1)
+        out[level] = row
+    return out
+
+
+def print_table(level: str, phases: dict[str, dict[str, float]], modeled: dict[str, float], title: str) -> None:
+    """One level's phases as a rich table."""
+    table = Table(title=f"{title}: {level}")
+    for column in ("phase", "ops", "syncs", "MB moved", "GFLOP fp8", "GFLOP other", "CPU ms", "H100 ms"):
+        table.add_column(column, justify="right")
+    for name, row in phases.items():
+        cpu = f"{row['cpu_ms']:.1f}" if "cpu_ms" in row else ""
+        h100 = f"{modeled[name]:.2f}" if name in modeled else ""
+        table.add_row(name, f"{row['ops']:,.0f}", f"{row['syncs']:,.0f}", f"{row['bytes'] / 1e6:,.1f}",
+                      f"{row['fp8_flops'] / 1e9:,.1f}", f"{row['other_flops'] / 1e9:,.1f}", cpu, h100)
+    default_console().print(table)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=list(PRESETS), default="small")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 8 (as the recorded run)")
+    parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
+    parser.add_argument("--steps", type=int, default=3, help="timed plain steps (gpt-1b: none, counts only)")
+    parser.add_argument("--layer-selection", choices=("cuda", "all"), default=None,
+                        help="amp8's CUDA speed rule (default for gpt-1b, as recorded) or every layer")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
+    args = parser.parse_args(argv)
+    big = args.preset == "gpt-1b"
+    args.batch_size = args.batch_size or 8
+    args.layer_selection = args.layer_selection or ("cuda" if big else "all")
+    if args.batch_size < 1 or args.steps < 0:
+        parser.error(f"--batch-size={args.batch_size} and --steps={args.steps}: use >= 1 and >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Profile each level; returns the path of the JSON written."""
+    args = parse_args(argv)
+    config = PRESETS[args.preset]
+    big = args.preset == "gpt-1b"
+    results: dict[str, Any] = {}
+    for level in args.levels:
+        if big:
+            phases, block_share = profile_extrapolated(level, config, args.batch_size, args.layer_selection)
+            results[level] = {"phases": phases, "compiled_share": compiled_shares(level, block_share)}
+        else:
+            phases = profile(level, config, args.batch_size, args.steps, args.layer_selection)
+            results[level] = {"phases": phases, "compiled_share": dict.fromkeys(PHASES, 0.0)}
+        print(f"{level} done", flush=True)
+    model = H100Model()
+    payload: dict[str, Any] = {
+        "command": "python bench/step_profile.py" + (f" --preset {args.preset}" if args.preset != "small" else ""),
+        "preset": args.preset, "config": dataclasses.asdict(config), "batch_size": args.batch_size,
+        "steps": 0 if big else args.steps, "layer_selection": args.layer_selection, "autocast": "bfloat16",
+        "amp8_optimizer": "reference step (fused=False), every operation eager",
+        "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors",
+    }
+    if big:
+        recorded = json.loads(RECORDED.read_text())
+        if "O0" in results and recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
+            model = calibrate(results["O0"]["phases"], results["O0"]["compiled_share"], recorded["runs"]["baseline"]["step_ms"])
+            payload["predictions"] = predictions(results, model, recorded)
+        payload["solved_from"] = [{"n_layer": l, "batch_size": b} for l, b in GPT_1B_POINTS]
+    payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": "compiled_factor, on the O0 baseline" if big else "not calibrated (eager)"}
+    for level, result in results.items():
+        modeled = {name: 1e3 * model.seconds(row, result["compiled_share"][name.split(":")[0]])
+                   for name, row in result["phases"].items()}
+        result["modeled_h100_ms"] = modeled
+        print_table(level, result["phases"], modeled, f"GPT {args.preset} training step, batch {args.batch_size}")
+    if "predictions" in payload:
+        for level, row in payload["predictions"].items():
+            recorded_text = f", recorded {row['recorded_ms']:.1f} ms ({row['error_pct']:+.0f} %)" if "recorded_ms" in row else ""
+            print(f"{level}: modeled {row['modeled_ms']:.1f} ms{recorded_text}")
+    payload["levels"] = results
+    name = "step_profile" if big else f"step_profile-{args.preset}"  # the gpt-1b record is the one kept
+    path = write_result(name, torch.device("cpu"), payload, args.out)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
