@@ -101,6 +101,8 @@ class H100Model:
 def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[int, int]:
     """(FP8 FLOPs, other GEMM FLOPs) of one operation."""
     packet = func._overloadpacket
+    if packet is torch.ops.amp8.emulated_scaled_mm:  # rowwise FP8 GEMMs on a torch without them on the CPU
+        return 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1], 0
     if packet is aten._scaled_dot_product_flash_attention_for_cpu:
         return 0, flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
     if packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
