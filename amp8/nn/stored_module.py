@@ -11,9 +11,11 @@ stand-in where the Parameter cannot take it (see ``_grad_target``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -156,8 +158,6 @@ class StoredWeightsModule(nn.Module):
         saved scales were made with), amp8's buffers from a compact checkpoint or kept as
         they are for a plain one."""
         saved = saved_recipe(local_metadata)
-        order = list(self._parameters.items())
-        taken: dict[str, nn.Parameter] = {}
         for handle in self.stored_weights():
             if not isinstance(handle.param, ScaledWeight):
                 continue  # AS_IS and sharded weights load as torch loads any Parameter
@@ -169,21 +169,32 @@ class StoredWeightsModule(nn.Module):
             else:
                 self._load_stored_weight(handle, weight, state_dict.get(scale_key), block_size, key, error_msgs)
             state_dict[scale_key] = getattr(self, handle.scale_name).clone()
-            taken[handle.name] = self._parameters.pop(handle.name)  # type: ignore[assignment]
         for name, buffer in self._buffers.items():  # a plain checkpoint has none of amp8's buffers
             if buffer is not None and name not in self._non_persistent_buffers_set:
                 state_dict.setdefault(prefix + name, buffer.clone())
         self.drop_weight_cache()
-        try:
+        with self._scaled_weights_set_aside():
             super()._load_from_state_dict(
                 state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
             )
-        finally:
-            loaded = dict(self._parameters)
-            self._parameters.clear()
-            self._parameters.update((name, taken.get(name, loaded.get(name))) for name, _ in order)
         self._refresh_storage()
         self._after_move()
+
+    @contextlib.contextmanager
+    def _scaled_weights_set_aside(self) -> Iterator[None]:
+        """Inside the block the ``ScaledWeight`` Parameters are out of ``_parameters`` (the
+        caller loads or moves them itself; torch's own code would replace them), then back
+        in their places, beside whatever the block left of the others."""
+        order = list(self._parameters)
+        aside = {name: param for name, param in self._parameters.items() if isinstance(param, ScaledWeight)}
+        for name in aside:
+            del self._parameters[name]
+        try:
+            yield
+        finally:
+            others = dict(self._parameters)
+            self._parameters.clear()
+            self._parameters.update((name, aside.get(name, others.get(name))) for name in order)
 
     def _refresh_storage(self) -> None:
         """Point each stored weight at the scale buffer the layer holds now."""
@@ -196,16 +207,8 @@ class StoredWeightsModule(nn.Module):
         stored weight keeps its storage and reports the dtype ``fn`` gives."""
         self.drop_weight_cache()
         kept = {name: (buffer, buffer.dtype) for name, buffer in self._buffers.items() if buffer is not None}
-        order = list(self._parameters.items())
-        weights = {name: param for name, param in order if isinstance(param, ScaledWeight)}
-        for name in weights:
-            del self._parameters[name]
-        try:
+        with self._scaled_weights_set_aside():
             super()._apply(fn, recurse)
-        finally:
-            moved = dict(self._parameters)
-            self._parameters.clear()
-            self._parameters.update((name, weights.get(name, moved.get(name))) for name, _ in order)
         for name, (original, dtype) in kept.items():
             buffer = self._buffers[name]
             if buffer is not None and buffer.dtype != dtype:

@@ -133,10 +133,14 @@ class ScaledWeight(torch.Tensor):
     # the Parameter's shape, dtype or ``requires_grad`` costs what a plain tensor's does.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    def alias(self) -> "ScaledWeight":
+        """This weight, detached, sharing the storage (writes into it reach the layer)."""
+        return ScaledWeight(self._data, self._scale, self.block_size, self.dtype, self.writer)
+
     @property  # type: ignore[override]
     def data(self) -> "ScaledWeight":
         """The weight, detached, sharing the storage (``w.data.mul_(2)`` writes it)."""
-        return ScaledWeight(self._data, self._scale, self.block_size, self.dtype, self.writer)
+        return self.alias()
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
@@ -214,7 +218,7 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if func in _SHARED and stored:
         if isinstance(target, WeightView):
             return WeightView(target.base, target.view, target.dequantize())
-        return ScaledWeight(target._data, target._scale, target.block_size, target.dtype, target.writer)
+        return target.alias()
     if func is aten.detach_.default:
         return target
     name = func.overloadpacket.__name__
