@@ -54,11 +54,20 @@ ALLOWED: dict[str, str] = {
     # -- beyond the scope: torch features amp8 builds on ---------------------------------------
     **{
         f"torch._foreach_{op}": (
-            "torch's multi-tensor kernels, one launch over a list of tensors: LowBitAdam's step of plain "
-            "float32 parameters (amp8/optim/foreach_step.py), as torch.optim.Adam(foreach=True) uses them; "
-            "torch has no public multi-tensor API"
+            "torch's multi-tensor kernels, one launch over a list of tensors: the step counts of plain "
+            "float32 parameters (amp8/optim/plain_step.py), as torch.optim.Adam(fused=True) advances them, "
+            "the copies in and out of its update groups' flat buffers (amp8/optim/update_groups.py), and the "
+            "finiteness check of many gradients (amp8/quant/scaling.py); torch has no public multi-tensor API"
         )
-        for op in ("neg", "mul_", "add", "add_", "lerp_", "addcmul_", "sqrt", "div_", "addcdiv_")
+        for op in ("add_", "copy_", "norm")
+    },
+    **{
+        f"torch._fused_{name}_": (
+            "torch's fused Adam kernel, the one torch.optim.Adam(fused=True) calls: LowBitAdam's step of "
+            "plain float32 parameters (amp8/optim/plain_step.py), one call for all of them; torch has no "
+            "public functional form of it"
+        )
+        for name in ("adam", "adamw")
     },
     "torch._scaled_mm": "the FP8 GEMM (cuBLASLt on CUDA, a reference kernel on the CPU); amp8/ops only",
     "torch._scaled_grouped_mm": (

@@ -33,18 +33,19 @@ from amp8.config.validation import removed_name
 from amp8.optim import checkpoint
 from amp8.optim import fused as fused_step
 from amp8.optim import state as state_storage
-from amp8.optim.bound import held_to_bound, ratio_bound
 from amp8.optim.fused import cpp_compiler_found
-from amp8.optim.foreach_step import foreach_adam_step, takes_foreach_step
-from amp8.optim.fused_update import fused_update
+from amp8.optim.plain_step import plain_adam_step, takes_plain_step
+from amp8.optim.fused_update import fused_update, stored_grad
+from amp8.optim.group_step import adam_group_step
 from amp8.optim.gradients import GradientAverage
 from amp8.optim.state import MOMENTS
 from amp8.optim.stored_state import StoredState
+from amp8.optim.update_groups import UpdatePlan, build_groups
 from amp8.optim.support import (
     REMOVED_ATTRIBUTES, check_hyperparameters, check_options, check_removed_options, check_state_precision,
     check_supported, torch_groups,
 )
-from amp8.quant import scaling
+from amp8.quant import noise, scaling
 from amp8.tensor.scaled import local_tensor
 from amp8.tensor.stored import StoredWeight, float_grad, stored_weight
 
@@ -77,13 +78,19 @@ class LowBitAdam(torch.optim.Optimizer):
             not apply (the chunks of weights sharded over data-parallel ranks), those
             tensors take the reference step. Both round with the same noise; they agree
             up to the compiler's reordering of float32 arithmetic. Plain float32
-            parameters with float32 moments (O1's biases and norms) take the reference
-            step's arithmetic over all of them at once (``amp8.optim.foreach_step``)
-            either way.
+            parameters with float32 moments (O1's biases and norms) take torch's fused
+            Adam kernel, all of them in one call (``amp8.optim.plain_step``), either way.
         master_weights: ``{weight Parameter: float32 weight}`` to take O3's master
             weights from, where the layers already store less precise FP8 weights
             (default: each layer's stored weight); for a weight sharded over ranks,
             this rank's rows of it.
+        grouped: update the tensors of one kind together, in one call over flat
+            buffers that hold their moments and stored weights (``amp8.optim.update_groups``):
+            a fixed number of operations (or compiled calls) per step, whatever the number
+            of parameters. False updates each tensor on its own (the same results, bit for
+            bit eagerly; much slower over many tensors). Layouts a group does not cover
+            (2-D tiles of scales, E8M0 scales, stacks of experts, sharded weights) take
+            their own update either way.
 
     Data parallel: gradients are averaged by an object attached after construction
     (``attach_gradient_average``; ``amp8.initialize`` attaches an
@@ -112,6 +119,7 @@ class LowBitAdam(torch.optim.Optimizer):
         seed: int = 0,
         fused: bool | None = None,
         master_weights: Mapping[nn.Parameter, torch.Tensor] | None = None,
+        grouped: bool = True,
         **removed: Any,
     ) -> None:
         check_removed_options(removed)
@@ -119,6 +127,8 @@ class LowBitAdam(torch.optim.Optimizer):
         check_state_precision(level)
         check_hyperparameters(lr, betas, eps, weight_decay)
         check_options(seed, fused, state_block_size)
+        if not isinstance(grouped, bool):
+            raise TypeError(f"grouped={grouped!r} is not valid; use True or False")
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
@@ -137,6 +147,11 @@ class LowBitAdam(torch.optim.Optimizer):
             sum(p.numel() for p in params_in_order) >= FUSED_CPU_MIN_ELEMENTS and cpp_compiler_found()
         )
         self._fused_steps = fused_step.FusedAdam()
+        self.grouped = grouped
+        self._group_steps = {
+            compiled: fused_step.FusedAdam(compile=compiled, function=adam_group_step) for compiled in (False, True)
+        }
+        self._plan: UpdatePlan | None = None
         self.skipped_steps = 0
         self._average: GradientAverage | None = None
         self._stepped = False
@@ -361,32 +376,12 @@ class LowBitAdam(torch.optim.Optimizer):
             self._sharded_average()  # fails before anything changes
         self._stepped = True
         self.synchronize()
-        nonfinite = not bool(scaling.all_finite(self.stored_gradients()))
+        plan = self._plan_for_step()
+        nonfinite = not bool(scaling.all_finite(plan.gradients()))
         if self._average is not None:
             nonfinite = self._average.any_rank(nonfinite)
         if not nonfinite:
-            for group in self.param_groups:
-                plain: dict[torch.device, list[nn.Parameter]] = {}  # by device, for the foreach step
-                for param in group["params"]:
-                    if not self.state.get(param):
-                        if not param.requires_grad:
-                            continue  # frozen: no state, no update
-                        # Frozen when this optimizer was built, trainable since: its state
-                        # starts now (at O3 its master from the FP8 weight).
-                        self.stored.init(param, self.state[param], None)
-                    if not self._is_sharded(param) and takes_foreach_step(param, self.state[param]):
-                        plain.setdefault(param.device, []).append(param)
-                        continue
-                    if self._runs_fused(param) and fused_update(
-                        self._fused_steps, param, self.weights.get(param), self.state[param], group,
-                        lambda: self.stored.update_noise_key(param),
-                    ):
-                        continue
-                    grad = self.gradient(param)
-                    if grad is not None:
-                        self._update(param, grad, group)
-                for params in plain.values():
-                    foreach_adam_step(params, [self.state[param] for param in params], group)
+            self._update_all(plan)
             if self.sharded:
                 self.stored.store_sharded_weights(self.state, self._sharded_average().max_over_ranks)
         else:
@@ -394,6 +389,107 @@ class LowBitAdam(torch.optim.Optimizer):
         if self._average is not None:
             self._average.end_round()
         return loss
+
+    def _plan_for_step(self) -> UpdatePlan:
+        """This step's plan (``amp8.optim.update_groups``), built again where the last one
+        no longer fits, with the gradients of its update groups copied into their buffers."""
+        signature, updates = self._signature()
+        plan = self._plan
+        if plan is None or plan.signature != signature or not plan.gather(updates):
+            self._drop_plan()
+            plan = self._plan = self._build_plan(signature, updates)
+            if not plan.gather(updates):
+                raise RuntimeError("amp8: an update group does not hold the tensors it was just built from")
+        plan.other_grads = [grad[0] for param, (grad, _) in updates.items() if param not in plan.grouped] + [
+            self.gradient(param) for _, param in plan.alone if self._is_sharded(param)
+        ] + [param.grad for params in plan.plain.values() for param in params]
+        return plan
+
+    def _update_all(self, plan: UpdatePlan) -> None:
+        """Every parameter's update with a gradient, each on the path ``plan`` gives it,
+        rounding under the noise key the reference step would draw for it."""
+        first_draw = self.stored.rounding_counter
+        for index, param in plan.alone:
+            self.stored.rounding_counter = first_draw + plan.draws.get(param, 0)
+            group = self.param_groups[index]
+            if self._runs_fused(param) and fused_update(
+                self._fused_steps, param, self.weights.get(param), self.state[param], group,
+                lambda: self.stored.update_noise_key(param),
+            ):
+                continue
+            grad = self.gradient(param)
+            if grad is not None:
+                self._update(param, grad, group)
+        for (index, _), params in plan.plain.items():
+            plain_adam_step(params, [self.state[param] for param in params], self.param_groups[index])
+        seed_part = noise.seed_key(self.seed)
+        for update_group in plan.groups:
+            compiled = self._runs_fused(update_group.members[0].param)
+            update_group.run(
+                self._group_steps[compiled], self.param_groups[update_group.key.param_group],
+                seed_part, first_draw, as_tensors=compiled,
+            )
+        self.stored.rounding_counter = first_draw + plan.total_draws
+
+    def _signature(self) -> tuple[list[tuple[int, str]], dict[nn.Parameter, tuple[Any, dict[str, Any]]]]:
+        """What each parameter's update is this step (``(id, kind)`` in order: "skip",
+        "plain", "sharded" or "update") and the stored gradients and states of the
+        "update" ones. A parameter trainable since the optimizer was built gets its state
+        here."""
+        signature, updates = [], {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                param_state = self.state.get(param)
+                if not param_state:
+                    if not param.requires_grad:
+                        signature.append((id(param), "skip"))  # frozen: no state, no update
+                        continue
+                    # Frozen when this optimizer was built, trainable since: its state
+                    # starts now (at O3 its master from the FP8 weight).
+                    param_state = self.state[param]
+                    self.stored.init(param, param_state, None)
+                if self._is_sharded(param):
+                    kind = "sharded" if self.gradient(param) is not None else "skip"
+                elif takes_plain_step(param, param_state):
+                    kind = "plain"
+                else:
+                    grad = stored_grad(param, self.weights.get(param))
+                    kind = "skip" if grad is None else "update"
+                    if grad is not None:
+                        updates[param] = (grad, param_state)
+                signature.append((id(param), kind))
+        return signature, updates
+
+    def _drop_plan(self) -> None:
+        """Forget the update groups, giving their members their own memory back."""
+        if self._plan is not None:
+            self._plan.release()
+            self._plan = None
+
+    def _build_plan(self, signature: list[tuple[int, str]], updates: dict[nn.Parameter, Any]) -> UpdatePlan:
+        """Sort the parameters by ``signature`` into update groups, the plain step and
+        their own updates, and number their noise draws in the reference step's order."""
+        params = [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
+        draws_stochastically = state_storage.rounds_stochastically(MOMENTS[0], self.level.exp_avg)
+        draws: dict[nn.Parameter, int] = {}
+        plain: dict[tuple[int, torch.device], list[nn.Parameter]] = {}
+        candidates, alone = [], []
+        for (index, param), (_, kind) in zip(params, signature):
+            if kind == "plain":
+                plain.setdefault((index, param.device), []).append(param)
+                continue
+            if kind == "skip":
+                continue
+            if param in self.weights or draws_stochastically:
+                draws[param] = len(draws)
+            if kind == "update" and self.grouped:
+                candidates.append((index, param, self.weights.get(param), self.state[param], self.param_groups[index], draws.get(param, 0), updates[param][0]))
+            else:
+                alone.append((index, param))
+        groups, ungrouped = build_groups(candidates)
+        order = {id(param): position for position, (_, param) in enumerate(params)}
+        alone = sorted(alone + ungrouped, key=lambda entry: order[id(entry[1])])
+        return UpdatePlan(signature, groups, alone, plain, draws, len(draws))
 
     def _runs_fused(self, param: nn.Parameter) -> bool:
         """Whether ``param``'s update takes the fused step (see ``fused`` in the class
@@ -406,29 +502,20 @@ class LowBitAdam(torch.optim.Optimizer):
 
     def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict[str, Any]) -> None:
         """``param``'s update, one eager operation at a time: the reference step."""
-        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-        weight_decay = group["weight_decay"]
-        if group["maximize"]:
-            grad = -grad
+        (beta1, beta2), weight_decay = group["betas"], group["weight_decay"]
         param_state = self.state[param]
-        bounded = state_storage.low_bit_moments(param_state)
         exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in MOMENTS)
         weight = self.stored.weight(param, param_state)
         param_state["step"] += 1
-        step = float(param_state["step"])
-        if weight_decay != 0:
-            if group["decoupled_weight_decay"]:
-                weight.mul_(1 - lr * weight_decay)
-            else:
-                grad = grad.add(weight, alpha=weight_decay)
-        # Same operations, in the same order, as torch.optim.Adam(foreach=False).
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = lr / (1 - beta1**step)
-        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+        scalars = fused_step.coefficients(
+            group["lr"], beta1, beta2, group["eps"], weight_decay, group["decoupled_weight_decay"],
+            float(param_state["step"]), as_tensors=False,
+        )
         # Stored moments: the step is held to exact Adam's bound (amp8.optim.bound).
-        numerator = held_to_bound(exp_avg, denom, ratio_bound(beta1, beta2, step)) if bounded else exp_avg
-        weight.addcdiv_(numerator, denom, value=-step_size)
+        exp_avg, exp_avg_sq, weight = fused_step.adam_arithmetic(
+            grad, exp_avg, exp_avg_sq, weight, scalars, decay=fused_step.decay_of(group), maximize=bool(group["maximize"]),
+            bounded=state_storage.low_bit_moments(param_state),
+        )
         noise_key = self.stored.update_noise_key(param)
         for key, value in zip(MOMENTS, (exp_avg, exp_avg_sq)):
             self.stored.store_moment(param, param_state, key, value, noise_key)
@@ -459,6 +546,7 @@ class LowBitAdam(torch.optim.Optimizer):
         """
         state_dict = checkpoint.without_marker(dict(state_dict))
         extra = state_dict.pop(_EXTRA_STATE_KEY, {})
+        self._drop_plan()
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         converted = checkpoint.restore_state(self.state, params, state_dict, self.stored.convert)

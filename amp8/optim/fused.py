@@ -22,7 +22,7 @@ import shutil
 import types
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
@@ -32,12 +32,22 @@ from amp8.quant import noise, scaling
 from amp8.tensor.stored import encode_fp16
 
 
+Scalar = Union[float, torch.Tensor]
+
+
 class Decay(str, Enum):
     """How weight decay enters the step."""
 
     NONE = "none"
     L2 = "l2"  # Adam: added to the gradient
     DECOUPLED = "decoupled"  # AdamW: the weight shrinks
+
+
+def decay_of(group: dict[str, Any]) -> Decay:
+    """How weight decay enters the steps of a param ``group``."""
+    if group["weight_decay"] == 0:
+        return Decay.NONE
+    return Decay.DECOUPLED if group["decoupled_weight_decay"] else Decay.L2
 
 
 class WeightKind(str, Enum):
@@ -98,17 +108,19 @@ class Tensors(NamedTuple):
 
 
 class Coefficients(NamedTuple):
-    """The step's scalars as 0-d float32 tensors (CPU tensors serve any device), each
-    computed in float64 as the reference step computes it, then rounded once."""
+    """The step's scalars, each computed in float64 as the reference step computes it:
+    Python floats for an eager step (which then runs torch's own single-tensor Adam
+    operations), or 0-d float32 tensors for a compiled one (CPU tensors serve any device;
+    one graph then serves every step)."""
 
-    lerp_weight: torch.Tensor  # 1 - beta1
-    beta2: torch.Tensor
-    one_minus_beta2: torch.Tensor
-    neg_step_size: torch.Tensor  # -lr / (1 - beta1**step)
-    bias_correction2_sqrt: torch.Tensor  # (1 - beta2**step) ** 0.5
-    eps: torch.Tensor
-    decay: torch.Tensor  # 1 - lr * weight_decay (decoupled) or weight_decay (L2)
-    ratio_bound: torch.Tensor  # amp8.optim.bound.ratio_bound(beta1, beta2, step)
+    lerp_weight: Scalar  # 1 - beta1
+    beta2: Scalar
+    one_minus_beta2: Scalar
+    neg_step_size: Scalar  # -lr / (1 - beta1**step)
+    bias_correction2_sqrt: Scalar  # (1 - beta2**step) ** 0.5
+    eps: Scalar
+    decay: Scalar  # 1 - lr * weight_decay (decoupled) or weight_decay (L2)
+    ratio_bound: Scalar  # amp8.optim.bound.ratio_bound(beta1, beta2, step)
 
 
 class Result(NamedTuple):
@@ -126,14 +138,55 @@ class Result(NamedTuple):
 
 
 def coefficients(
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float,
+    as_tensors: bool = True,
 ) -> Coefficients:
-    """The ``Coefficients`` of Adam step number ``step`` (1.0 for the first step)."""
+    """The ``Coefficients`` of Adam step number ``step`` (1.0 for the first step), as
+    0-d float32 tensors (``as_tensors``) or floats."""
     values = (
         1 - beta1, beta2, 1 - beta2, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, eps,
         1 - lr * weight_decay if decoupled else weight_decay, ratio_bound(beta1, beta2, step),
     )
+    if not as_tensors:
+        return Coefficients(*values)
     return Coefficients(*(torch.tensor(value, dtype=torch.float32) for value in values))
+
+
+def adam_arithmetic(
+    grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, weight: torch.Tensor,
+    scalars: Coefficients, *, decay: Decay, maximize: bool, bounded: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adam's new ``(exp_avg, exp_avg_sq, weight)`` from float32 values of any shape
+    (elementwise: one tensor, or many in one buffer); ``bounded`` holds the step to Adam's
+    bound (``amp8.optim.bound``; for low-bit moments). With float ``scalars`` these are the
+    operations of ``torch.optim.Adam(foreach=False)`` in its order, so FP32 moments match
+    torch's bit for bit; with tensor ``scalars`` the same expressions, written out for
+    ``torch.compile``."""
+    if maximize:
+        grad = -grad
+    if decay is Decay.DECOUPLED:
+        weight = weight * scalars.decay
+    elif decay is Decay.L2:
+        grad = _add_product(grad, weight, scalars.decay)
+    exp_avg = torch.lerp(exp_avg, grad, scalars.lerp_weight)
+    exp_avg_sq = _add_product(exp_avg_sq * scalars.beta2, grad, scalars.one_minus_beta2, grad)
+    denom = torch.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
+    numerator = held_to_bound(exp_avg, denom, scalars.ratio_bound) if bounded else exp_avg
+    if isinstance(scalars.neg_step_size, float):
+        weight = torch.addcdiv(weight, numerator, denom, value=scalars.neg_step_size)
+    else:
+        weight = weight + scalars.neg_step_size * numerator / denom
+    return exp_avg, exp_avg_sq, weight
+
+
+def _add_product(
+    x: torch.Tensor, a: torch.Tensor, value: Scalar, b: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x + value * a`` (``* b``): torch's ``add(alpha=)`` / ``addcmul`` for a float
+    ``value``, the expression for a tensor one."""
+    if isinstance(value, float):
+        return x.add(a, alpha=value) if b is None else torch.addcmul(x, a, b, value=value)
+    return x + value * a if b is None else x + value * a * b
 
 
 def _load(data: torch.Tensor, scale: torch.Tensor | None, storage: Storage) -> torch.Tensor:
@@ -193,24 +246,15 @@ def adam_tensor_step(
     stream ``FIRST_MOMENT_STREAM`` that of an FP8 first moment.
     """
     grad = _load(tensors.grad, tensors.grad_scale, spec.grad)
-    if spec.maximize:
-        grad = -grad
     exp_avg = _load(tensors.exp_avg, tensors.exp_avg_scale, spec.exp_avg)
     exp_avg_sq = _load(tensors.exp_avg_sq, tensors.exp_avg_sq_scale, spec.exp_avg_sq)
     if spec.weight is WeightKind.PLAIN:
         weight = tensors.weight.float()
     else:
         weight = scaling.dequantize(tensors.weight, tensors.weight_scale)
-    if spec.decay is Decay.DECOUPLED:
-        weight = weight * scalars.decay
-    elif spec.decay is Decay.L2:
-        grad = grad + scalars.decay * weight
-    # The reference's lerp_, mul_/addcmul_, sqrt/div/add_ and addcdiv_, as expressions.
-    exp_avg = torch.lerp(exp_avg, grad, scalars.lerp_weight)
-    exp_avg_sq = exp_avg_sq * scalars.beta2 + scalars.one_minus_beta2 * grad * grad
-    denom = torch.sqrt(exp_avg_sq) / scalars.bias_correction2_sqrt + scalars.eps
-    numerator = held_to_bound(exp_avg, denom, scalars.ratio_bound) if spec.bounded else exp_avg
-    weight = weight + scalars.neg_step_size * numerator / denom
+    exp_avg, exp_avg_sq, weight = adam_arithmetic(
+        grad, exp_avg, exp_avg_sq, weight, scalars, decay=spec.decay, maximize=spec.maximize, bounded=spec.bounded
+    )
     exp_avg_data, exp_avg_scale = _store(exp_avg, spec.exp_avg, noise_key)
     exp_avg_sq_data, exp_avg_sq_scale = _store(exp_avg_sq, spec.exp_avg_sq, noise_key)
     fp8_weight = fp8_weight_scale = None
@@ -238,27 +282,28 @@ def cpp_compiler_found() -> bool:
     return any(name and shutil.which(name) for name in names)
 
 
-StepFunction = Callable[[Tensors, Coefficients, torch.Tensor], Result]
-
-
 class FusedAdam:
-    """``adam_tensor_step`` compiled once per ``UpdateSpec`` (``torch.compile``, full graph,
-    dynamic shapes), for one optimizer. ``compile=False`` runs the same function eagerly."""
+    """``function(spec, ...)`` compiled once per ``UpdateSpec`` (``torch.compile``, full
+    graph, dynamic shapes), for one optimizer: ``adam_tensor_step`` by default, or
+    ``amp8.optim.group_step.adam_group_step``. ``compile=False`` runs it eagerly."""
 
-    def __init__(self, compile: bool = True) -> None:
+    def __init__(self, compile: bool = True, function: Callable[..., Any] | None = None) -> None:
         self.compile = compile
-        self._steps: dict[UpdateSpec, StepFunction] = {}
+        self.function = adam_tensor_step if function is None else function
+        self._steps: dict[UpdateSpec, Callable[..., Any]] = {}
 
-    def __call__(self, spec: UpdateSpec, tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor) -> Result:
-        """``adam_tensor_step(spec, tensors, scalars, noise_key)``, compiled."""
+    def __call__(self, spec: UpdateSpec, *args: Any) -> Any:
+        """``function(spec, *args)``, compiled."""
         step = self._steps.get(spec)
         if step is None:
             step = self._steps[spec] = self._build(spec)
-        return step(tensors, scalars, noise_key)
+        return step(*args)
 
-    def _build(self, spec: UpdateSpec) -> StepFunction:
-        def step(tensors: Tensors, scalars: Coefficients, noise_key: torch.Tensor) -> Result:
-            return adam_tensor_step(spec, tensors, scalars, noise_key)
+    def _build(self, spec: UpdateSpec) -> Callable[..., Any]:
+        function = self.function
+
+        def step(*args: Any) -> Any:
+            return function(spec, *args)
 
         if not self.compile:
             return step

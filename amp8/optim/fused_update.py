@@ -17,28 +17,26 @@ from amp8.optim.state import MASTER, MOMENTS
 from amp8.tensor.stored import StoredWeight
 
 
-def fused_update(
-    steps: fused.FusedAdam,
+def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """``(data, scales, block size)`` of ``param``'s gradient as stored (FP8 with scales
+    for an FP8 layer's weight, else ``param.grad`` without), or None without one."""
+    if handle is not None:
+        scaled = handle.grad()
+        return None if scaled is None else (scaled.data, scaled.scale, scaled.block_size)
+    return None if param.grad is None else (param.grad, None, 0)
+
+
+def update_inputs(
     param: nn.Parameter,
     handle: StoredWeight | None,
     param_state: dict[str, Any],
     group: dict[str, Any],
-    next_noise_key: Callable[[], torch.Tensor],
-) -> bool:
-    """Run ``param``'s update through the fused step: the same operations as the
-    reference step, with the noise key ``next_noise_key()`` gives (called once, after
-    the storage check). False, with nothing changed, where a tensor's storage is one the
-    fused step does not cover (the caller then takes the reference step)."""
-    if handle is not None:
-        scaled_grad = handle.grad()
-        if scaled_grad is None:
-            return True
-        grad, grad_scale = scaled_grad.data, scaled_grad.scale
-        grad_storage = _scale_storage(grad, grad_scale, scaled_grad.block_size)
-    else:
-        if param.grad is None:
-            return True
-        grad, grad_scale, grad_storage = param.grad, None, fused.Storage()
+    grad: tuple[torch.Tensor, torch.Tensor | None, int],
+) -> tuple[fused.UpdateSpec, fused.Tensors] | None:
+    """The ``UpdateSpec`` of ``param``'s update and the stored tensors it reads, given its
+    ``stored_grad``; None where a tensor's storage is one the fused step does not cover."""
+    grad_data, grad_scale, grad_block_size = grad
+    grad_storage = _scale_storage(grad_data, grad_scale, grad_block_size) if handle is not None else fused.Storage()
     moments = [_stored_tensor(param_state, key) for key in MOMENTS]
     if MASTER in param_state:
         kind = fused.WeightKind.MASTER
@@ -52,42 +50,58 @@ def fused_update(
     if kind is fused.WeightKind.MASTER:
         fp8_storage, fp8_previous = _fp8_weight_storage(handle)  # type: ignore[arg-type]
     if any(storage is None for storage in (grad_storage, moments[0][2], moments[1][2], fp8_storage)):
-        return False
-    weight_decay = group["weight_decay"]
-    decay = (
-        fused.Decay.NONE if weight_decay == 0
-        else fused.Decay.DECOUPLED if group["decoupled_weight_decay"] else fused.Decay.L2
-    )
+        return None
     spec = fused.UpdateSpec(
         grad=grad_storage, exp_avg=moments[0][2], exp_avg_sq=moments[1][2],  # type: ignore[arg-type]
-        weight=kind, decay=decay, maximize=bool(group["maximize"]),
+        weight=kind, decay=fused.decay_of(group), maximize=bool(group["maximize"]),
         bounded=state_storage.low_bit_moments(param_state),
         fp8_weight=fp8_storage,  # type: ignore[arg-type]
         fp8_margin=handle.recipe.margin if handle is not None else 0,
         fp8_power_of_2=handle.recipe.power_of_2_scales if handle is not None else False,
         fp8_previous_scale=fp8_previous,
     )
+    tensors = fused.Tensors(
+        grad_data, grad_scale, moments[0][0], moments[0][1], moments[1][0], moments[1][1],
+        weight, weight_scale, handle.scale if handle is not None and fp8_previous else None,
+    )
+    return spec, tensors
+
+
+def fused_update(
+    steps: fused.FusedAdam,
+    param: nn.Parameter,
+    handle: StoredWeight | None,
+    param_state: dict[str, Any],
+    group: dict[str, Any],
+    next_noise_key: Callable[[], torch.Tensor],
+) -> bool:
+    """Run ``param``'s update through the fused step: the same operations as the
+    reference step, with the noise key ``next_noise_key()`` gives (called once, after
+    the storage check). False, with nothing changed, where a tensor's storage is one the
+    fused step does not cover (the caller then takes the reference step)."""
+    grad = stored_grad(param, handle)
+    if grad is None:
+        return True
+    inputs = update_inputs(param, handle, param_state, group, grad)
+    if inputs is None:
+        return False
+    spec, tensors = inputs
     param_state["step"] += 1
     beta1, beta2 = group["betas"]
     scalars = fused.coefficients(
-        group["lr"], beta1, beta2, group["eps"], weight_decay, group["decoupled_weight_decay"],
+        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
         float(param_state["step"]),
     )
-    noise_key = next_noise_key()
-    tensors = fused.Tensors(
-        grad, grad_scale, moments[0][0], moments[0][1], moments[1][0], moments[1][1],
-        weight, weight_scale, handle.scale if handle is not None and fp8_previous else None,
-    )
-    result = steps(spec, tensors, scalars, noise_key)
+    result = steps(spec, tensors, scalars, next_noise_key())
     for key, data, scale in zip(
         MOMENTS, (result.exp_avg, result.exp_avg_sq), (result.exp_avg_scale, result.exp_avg_sq_scale)
     ):
         param_state[key] = data
         if scale is not None:
             param_state[key + state_storage.SCALE_SUFFIX] = scale
-    if kind is fused.WeightKind.PLAIN:
+    if spec.weight is fused.WeightKind.PLAIN:
         param.copy_(result.weight)
-    elif kind is fused.WeightKind.FP16_SCALED:
+    elif spec.weight is fused.WeightKind.FP16_SCALED:
         handle.store(result.weight, result.weight_scale)  # type: ignore[union-attr, arg-type]
     else:
         param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX] = result.weight, result.weight_scale

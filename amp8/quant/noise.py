@@ -84,10 +84,21 @@ def rounding_key(seed: int, counter: int) -> int:
     """
     if seed < 0 or counter < 0:
         raise ValueError(f"seed={seed} and counter={counter} must be >= 0 for a noise key")
+    return draw_key(seed_key(seed), counter)
+
+
+def seed_key(seed: int) -> int:
+    """The part of every noise key that depends on the seed alone (see ``draw_key``)."""
     key = hash32(seed & _MASK32)
-    key = hash32(key ^ ((seed >> 32) & _MASK32))
-    key = hash32(key ^ (counter & _MASK32))
-    return hash32(key ^ ((counter >> 32) & _MASK32))
+    return hash32(key ^ ((seed >> 32) & _MASK32))
+
+
+def draw_key(seed_part: Word, counter: Word) -> Word:
+    """``rounding_key(seed, counter)`` from ``seed_part = seed_key(seed)``: ints, or
+    int64 tensors (draw numbers below ``2**63``) that give a tensor of keys with the same
+    bits, eagerly and inside ``torch.compile``."""
+    key = hash32((counter & _MASK32) ^ seed_part)
+    return hash32(((counter >> 32) & _MASK32) ^ key)
 
 
 def stream_key(key: Word, stream: int) -> Word:
@@ -109,11 +120,22 @@ def random_bits(shape: torch.Size | tuple[int, ...], key: torch.Tensor | int, de
         numel *= size
     if not torch.compiler.is_compiling() and numel < 1 << 31:
         return _hash32_int32_(_int32_index(numel, device).bitwise_xor_(_signed32(int(key)))).view(shape)
-    index = torch.arange(numel, dtype=torch.int64, device=device)
+    return random_bits_at(torch.arange(numel, dtype=torch.int64, device=device), key, numel).view(shape)
+
+
+def random_bits_at(index: torch.Tensor, key: torch.Tensor | int, numel: int) -> torch.Tensor:
+    """``random_bits``' words for the elements at ``index`` (int64, non-negative) of
+    tensors of at most ``numel`` elements, each under its ``key`` (an int, or an int64
+    tensor of keys that broadcasts against ``index``): many tensors' noise in one call,
+    as ``random_bits`` gives it for each. int32 words eagerly where the indices fit in
+    31 bits, int64 words otherwise."""
+    if not torch.compiler.is_compiling() and numel < 1 << 31:
+        signed_key = _signed32(key) if isinstance(key, int) else (key - ((key >> 31) << 32)).to(torch.int32)
+        return _hash32_int32_(index.to(torch.int32) ^ signed_key)
     bits = hash32(key ^ (index & _MASK32))
     if numel > _MASK32:  # elements past 2**32 mix in the high word of their index
         bits = hash32(bits ^ (index >> 32))
-    return bits.view(shape)
+    return bits
 
 
 def top_bits(bits: torch.Tensor, count: int) -> torch.Tensor:

@@ -107,6 +107,13 @@ def quantize_stochastic(
             f"noise_key must be an int or an int64 scalar tensor, got {type(noise_key).__name__}; "
             "stochastic rounding is counter-based: pass amp8.quant.noise.rounding_key(seed, counter)"
         )
+    return quantize_with_noise(x, scale, dtype, noise.random_bits(x.shape, noise_key, x.device))
+
+
+def quantize_with_noise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
+    """``quantize_stochastic`` with its noise given: ``bits`` holds ``amp8.quant.noise``'s
+    32-bit words for each element of ``x`` (as ``random_bits`` or ``random_bits_at``
+    give them), so many tensors stored in one buffer round as each would alone."""
     scaled = _saturate(x, scale, dtype)
     info = torch.finfo(dtype)
     dropped = 23 - round(-math.log2(info.eps))  # float32 mantissa bits dtype lacks: 13 (FP16), 16 (BF16)
@@ -116,7 +123,7 @@ def quantize_stochastic(
     moved = scaled.add_(offset).view(torch.int32)  # ``scaled`` is this function's own tensor
     # Adding a random integer below the dropped bits' unit to the magnitude, then dropping
     # them, rounds away from zero with probability (dropped bits) / unit: unbiased.
-    noise_bits = noise.top_bits(noise.random_bits(scaled.shape, noise_key, scaled.device), dropped)
+    noise_bits = noise.top_bits(bits, dropped)
     rounded = moved.add_(noise_bits.to(torch.int32)).bitwise_and_(~((1 << dropped) - 1)).view(torch.float32)
     return rounded.sub_(offset).to(dtype)
 
@@ -250,16 +257,20 @@ inf or NaN: E4M3FN's one NaN pattern (it has no inf), E5M2's all-ones exponent."
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A bool scalar tensor: True when no tensor holds an inf or NaN. FP8 tensors are read
-    as bytes (one byte per element, not four for a float32 copy)."""
-    if not tensors:
-        return torch.tensor(True)
+    as bytes (one byte per element, not four for a float32 copy); the others take one
+    multi-tensor absolute max (inf or NaN exactly where one of the values is)."""
     finite = []
+    wide = []
     for tensor in tensors:
         bits = _NONFINITE_BITS.get(tensor.dtype)
         if bits is not None:
             finite.append(((tensor.view(torch.uint8) & bits) != bits).all())
-        else:  # the amax is inf or NaN exactly when one of the values is (max keeps NaN)
-            finite.append(torch.isfinite(amax(tensor if tensor.element_size() > 1 else tensor.float())))
+        elif tensor.numel():
+            wide.append(tensor if tensor.element_size() > 1 else tensor.float())
+    if wide:
+        finite.append(torch.isfinite(torch.stack(torch._foreach_norm(wide, math.inf)).float()).all())
+    if not finite:
+        return torch.tensor(True)
     return torch.stack(finite).all()
 
 

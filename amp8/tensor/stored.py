@@ -175,7 +175,7 @@ class StoredWeight:
         module = self._module
         setattr(module, self.scale_name, scale.to(self.scale_dtype, copy=True))
         weight = nn.Parameter(
-            ScaledWeight(data, self._stored_scale, self.block_size, param.dtype, self.write),
+            ScaledWeight(data, self.stored_scale, self.block_size, param.dtype, self.write),
             requires_grad=param.requires_grad,
         )
         # The user's own attributes on the Parameter stay (hooks stay with the old tensor).
@@ -208,10 +208,12 @@ class StoredWeight:
     def scale(self) -> torch.Tensor:
         """The weight's scales in float32 (the layer's ``weight_scale`` buffer, which
         holds them as ``scale_dtype``)."""
-        return self._stored_scale.float()
+        return self.stored_scale.float()
 
     @property
-    def _stored_scale(self) -> torch.Tensor:
+    def stored_scale(self) -> torch.Tensor:
+        """The layer's scale buffer itself (``scale_dtype``): what an in-place update of
+        the scales writes into."""
         return getattr(self._module, self.scale_name)
 
     @property
@@ -225,14 +227,14 @@ class StoredWeight:
     @property
     def nbytes(self) -> int:
         """Bytes the stored weight holds on this rank: its data and its scales, as stored."""
-        return self.data.nbytes + self._stored_scale.nbytes
+        return self.data.nbytes + self.stored_scale.nbytes
 
     def refresh(self) -> None:
         """Point the Parameter at the scale buffer the layer holds now (``.to()`` and
         ``load_state_dict(assign=True)`` replace buffers)."""
         param = self.param
         if isinstance(param, ScaledWeight):
-            param._scale = self._stored_scale
+            param._scale = self.stored_scale
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -362,7 +364,7 @@ class StoredWeight:
         param, module = self.param, self._module
         module.drop_weight_cache()
         with torch.no_grad():
-            stored_scale = self._stored_scale
+            stored_scale = self.stored_scale
             if stored_scale.shape == scale.shape and stored_scale.dtype == self.scale_dtype:
                 stored_scale.copy_(scale)  # to E8M0 exactly: its scales are powers of two
             else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
@@ -375,6 +377,27 @@ class StoredWeight:
             else:
                 param.data = data
             self.refresh()
+
+    def place(self, memory: torch.Tensor) -> None:
+        """Keep the stored tensor in ``memory`` (a tensor of its dtype and shape, such as
+        a view into an optimizer's flat buffer): the values are copied there and the
+        Parameter holds ``memory`` from now on."""
+        param = self.param
+        current = self.data
+        if not isinstance(param, ScaledWeight) or memory.dtype != current.dtype or memory.shape != current.shape:
+            raise ValueError(
+                f"cannot keep a stored weight of {current.dtype} {tuple(current.shape)} in a tensor of "
+                f"{memory.dtype} {tuple(memory.shape)}"
+            )
+        if memory is not current:
+            with torch.no_grad():
+                memory.copy_(current)
+            param._data = memory
+
+    def changed(self) -> None:
+        """Say that the stored tensor or its scales were written in place (by an
+        optimizer step over its memory): the layer drops its cached casts."""
+        self._module.drop_weight_cache()
 
     def restore(self, storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""

@@ -27,12 +27,12 @@ def _high_precision_model() -> nn.Module:
 
 @pytest.mark.parametrize("case", list(HYPERPARAMETERS))
 def test_matches_torch_bit_for_bit_on_fp32_parameters(case: str) -> None:
-    """Same operations in the same order as torch's single-tensor Adam: exact."""
+    """Plain float32 parameters take torch's fused Adam kernel: exactly torch's fused Adam."""
     optimizer_class, kwargs = HYPERPARAMETERS[case]
     reference = _high_precision_model()
     model = _high_precision_model()
     model.load_state_dict(reference.state_dict())
-    reference_optimizer = optimizer_class(reference.parameters(), foreach=False, **kwargs)
+    reference_optimizer = optimizer_class(reference.parameters(), fused=True, **kwargs)
     model, optimizer = amp8.initialize(model, optimizer_class(model.parameters(), **kwargs), "O1", recipe=amp8.Recipe())
     for _ in range(20):
         x = torch.randn(8, 10)
@@ -45,13 +45,13 @@ def test_matches_torch_bit_for_bit_on_fp32_parameters(case: str) -> None:
 
 
 def test_parameters_at_different_steps_match_torch_bit_for_bit() -> None:
-    """The multi-tensor step of plain parameters takes each one's own step count: a layer
-    that starts training late matches torch's single-tensor Adam too."""
+    """The fused step of plain parameters takes each one's own step count: a layer that
+    starts training late matches torch's fused Adam too."""
     reference, model = _high_precision_model(), _high_precision_model()
     model.load_state_dict(reference.state_dict())
     for late in (reference[2], model[2]):
         late.requires_grad_(False)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     model, optimizer = amp8.initialize(
         model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), "O1", recipe=amp8.Recipe()
     )

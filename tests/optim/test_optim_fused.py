@@ -26,10 +26,11 @@ def _fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
 
 
 def _twin_optimizers(
-    level: str, recipe: amp8.Recipe = amp8.Recipe(), bias: bool = False, **options
+    level: str, recipe: amp8.Recipe = amp8.Recipe(), bias: bool = False, grouped: bool = True, **options
 ) -> tuple[list[nn.Module], list[LowBitAdam]]:
-    """Two copies of one model (layers of two shapes) with a reference and a fused
-    optimizer; ``options`` go to ``torch.optim.AdamW`` or ``Adam``."""
+    """Two copies of one model (layers of two shapes) with the reference optimizer (each
+    tensor on its own, eager) and a compiled one (in update groups where ``grouped``);
+    ``options`` go to ``torch.optim.AdamW`` or ``Adam``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 16, bias=bias))
     model, _ = amp8.initialize(model, None, level, recipe)
@@ -37,7 +38,7 @@ def _twin_optimizers(
     optimizer_class = torch.optim.Adam if options.pop("adam", False) else torch.optim.AdamW
     optimizers = [
         LowBitAdam.from_optimizer(
-            optimizer_class(m.parameters(), **options), amp8.LEVELS[level], fused=fused
+            optimizer_class(m.parameters(), **options), amp8.LEVELS[level], fused=fused, grouped=fused and grouped
         )
         for m, fused in zip(models, (False, True))
     ]
@@ -113,18 +114,21 @@ def _assert_fused_matches_reference(models: list[nn.Module], optimizers: list[Lo
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-tensor"])
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
-def test_fused_step_matches_the_reference_step(level: str) -> None:
-    """Four AdamW steps on layers of two shapes, one compiled graph for both, each step
-    compared from the same state. Measured on this CPU: a few master or weight values per
-    step one ulp apart (a multiply-add contracted to an FMA), O1's FP32 moments within 1
-    ulp."""
-    models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1)
+def test_fused_step_matches_the_reference_step(level: str, grouped: bool) -> None:
+    """Four AdamW steps on layers of two shapes, one compiled graph for both (one update
+    group, or one graph called per tensor), each step compared from the same state.
+    Measured on this CPU: a few master or weight values per step one ulp apart (a
+    multiply-add contracted to an FMA), O1's FP32 moments within 1 ulp."""
+    models, optimizers = _twin_optimizers(level, grouped=grouped, lr=1e-2, weight_decay=0.1)
     _step_and_compare(models, optimizers)
-    assert len(optimizers[1]._fused_steps.specs) == 1, "both shapes should share one graph"
+    steps = optimizers[1]._group_steps[True] if grouped else optimizers[1]._fused_steps
+    assert len(steps.specs) == 1, "both shapes should share one graph"
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-tensor"])
 @pytest.mark.parametrize(
     ("level", "granularity", "options"),
     [
@@ -132,13 +136,13 @@ def test_fused_step_matches_the_reference_step(level: str) -> None:
         ("O2", "block", dict(adam=True, lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1, maximize=True)),
     ],
 )
-def test_fused_step_with_fine_grained_scales(level: str, granularity: str, options: dict) -> None:
+def test_fused_step_with_fine_grained_scales(level: str, granularity: str, options: dict, grouped: bool) -> None:
     """Rowwise and 16 x 16 block scales on gradients, the FP8 first moment and O3's FP8
     weights; the block case also runs Adam's L2 decay, maximize, and biases (FP32
     parameters with ``param.grad``). Measured: rowwise 1 of 768 master values 1 ulp
     apart, every low-bit moment > 100 dB."""
     recipe = amp8.Recipe(granularity=granularity, block_size=16)
-    models, optimizers = _twin_optimizers(level, recipe, bias=granularity == "block", **options)
+    models, optimizers = _twin_optimizers(level, recipe, bias=granularity == "block", grouped=grouped, **options)
     _step_and_compare(models, optimizers)
 
 

@@ -1,0 +1,352 @@
+"""``LowBitAdam``'s update groups: parameters whose updates run as one call over flat
+buffers (``amp8.optim.group_step``), and the plan that says which parameter takes which
+path in a step.
+
+A group holds the parameters of one param group, device, ``UpdateSpec``, row width and
+step count. Their moments (and O3's master weights) live in the group's buffers: each
+parameter's state holds views into them, so checkpoints, ``optimizer.state`` and the
+reference step see ordinary tensors. So does an FP8 layer's stored weight (the
+``ScaledWeight``'s data is a view into the group's weight buffer). Each step copies the
+gradients in (one copy over all of them), runs one update over the buffers, and copies
+the weights' scales out; the work per step is a fixed number of tensor operations per
+group, whatever the number of parameters.
+
+Anything that replaces a view (``load_state_dict``, a model moved with ``.to()``, a
+parameter that has no gradient this step) is found by the next step, which builds the
+groups again from the tensors in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from amp8.optim import fused
+from amp8.optim import state as state_storage
+from amp8.optim.fused_update import update_inputs
+from amp8.optim.group_step import MAX_ELEMENTS, GroupTensors, adam_group_step, scales_per_row
+from amp8.optim.state import MASTER, MOMENTS
+from amp8.tensor.stored import StoredWeight
+
+TENSOR_ROW_WIDTH = 256
+"""Elements per buffer row where every scale is per tensor: what a tensor's last row
+may leave unused (zero padding)."""
+
+GroupStep = Callable[[fused.UpdateSpec, GroupTensors, fused.Coefficients, int, Any], None]
+
+
+def row_width(spec: fused.UpdateSpec, shape: torch.Size) -> int | None:
+    """The buffer row width of a tensor of ``shape`` under ``spec``: its columns where a
+    storage scales per row of a matrix, the block size where one scales per flat block,
+    else ``TENSOR_ROW_WIDTH``; None where no width serves every storage (tiles, blocks of
+    two sizes, rows beside blocks)."""
+    storages = [spec.grad, spec.exp_avg, spec.exp_avg_sq]
+    if spec.weight is fused.WeightKind.MASTER:
+        storages.append(spec.fp8_weight)
+    if any(storage.tile for storage in storages):
+        return None
+    blocks = {storage.block_size for storage in storages if storage.block_size > 0}
+    if any(storage.rows for storage in storages):
+        return shape[1] if len(shape) == 2 and not blocks else None
+    if len(blocks) > 1:
+        return None
+    return blocks.pop() if blocks else TENSOR_ROW_WIDTH
+
+
+@dataclass
+class Member:
+    """One parameter of a group: where its rows are and the views its state holds."""
+
+    param: nn.Parameter
+    handle: StoredWeight | None
+    state: dict[str, Any]
+    first_row: int
+    rows: int
+    views: dict[str, torch.Tensor] = field(default_factory=dict)  # state key -> view
+    weight_view: torch.Tensor | None = None  # the stored weight's view (FP16, or O3's FP8)
+    grad_scales: int = 1  # how many scales its gradient has (1, or one per row)
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """What the parameters of one group share."""
+
+    param_group: int
+    spec: fused.UpdateSpec
+    width: int
+    device: torch.device
+    step: float
+
+
+class UpdateGroup:
+    """The flat buffers of one group's parameters and its step (see the module docstring)."""
+
+    def __init__(self, key: GroupKey, entries: list[tuple[nn.Parameter, StoredWeight | None, dict[str, Any], fused.Tensors]], draws: list[int]) -> None:
+        self.key = key
+        spec, width, device = key.spec, key.width, key.device
+        self.step = key.step
+        self.members: list[Member] = []
+        row_tensor: list[int] = []
+        row_offset: list[int] = []
+        first = 0
+        for index, (param, handle, param_state, _) in enumerate(entries):
+            rows = -(-state_shape(param_state, param).numel() // width)
+            grad_scales = rows if scales_per_row(spec.grad) else 1
+            self.members.append(Member(param, handle, param_state, first, rows, grad_scales=grad_scales))
+            row_tensor += [index] * rows
+            row_offset += range(0, rows * width, width)
+            first += rows
+        total = first
+        sample = entries[0][3]
+
+        def buffer(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros((total, width), dtype=dtype, device=device)
+
+        def scales(storage: fused.Storage) -> torch.Tensor | None:
+            if storage.dtype is None:
+                return None
+            return torch.ones(total if scales_per_row(storage) else len(entries), device=device)
+
+        grad_dtype = sample.grad.dtype if spec.grad.dtype is not None else torch.float32
+        weight_dtype = torch.float32 if spec.weight is fused.WeightKind.PLAIN else torch.float16
+        self.tensors = GroupTensors(
+            grad=buffer(grad_dtype), grad_scale=scales(spec.grad),
+            exp_avg=buffer(sample.exp_avg.dtype), exp_avg_scale=scales(spec.exp_avg),
+            exp_avg_sq=buffer(sample.exp_avg_sq.dtype), exp_avg_sq_scale=scales(spec.exp_avg_sq),
+            weight=buffer(weight_dtype),
+            weight_scale=None if spec.weight is fused.WeightKind.PLAIN else torch.ones(len(entries), device=device),
+            fp8_weight=buffer(spec.fp8_weight.dtype) if spec.weight is fused.WeightKind.MASTER else None,  # type: ignore[arg-type]
+            fp8_weight_scale=scales(spec.fp8_weight) if spec.weight is fused.WeightKind.MASTER else None,
+            row_tensor=torch.tensor(row_tensor, dtype=torch.int64, device=device),
+            row_offset=torch.tensor(row_offset, dtype=torch.int64, device=device),
+            draw=torch.tensor(draws, dtype=torch.int64, device=device),
+        )
+        for index, member in enumerate(self.members):
+            self._pack(index, member, entries[index][3])
+            member.views["step"] = member.state["step"]  # updated in place by ``run``
+        self._grad_views = [self._view(self.tensors.grad, member) for member in self.members]
+        self._weight_views = [self._view(self.tensors.weight, member) for member in self.members]
+        self._steps = [member.state["step"] for member in self.members]
+        # Each stored weight's new scales, where the step writes them (copied to the layers).
+        self._scale_pieces: list[torch.Tensor] = []
+        if spec.weight is fused.WeightKind.FP16_SCALED:
+            self._scale_pieces = list(self.tensors.weight_scale.unbind())  # type: ignore[union-attr]
+        elif spec.weight is fused.WeightKind.MASTER:
+            fp8_scales = self.tensors.fp8_weight_scale
+            assert fp8_scales is not None
+            self._scale_pieces = [
+                self._scale_view(fp8_scales, spec.fp8_weight, index, member, member.handle.stored_scale)  # type: ignore[union-attr]
+                for index, member in enumerate(self.members)
+            ]
+
+    # -- layout ------------------------------------------------------------------------
+    def _view(self, buffer: torch.Tensor, member: Member) -> torch.Tensor:
+        """``member``'s tensor in ``buffer``, shaped like its state."""
+        shape = state_shape(member.state, member.param)
+        start = member.first_row * self.key.width
+        return buffer.view(-1)[start:start + shape.numel()].view(shape)
+
+    def _scale_view(self, scales: torch.Tensor, storage: fused.Storage, index: int, member: Member, like: torch.Tensor) -> torch.Tensor:
+        """``member``'s scales in a group scale vector, shaped like ``like`` (its own)."""
+        if scales_per_row(storage):
+            return scales[member.first_row:member.first_row + member.rows].view(like.shape)
+        return scales[index]
+
+    def _pack(self, index: int, member: Member, stored: fused.Tensors) -> None:
+        """Copy ``member``'s state and stored weight into the buffers and leave views in their place."""
+        spec, tensors, param_state = self.key.spec, self.tensors, member.state
+        for key, data, scales, storage in (
+            (MOMENTS[0], tensors.exp_avg, tensors.exp_avg_scale, spec.exp_avg),
+            (MOMENTS[1], tensors.exp_avg_sq, tensors.exp_avg_sq_scale, spec.exp_avg_sq),
+        ):
+            self._adopt(member, key, data)
+            if scales is not None:
+                self._adopt_scale(member, key + state_storage.SCALE_SUFFIX, scales, storage, index)
+        if spec.weight is fused.WeightKind.MASTER:
+            self._adopt(member, MASTER, tensors.weight)
+            self._adopt_scale(member, MASTER + state_storage.SCALE_SUFFIX, tensors.weight_scale, fused.Storage(torch.float16), index)  # type: ignore[arg-type]
+            member.weight_view = self._view_like(tensors.fp8_weight, member, member.handle.data)  # type: ignore[arg-type, union-attr]
+            member.handle.place(member.weight_view)  # type: ignore[union-attr]
+        elif spec.weight is fused.WeightKind.FP16_SCALED:
+            member.weight_view = self._view(tensors.weight, member)
+            member.handle.place(member.weight_view)  # type: ignore[union-attr]
+        del stored  # the state and weights are read from their owners above
+
+    def _view_like(self, buffer: torch.Tensor, member: Member, like: torch.Tensor) -> torch.Tensor:
+        start = member.first_row * self.key.width
+        return buffer.view(-1)[start:start + like.numel()].view(like.shape)
+
+    def _adopt(self, member: Member, key: str, buffer: torch.Tensor) -> None:
+        """Move ``state[key]`` into ``buffer`` and put the view in the state."""
+        current = member.state[key]
+        view = self._view_like(buffer, member, current)
+        view.copy_(current)
+        member.state[key] = member.views[key] = view
+
+    def _adopt_scale(self, member: Member, key: str, scales: torch.Tensor, storage: fused.Storage, index: int) -> None:
+        current = member.state[key]
+        view = self._scale_view(scales, storage, index, member, current)
+        view.copy_(current)
+        member.state[key] = member.views[key] = view
+
+    def release(self) -> None:
+        """Give every member's state and stored weight its own memory again (the group
+        is being dropped), where they are still this group's views."""
+        for member in self.members:
+            for key, view in member.views.items():
+                if key != "step" and member.state.get(key) is view:
+                    member.state[key] = view.clone()
+            handle = member.handle
+            if handle is not None and member.weight_view is not None and handle.data is member.weight_view:
+                handle.place(member.weight_view.clone())
+
+    # -- a step --------------------------------------------------------------------------
+    def gather(self, updates: dict[nn.Parameter, tuple[Any, dict[str, Any]]]) -> bool:
+        """Copy this step's gradients (and the scales of the stored weights) into the
+        buffers, from ``updates`` (each parameter's stored gradient and its state). False,
+        with nothing changed but the gradient buffer, where a member's state, weight or
+        gradient is no longer what the group was built on."""
+        spec = self.key.spec
+        grads, grad_scales = [], []
+        for member in self.members:
+            for key, view in member.views.items():
+                if member.state.get(key) is not view:
+                    return False
+            handle = member.handle
+            if handle is not None and handle.data is not member.weight_view:
+                return False
+            update = updates.get(member.param)
+            if update is None or update[1] is not member.state or update[0][0].shape != member.param.shape:
+                return False
+            grad = update[0]
+            data, scale, _ = grad
+            if spec.grad.dtype is None:
+                if not data.is_floating_point():
+                    return False
+            elif data.dtype != spec.grad.dtype or scale is None or scale.dtype != torch.float32 \
+                    or scale.numel() != member.grad_scales:
+                return False
+            else:
+                grad_scales.append(scale)
+            grads.append(data)
+        torch._foreach_copy_(self._grad_views, grads)
+        tensors = self.tensors
+        if tensors.grad_scale is not None:
+            if scales_per_row(spec.grad):  # (R, 1) each
+                torch.cat(grad_scales, out=tensors.grad_scale.view(-1, 1))
+            else:  # 0-d each
+                torch.stack(grad_scales, out=tensors.grad_scale)
+        if spec.weight is fused.WeightKind.PLAIN:
+            torch._foreach_copy_(self._weight_views, [member.param for member in self.members])
+        elif spec.weight is fused.WeightKind.FP16_SCALED:
+            torch.stack([member.handle.stored_scale for member in self.members], out=tensors.weight_scale)  # type: ignore[union-attr]
+        elif scales_per_row(spec.fp8_weight):  # (R, 1) each
+            torch.cat([member.handle.stored_scale for member in self.members], out=tensors.fp8_weight_scale.view(-1, 1))  # type: ignore[union-attr]
+        else:
+            torch.stack([member.handle.stored_scale for member in self.members], out=tensors.fp8_weight_scale)  # type: ignore[union-attr]
+        return True
+
+    def run(self, step: GroupStep, group: dict[str, Any], seed_part: int, first_draw: int, as_tensors: bool) -> None:
+        """The update of every member (after ``gather``), then the scales and plain
+        weights copied back to their owners and the step counts advanced."""
+        self.step += 1
+        beta1, beta2 = group["betas"]
+        scalars = fused.coefficients(
+            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
+            self.step, as_tensors=as_tensors,
+        )
+        if as_tensors:
+            step(self.key.spec, self.tensors, scalars, _int64(seed_part), _int64(first_draw))
+        else:
+            step(self.key.spec, self.tensors, scalars, seed_part, first_draw)
+        torch._foreach_add_(self._steps, 1.0)
+        if self.key.spec.weight is fused.WeightKind.PLAIN:
+            torch._foreach_copy_([member.param for member in self.members], self._weight_views)
+            return
+        torch._foreach_copy_([member.handle.stored_scale for member in self.members], self._scale_pieces)  # type: ignore[union-attr]
+        for member in self.members:
+            member.handle.changed()  # type: ignore[union-attr]
+
+
+def _int64(value: int) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def state_shape(param_state: dict[str, Any], param: nn.Parameter) -> torch.Size:
+    """The shape of ``param``'s state tensors (its master weight's where it has one)."""
+    return param_state.get(MASTER, param).shape
+
+
+def groupable(spec: fused.UpdateSpec, param: nn.Parameter, handle: StoredWeight | None, param_state: dict[str, Any]) -> int | None:
+    """The row width ``param``'s update takes in a group, or None where it takes its
+    own update: a layout no width serves, an empty or huge tensor, weight scales not
+    already of the shape the step writes."""
+    shape = state_shape(param_state, param)
+    if shape.numel() == 0 or shape.numel() > MAX_ELEMENTS or shape != param.shape:
+        return None
+    width = row_width(spec, shape)
+    if width is None:
+        return None
+    if spec.weight is fused.WeightKind.FP16_SCALED:
+        if handle is None or handle.stored_scale.shape != () or handle.stored_scale.dtype != torch.float32:
+            return None
+    if spec.weight is fused.WeightKind.MASTER:
+        if handle is None or not spec.fp8_previous_scale or handle.stored_scale.dtype != torch.float32:
+            return None
+    return width
+
+
+def build_groups(
+    candidates: list[tuple[int, nn.Parameter, StoredWeight | None, dict[str, Any], dict[str, Any], int, Any]],
+) -> tuple[list[UpdateGroup], list[tuple[int, nn.Parameter]]]:
+    """Sort the parameters that may update in groups, each ``(param group index, param,
+    handle, state, param group, draw, stored gradient)``, into update groups; the
+    ``(param group index, param)`` of those that take their own update."""
+    grouped: dict[GroupKey, tuple[list[Any], list[int]]] = {}
+    alone = []
+    for index, param, handle, param_state, group, draw, grad in candidates:
+        inputs = update_inputs(param, handle, param_state, group, grad)
+        width = None if inputs is None else groupable(inputs[0], param, handle, param_state)
+        if inputs is None or width is None:
+            alone.append((index, param))
+            continue
+        key = GroupKey(index, inputs[0], width, param.device, float(param_state["step"]))
+        entries, draws = grouped.setdefault(key, ([], []))
+        entries.append((param, handle, param_state, inputs[1]))
+        draws.append(draw)
+    return [UpdateGroup(key, entries, draws) for key, (entries, draws) in grouped.items()], alone
+
+
+@dataclass
+class UpdatePlan:
+    """Which path each parameter's update takes, valid while ``signature`` (each
+    parameter's ``(id, kind)`` in order) holds and the groups hold their members' tensors."""
+
+    signature: list[tuple[int, str]]
+    groups: list[UpdateGroup]
+    alone: list[tuple[int, nn.Parameter]]  # (param group index, param): their own update
+    plain: dict[tuple[int, torch.device], list[nn.Parameter]]  # torch's fused Adam (amp8.optim.plain_step)
+    draws: dict[nn.Parameter, int]  # each update's noise draw, counted from the step's first
+    total_draws: int
+    grouped: set[nn.Parameter] = field(default_factory=set)  # the members of ``groups``
+    other_grads: list[torch.Tensor] = field(default_factory=list)  # this step's gradients outside the groups
+
+    def __post_init__(self) -> None:
+        self.grouped = {member.param for group in self.groups for member in group.members}
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This step's gradients as stored, for the finiteness check: each group's
+        gradient buffer (after ``gather``) and the gradients outside the groups."""
+        return [group.tensors.grad for group in self.groups] + self.other_grads
+
+    def gather(self, updates: dict[nn.Parameter, tuple[Any, dict[str, Any]]]) -> bool:
+        """Every group's ``gather`` of this step's ``updates``; False where one no longer fits."""
+        return all(group.gather(updates) for group in self.groups)
+
+    def release(self) -> None:
+        """Give the members of every group their own memory back (see ``UpdateGroup.release``)."""
+        for group in self.groups:
+            group.release()

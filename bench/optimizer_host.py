@@ -1,0 +1,141 @@
+"""Host time and operations of one optimizer step over many small FP8 layers.
+
+    python bench/optimizer_host.py                   # 2,000 layers of 32x32 with bias, O1/O2/O3
+    python bench/optimizer_host.py --layers 10 200 2000
+
+Over many small tensors an optimizer step is host work: one Python loop and a dozen
+kernel launches per tensor cost far more than the arithmetic, on the CPU and on a GPU
+alike. Each row times ``optimizer.step()`` (gradients in place, median of repeats, one
+thread) for torch's ``AdamW(fused=True)`` over an FP32 copy of the same parameters and for
+``LowBitAdam`` at each level: its default step (update groups over flat buffers, eager),
+each tensor on its own (``grouped=False``, the reference; timed over fewer repeats), and
+the compiled group step (``fused=True``, compiled outside the timing, where a C++ compiler
+is found). It also counts the aten operations one step dispatches (a dispatch mode; a
+compiled graph counts as one call): what a GPU would launch, and what must not grow with
+the number of parameters. Results go to bench/results/optimizer_host-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.table import Table
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp8
+from amp8.monitor.console import default_console
+from amp8.optim import LowBitAdam
+from amp8.optim.fused import cpp_compiler_found
+from common import RESULTS, time_call, write_result
+
+WIDTH = 32
+LEVELS = ("O1", "O2", "O3")
+
+
+class OperationCount(TorchDispatchMode):
+    """Counts the aten operations dispatched while active (a compiled graph's own
+    kernels are not dispatched one by one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations(step: Callable[[], Any]) -> int:
+    """Aten operations one call of ``step`` dispatches."""
+    with OperationCount() as counter:
+        step()
+    return counter.count
+
+
+def small_layers(layers: int) -> nn.Module:
+    """``layers`` WIDTH x WIDTH linear layers with bias."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+
+
+def with_gradients(model: nn.Module) -> nn.Module:
+    """``model`` after one backward pass (its gradients stay in place for every step)."""
+    model(torch.randn(4, WIDTH)).square().mean().backward()
+    return model
+
+
+def amp8_optimizer(layers: int, level: str, **options: Any) -> tuple[nn.Module, LowBitAdam]:
+    """An amp8 model of ``layers`` FP8 layers, gradients in place, and its LowBitAdam."""
+    model, _ = amp8.initialize(small_layers(layers), None, level, layer_selection="all")
+    optimizer = LowBitAdam.from_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-4), amp8.LEVELS[level], **options
+    )
+    return with_gradients(model), optimizer
+
+
+def row(layers: int, repeats: int, compiled: bool) -> dict[str, Any]:
+    """Milliseconds and operations per step at every level, against torch fused AdamW."""
+    device = torch.device("cpu")
+    reference = with_gradients(small_layers(layers))
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=True)
+    result: dict[str, Any] = {
+        "layers": layers, "parameters": 2 * layers,
+        "torch_fused_adamw_ms": 1e3 * time_call(torch_adamw.step, device, 2, repeats),
+        "torch_fused_adamw_ops": operations(torch_adamw.step),
+    }
+    for level in LEVELS:
+        variants = {"grouped": {}, "per_tensor": {"grouped": False}}
+        if compiled:
+            variants["grouped_compiled"] = {"fused": True}
+        for name, options in variants.items():
+            _model, optimizer = amp8_optimizer(layers, level, **options)
+            times = max(1, repeats // 10) if name == "per_tensor" else repeats
+            ms = 1e3 * time_call(optimizer.step, device, 2, times)
+            result[f"{level}_{name}_ms"] = ms
+            result[f"{level}_{name}_vs_torch"] = ms / result["torch_fused_adamw_ms"]
+            result[f"{level}_{name}_ops"] = operations(optimizer.step)
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[10, 200, 2000], help="FP8 layers per model")
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps per row (a tenth for per_tensor)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled group step")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Measure every row, print the table, write the JSON (after every row)."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    compiled = not args.no_compile and cpp_compiler_found()
+    rows: list[dict[str, Any]] = []
+    path = args.out
+    for layers in args.layers:
+        rows.append(row(layers, args.repeats, compiled))
+        path = write_result("optimizer_host", torch.device("cpu"), {
+            "command": "python bench/optimizer_host.py " + " ".join(argv or []), "threads": 1,
+            "layer": f"Linear({WIDTH}, {WIDTH}) with bias, layer_selection='all'", "rows": rows,
+        }, args.out)
+    table = Table(title="optimizer step over small FP8 layers: ms (ops) per step, one thread")
+    for column in ["layers", "torch fused AdamW", *(f"{level} {name}" for level in LEVELS for name in ("grouped", "per tensor", "compiled"))]:
+        table.add_column(column, justify="right")
+    for result in rows:
+        cells = [str(result["layers"]), f"{result['torch_fused_adamw_ms']:.2f} ({result['torch_fused_adamw_ops']})"]
+        for level in LEVELS:
+            for name in ("grouped", "per_tensor", "grouped_compiled"):
+                key = f"{level}_{name}"
+                cells.append(f"{result[key + '_ms']:.2f} ({result[key + '_ops']})" if key + "_ms" in result else "-")
+        table.add_row(*cells)
+    default_console().print(table)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""LowBitAdam's update groups (amp8/optim/update_groups.py): the same results as each
+tensor's own update, bit for bit eagerly, a number of operations per step that does not
+grow with the number of parameters, and groups that notice when what they hold changes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp8
+from amp8.optim import LowBitAdam
+from amp8.optim import fused
+from amp8.optim.update_groups import TENSOR_ROW_WIDTH, row_width
+from conftest import assert_bitwise_equal, compact_state
+
+RECIPES = {
+    "tensorwise": amp8.Recipe(),
+    "rowwise": amp8.Recipe(granularity="rowwise"),
+    "delayed": amp8.Recipe(scaling="delayed"),
+}
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam-l2-maximize": (torch.optim.Adam, dict(lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1, maximize=True)),
+}
+
+
+class OperationCount(TorchDispatchMode):
+    """Counts the aten operations dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(layers: int = 2, width: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for index in range(layers):
+        blocks += [nn.Linear(width, width + 16 * (index % 2 == 0)), nn.GELU()]
+        width += 16 * (index % 2 == 0)
+    return nn.Sequential(*blocks, nn.LayerNorm(width))
+
+
+def _twins(level: str, recipe: amp8.Recipe, optimizer: str, layers: int = 2, **options: Any) -> tuple[list[nn.Module], list[LowBitAdam]]:
+    """One model and its copy: the first stepped tensor by tensor, the second in groups."""
+    model, _ = amp8.initialize(_model(layers), None, level, recipe)
+    models = [model, copy.deepcopy(model)]
+    optimizer_class, kwargs = OPTIMIZERS[optimizer]
+    optimizers = [
+        LowBitAdam.from_optimizer(optimizer_class(m.parameters(), **kwargs), amp8.LEVELS[level], grouped=grouped, **options)
+        for m, grouped in zip(models, (False, True))
+    ]
+    return models, optimizers
+
+
+def _train(models: list[nn.Module], optimizers: list[LowBitAdam], steps: int, start: int = 0) -> None:
+    width = next(models[0].parameters()).shape[1]
+    for step in range(start, start + steps):
+        torch.manual_seed(100 + step)
+        x = torch.randn(8, width)
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+
+
+def _assert_identical(models: list[nn.Module], optimizers: list[LowBitAdam]) -> None:
+    weights = [compact_state(model) for model in models]
+    for key, value in weights[0].items():
+        assert_bitwise_equal(weights[1][key], value)
+    reference, grouped = optimizers
+    for param, twin in zip(models[0].parameters(), models[1].parameters()):
+        state, twin_state = reference.state[param], grouped.state[twin]
+        assert set(state) == set(twin_state)
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                assert_bitwise_equal(twin_state[key], value)
+            else:
+                assert twin_state[key] == value
+    assert grouped.rounding_counter == reference.rounding_counter
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_grouped_step_is_the_reference_step_bit_for_bit(level: str, recipe: str, optimizer: str) -> None:
+    """Eager, the groups compute every value with the reference's operations on the same
+    inputs: weights, moments, scales, masters and noise draws all equal, step after step."""
+    models, optimizers = _twins(level, RECIPES[recipe], optimizer)
+    _train(models, optimizers, steps=4)
+    assert optimizers[1]._plan is not None and optimizers[1]._plan.groups, "nothing was grouped"
+    _assert_identical(models, optimizers)
+
+
+@pytest.mark.parametrize("state_block_size", [0, 64])
+def test_grouped_step_with_block_scaled_moments(state_block_size: int) -> None:
+    """Moments with one scale per block of 64 elements take rows of 64: still exact."""
+    models, optimizers = _twins("O2", amp8.Recipe(), "adamw", state_block_size=state_block_size)
+    _train(models, optimizers, steps=3)
+    width = optimizers[1]._plan.groups[0].key.width
+    assert width == (state_block_size or TENSOR_ROW_WIDTH)
+    _assert_identical(models, optimizers)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_operations_per_step_do_not_grow_with_the_parameters(level: str) -> None:
+    """The aten operations one step dispatches are the same for 4 and for 40 FP8 layers
+    (with biases and a norm): the work per step is per group, not per parameter."""
+    counts = []
+    for layers in (4, 40):
+        model, _ = amp8.initialize(_model(layers), None, level, amp8.Recipe(), layer_selection="all")
+        optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), amp8.LEVELS[level])
+        model(torch.randn(4, 32)).square().mean().backward()
+        optimizer.step()
+        with OperationCount() as counter:
+            optimizer.step()
+        counts.append(counter.count)
+    assert counts[0] == counts[1], f"operations per step: {counts[0]} for 4 layers, {counts[1]} for 40"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_compiled_groups_do_not_recompile_with_an_lr_scheduler(level: str) -> None:
+    """One compiled graph per update group, called once per step; 20 steps under a
+    cosine schedule compile nothing after the first, whatever the number of layers."""
+    from torch._dynamo.utils import counters
+
+    model, _ = amp8.initialize(_model(6), None, level, amp8.Recipe())
+    optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), amp8.LEVELS[level], fused=True)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
+    calls: list[int] = []
+    for step in range(20):
+        optimizer.zero_grad()
+        model(torch.randn(4, 32)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a step after the first compiled again"
+    plan = optimizer._plan
+    assert len(optimizer._group_steps[True].specs) == len({group.key.spec for group in plan.groups})
+    members = {id(member.param) for group in plan.groups for member in group.members}
+    assert all(id(param) in members for param in optimizer.weights) and not plan.alone
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_groups_are_rebuilt_when_what_they_hold_changes(level: str) -> None:
+    """A parameter without a gradient for a step, an optimizer checkpoint loaded, and a
+    weight written by hand: each step after still equals the reference's, bit for bit."""
+    models, optimizers = _twins(level, amp8.Recipe(), "adamw", layers=3)
+    _train(models, optimizers, steps=2)
+    for model in models:  # the last layer's weight gets no gradient for one step
+        model[4].weight.requires_grad_(False)
+    _train(models, optimizers, steps=1, start=2)
+    for model in models:
+        model[4].weight.requires_grad_(True)
+    _train(models, optimizers, steps=1, start=3)
+    _assert_identical(models, optimizers)
+    for optimizer in optimizers:  # a round trip through a checkpoint
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    with torch.no_grad():
+        for model in models:
+            model[0].weight.mul_(0.5)
+    _train(models, optimizers, steps=2, start=4)
+    _assert_identical(models, optimizers)
+
+
+def test_moments_and_weights_live_in_the_group_buffers() -> None:
+    """Each parameter's moments and its stored FP16 weight are views into its group's
+    buffers, in rows of the group's width; the padding of a tensor's last row stays zero."""
+    model, _ = amp8.initialize(_model(2), None, "O2", amp8.Recipe())
+    optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), amp8.LEVELS["O2"])
+    _train([model], [optimizer], steps=2)
+    for group in optimizer._plan.groups:
+        for member in group.members:
+            state = optimizer.state[member.param]
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert state[key]._base is getattr(group.tensors, key)
+            if member.handle is not None:
+                assert member.handle.data._base is group.tensors.weight
+        used = sum(member.param.numel() for member in group.members)
+        assert int(group.tensors.exp_avg.float().ne(0).sum()) <= used
+        rows = group.tensors.exp_avg.shape[0]
+        assert rows == sum(-(-member.param.numel() // group.key.width) for member in group.members)
+
+
+def test_row_width_follows_the_storage() -> None:
+    per_tensor = fused.Storage(torch.float8_e4m3fn)
+    rows = fused.Storage(torch.float8_e4m3fn, rows=True)
+    blocks = fused.Storage(torch.float16, block_size=32)
+    tiles = fused.Storage(torch.float8_e4m3fn, tile=16)
+
+    def spec(grad: fused.Storage, moment: fused.Storage) -> fused.UpdateSpec:
+        return fused.UpdateSpec(grad, moment, moment, fused.WeightKind.FP16_SCALED, fused.Decay.NONE, False)
+
+    shape = torch.Size([48, 96])
+    assert row_width(spec(per_tensor, per_tensor), shape) == TENSOR_ROW_WIDTH
+    assert row_width(spec(rows, rows), shape) == 96
+    assert row_width(spec(per_tensor, blocks), shape) == 32
+    assert row_width(spec(rows, blocks), shape) is None
+    assert row_width(spec(tiles, per_tensor), shape) is None
+    assert row_width(spec(rows, per_tensor), torch.Size([96])) is None
