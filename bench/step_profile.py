@@ -9,8 +9,9 @@ simple H100 model that turns the counts into milliseconds.
 Each level builds amp8's byte-level GPT (amp8/tools/experiments/gpt.py) from the same
 seeded weights and runs eagerly under BF16 autocast, as bench/gpt.py runs on CUDA:
 O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
-``amp8.initialize`` with amp8's reference (uncompiled) optimizer step, so every operation
-of the update is visible. One warm-up step, then ``--steps`` plain steps give the host
+``amp8.initialize`` with amp8's optimizer step compiled as on CUDA (``--optimizer
+compiled``, ``LowBitAdam(fused=True)``) or its eager reference (``--optimizer reference``,
+every operation of the update visible). One warm-up step, then ``--steps`` plain steps give the host
 time per phase (median), then one step under a ``TorchDispatchMode`` gives the counts:
 - ops: aten operations that run a kernel (views, ``detach`` and allocations are left out),
   a proxy for GPU kernel launches in eager mode; syncs: ``.item()``-style reads;
@@ -19,6 +20,9 @@ time per phase (median), then one step under a ``TorchDispatchMode`` gives the c
   in-place result is counted as read and written);
 - GEMM FLOPs from ``torch.utils.flop_counter``'s formulas: ``_scaled_mm`` as FP8, the
   rest (mm, addmm, bmm, attention) as high precision.
+- graph calls: calls of compiled graphs, each with the bytes of its tensor inputs,
+  outputs and in-place writes and the GPU kernels its generated code stands for
+  (``compiled_graphs.GraphCalls``), however the optimizer groups its parameters into them.
 Inside amp8's optimizer step the operations are split by the amp8 function they run
 in (``OPTIMIZER_PARTS``): the finiteness check, gradient and weight reads, the update,
 the moment and weight stores.
@@ -410,6 +414,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="amp8's CUDA speed rule (default for gpt-1b, as recorded) or every layer")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="compiled",
                         help="amp8's optimizer step: compiled (fused=True, as on CUDA) or the eager reference")
+    parser.add_argument("--counts", type=Path, default=None,
+                        help="model the counts of this earlier JSON of the same preset instead of profiling")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
     big = args.preset == "gpt-1b"
@@ -426,10 +432,15 @@ def main(argv: list[str] | None = None) -> Path:
     config = PRESETS[args.preset]
     big = args.preset == "gpt-1b"
     results: dict[str, Any] = {}
+    counted = json.loads(args.counts.read_text())["levels"] if args.counts else {}
     for level in args.levels:
-        if big:
+        if level in counted:  # the counts of an earlier run, modeled anew
+            block_share = counted[level].get("block_share", counted[level]["compiled_share"])
+            shares = compiled_shares(block_share) if big else dict.fromkeys(PHASES, 0.0)
+            results[level] = {"phases": counted[level]["phases"], "compiled_share": shares, "block_share": block_share}
+        elif big:
             phases, block_share = profile_extrapolated(level, config, args.batch_size, args.layer_selection, args.optimizer)
-            results[level] = {"phases": phases, "compiled_share": compiled_shares(block_share)}
+            results[level] = {"phases": phases, "compiled_share": compiled_shares(block_share), "block_share": block_share}
         else:
             phases = profile(level, config, args.batch_size, args.steps, args.layer_selection, args.optimizer)
             results[level] = {"phases": phases, "compiled_share": dict.fromkeys(PHASES, 0.0)}
