@@ -9,8 +9,9 @@ simple H100 model that turns the counts into milliseconds.
 Each level builds amp8's byte-level GPT (amp8/tools/experiments/gpt.py) from the same
 seeded weights and runs eagerly under BF16 autocast, as bench/gpt.py runs on CUDA:
 O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
-``amp8.initialize`` with amp8's reference (uncompiled) optimizer step, so every operation
-of the update is visible. One warm-up step, then ``--steps`` plain steps give the host
+``amp8.initialize`` with amp8's optimizer step compiled as on CUDA (``--optimizer
+compiled``, ``LowBitAdam(fused=True)``) or its eager reference (``--optimizer reference``,
+every operation of the update visible). One warm-up step, then ``--steps`` plain steps give the host
 time per phase (median), then one step under a ``TorchDispatchMode`` gives the counts:
 - ops: aten operations that run a kernel (views, ``detach`` and allocations are left out),
   a proxy for GPU kernel launches in eager mode; syncs: ``.item()``-style reads;
@@ -19,6 +20,9 @@ time per phase (median), then one step under a ``TorchDispatchMode`` gives the c
   in-place result is counted as read and written);
 - GEMM FLOPs from ``torch.utils.flop_counter``'s formulas: ``_scaled_mm`` as FP8, the
   rest (mm, addmm, bmm, attention) as high precision.
+- graph calls: calls of compiled graphs, each with the bytes of its tensor inputs,
+  outputs and in-place writes and the GPU kernels its generated code stands for
+  (``compiled_graphs.GraphCalls``), however the optimizer groups its parameters into them.
 Inside amp8's optimizer step the operations are split by the amp8 function they run
 in (``OPTIMIZER_PARTS``): the finiteness check, gradient and weight reads, the update,
 the moment and weight stores.
@@ -56,6 +60,8 @@ from amp8.nn.selection import DEFAULT_RULES
 from amp8.optim import LowBitAdam
 from amp8.tools.experiments.gpt import GPT, PRESETS, GPTConfig
 from common import RESULTS, write_result
+from compiled_graphs import GraphCall, GraphCalls
+from optimizer import WIDTH, square_layers
 
 aten = torch.ops.aten
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -73,28 +79,42 @@ OPTIMIZER_PARTS = {
 # Operations that launch no kernel: allocations and metadata (views are found by schema).
 NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default}
 SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default}
+COUNTS = ("ops", "syncs", "bytes", "fp8_flops", "other_flops", "graph_calls", "graph_kernels", "graph_bytes")
+OPTIMIZERS = {"compiled": True, "reference": False}  # --optimizer: LowBitAdam's fused= for O1-O3
 RECORDED = RESULTS / "gpt-cuda.json"
+OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"
+# Host seconds per compiled-graph call on the recorded H100 machine, beyond its kernel
+# launches: bench/results/optimizer-cuda.json's six compiled optimizer-only runs (O1-O3,
+# 30M and 300M parameters) spend 0.28-0.64 ms per graph call more than their counted
+# launches and bytes, 0.45 ms on average; one number for every level and size.
+GRAPH_CALL_S = 0.45e-3
 GPT_1B_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (blocks, batch) the gpt-1b counts are solved from
 
 
 @dataclasses.dataclass(frozen=True)
 class H100Model:
     """time = ops * launch_s + bytes / bandwidth + fp8_flops / fp8_rate + other_flops / bf16_rate,
-    each term scaled where the recorded run compiled the code (``compiled_factor``)."""
+    the launch and bytes terms scaled where the recorded run compiled the code
+    (``compiled_factor``), plus for the compiled graphs the profile ran as such
+    graph_calls * graph_call_s + graph_kernels * launch_s + graph_bytes / bandwidth."""
 
     bandwidth: float = 2.8e12  # B/s: 3.35 TB/s HBM3 peak, ~85 % achievable
     bf16_rate: float = 0.65 * 989e12  # FLOP/s: dense BF16 peak, ~65 % reached by large GEMMs
     fp8_rate: float = 0.65 * 1979e12  # FLOP/s: dense FP8 peak, same share
     launch_s: float = 6e-6  # per eager kernel launch (host and launch gap)
+    # Host time of one compiled-graph call beyond its kernel launches: dynamo's guards on
+    # its inputs, the AOT wrapper, and the caller's Python that prepares it.
+    graph_call_s: float = GRAPH_CALL_S
     # The recorded run compiled every block: fusion cuts the launches and bytes of the
-    # non-GEMM work there (and amp8's optimizer step is compiled per tensor on CUDA).
-    # One factor for both, fitted once so the model gives the recorded BF16 baseline.
+    # non-GEMM work there. One factor, fitted once so the model gives the recorded BF16 baseline.
     compiled_factor: float = 1.0
 
     def seconds(self, counts: dict[str, float], compiled_share: float) -> float:
         """Modeled time of ``counts``; ``compiled_share`` (0-1) of its ops and bytes ran compiled."""
         scale = 1 - compiled_share + compiled_share * self.compiled_factor
-        return (scale * (counts["ops"] * self.launch_s + counts["bytes"] / self.bandwidth)
+        graphs = (counts.get("graph_calls", 0) * self.graph_call_s + counts.get("graph_kernels", 0) * self.launch_s
+                  + counts.get("graph_bytes", 0) / self.bandwidth)
+        return (scale * (counts["ops"] * self.launch_s + counts["bytes"] / self.bandwidth) + graphs
                 + counts["fp8_flops"] / self.fp8_rate + counts["other_flops"] / self.bf16_rate)
 
 
@@ -125,12 +145,56 @@ def _optimizer_part() -> str:
 
 
 class StepCounter(TorchDispatchMode):
-    """Counts ops, syncs, bytes and GEMM FLOPs per phase (``with counter.phase(name)``)."""
+    """Counts ops, syncs, bytes and GEMM FLOPs per phase (``with counter.phase(name)``),
+    and the compiled-graph calls, their kernels and bytes (``compiled_graphs.GraphCalls``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.current = ""
         self.counts: dict[str, dict[str, float]] = {}
+        self._graphs = GraphCalls(self._count_graph_call)
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        """True: torch.compile runs compiled code under an infra mode (it falls back to eager
+        under any other), so the optimizer's compiled graphs run compiled, as in training;
+        this mode then sees only the eager operations around them."""
+        return True
+
+    def __enter__(self) -> "StepCounter":
+        self._graphs.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._graphs.__exit__(*exc)
+
+    def _row(self, eager_op: bool) -> dict[str, float]:
+        name = self.current
+        if name == "optimizer" and eager_op:
+            name = f"optimizer: {_optimizer_part()}"
+        return self.counts.setdefault(name, dict.fromkeys(COUNTS, 0))
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        """The counts per phase and part, each phase's row the sum of its parts' and its own."""
+        rows = {name: dict(row) for name, row in self.counts.items()}
+        for name in PHASES:
+            row = rows.setdefault(name, dict.fromkeys(COUNTS, 0))
+            for part, counts in self.counts.items():
+                if part.startswith(f"{name}: "):
+                    for key in COUNTS:
+                        row[key] += counts[key]
+        return {name: rows[name] for name in sorted(rows, key=_order)}
+
+    def _count_graph_call(self, call: GraphCall) -> None:
+        if not self.current:
+            return
+        row = self._row(eager_op=True)
+        row["graph_calls"] += 1
+        row["graph_kernels"] += call.kernels
+        row["graph_bytes"] += call.read_bytes + call.written_bytes
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -144,12 +208,9 @@ class StepCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.current or func.is_view or func in NO_KERNEL:
+        if not self.current or self._graphs.inside or func.is_view or func in NO_KERNEL:
             return out
-        name = self.current
-        if name == "optimizer" and func not in SYNC:
-            name = f"optimizer: {_optimizer_part()}"
-        row = self.counts.setdefault(name, dict.fromkeys(("ops", "syncs", "bytes", "fp8_flops", "other_flops"), 0))
+        row = self._row(eager_op=func not in SYNC)
         if func in SYNC:
             row["syncs"] += 1
             return out
@@ -162,8 +223,10 @@ class StepCounter(TorchDispatchMode):
         return out
 
 
-def build(level: str, config: GPTConfig, layer_selection: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The GPT and optimizer of ``level`` ("O0": torch AdamW) from seeded weights, on the CPU."""
+def build(level: str, config: GPTConfig, layer_selection: str,
+          optimizer_step: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT and optimizer of ``level`` ("O0": torch AdamW) from seeded weights, on the CPU;
+    ``optimizer_step`` (a key of ``OPTIMIZERS``) picks amp8's compiled or reference step."""
     model: torch.nn.Module = GPT(config, torch.Generator().manual_seed(0))
 
     def adamw(params: Any) -> torch.optim.Optimizer:
@@ -177,8 +240,8 @@ def build(level: str, config: GPTConfig, layer_selection: str) -> tuple[torch.nn
         return model, optimizer
     selection = DEFAULT_RULES["cuda"] if layer_selection == "cuda" else "all"
     model, optimizer = amp8.initialize(model, optimizer, level, layer_selection=selection)
-    reference = LowBitAdam.from_optimizer(adamw(model.parameters()), optimizer.level, fused=False)
-    return model, reference
+    low_bit = LowBitAdam.from_optimizer(adamw(model.parameters()), optimizer.level, fused=OPTIMIZERS[optimizer_step])
+    return model, low_bit
 
 
 def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
@@ -204,9 +267,10 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tu
     return seconds
 
 
-def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_selection: str) -> dict[str, dict[str, float]]:
+def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_selection: str,
+            optimizer_step: str) -> dict[str, dict[str, float]]:
     """Counts and host ms per phase (and per part of the optimizer) of one step at ``level``."""
-    model, optimizer = build(level, config, layer_selection)
+    model, optimizer = build(level, config, layer_selection, optimizer_step)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), generator=generator)
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -214,15 +278,11 @@ def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_se
     times = [run_step(model, optimizer, batch, None) for _ in range(steps)]
     counter = StepCounter()
     run_step(model, optimizer, batch, counter)
-    rows = counter.counts
+    rows = counter.totals()
     for name in PHASES:
-        row = rows.setdefault(name, dict.fromkeys(("ops", "syncs", "bytes", "fp8_flops", "other_flops"), 0))
-        parts = [r for key, r in rows.items() if key.startswith(f"{name}: ")]
-        for key in ("ops", "syncs", "bytes", "fp8_flops", "other_flops"):
-            row[key] += sum(part[key] for part in parts)
         if times:
-            row["cpu_ms"] = 1e3 * statistics.median(t[name] for t in times)
-    return {name: rows[name] for name in sorted(rows, key=_order)}
+            rows[name]["cpu_ms"] = 1e3 * statistics.median(t[name] for t in times)
+    return rows
 
 
 def _order(name: str) -> tuple[int, str]:
@@ -239,12 +299,12 @@ def solve_bilinear(points: dict[tuple[int, int], float], blocks: int, batch: int
 
 
 def profile_extrapolated(level: str, config: GPTConfig, batch_size: int,
-                         layer_selection: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+                         layer_selection: str, optimizer_step: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """gpt-1b-sized counts from four small (blocks, batch) runs; also each phase's
     share of ops and bytes that lies in the blocks (compiled in the recorded run)."""
     runs = {}
     for blocks, batch in GPT_1B_POINTS:  # host time is not bilinear enough to extrapolate: counts only
-        runs[blocks, batch] = profile(level, dataclasses.replace(config, n_layer=blocks), batch, 0, layer_selection)
+        runs[blocks, batch] = profile(level, dataclasses.replace(config, n_layer=blocks), batch, 0, layer_selection, optimizer_step)
     result: dict[str, dict[str, float]] = {}
     block_share: dict[str, float] = {}
     for name in runs[1, 1]:
@@ -261,12 +321,11 @@ def profile_extrapolated(level: str, config: GPTConfig, batch_size: int,
     return result, block_share
 
 
-def compiled_shares(level: str, block_share: dict[str, float]) -> dict[str, float]:
-    """Share of each phase's ops and bytes that ran compiled in the recorded run: the
-    blocks in forward and backward; amp8's optimizer step (compiled per tensor on CUDA),
-    not torch's fused AdamW (one kernel already)."""
-    return {"forward": block_share["forward"], "backward": block_share["backward"],
-            "optimizer": 0.0 if level == "O0" else 1.0}
+def compiled_shares(block_share: dict[str, float]) -> dict[str, float]:
+    """Share of each phase's eager ops and bytes that ran compiled in the recorded run: the
+    blocks in forward and backward; none of the optimizer's (torch's fused AdamW is one
+    kernel already, and amp8's compiled graphs are counted as graph calls)."""
+    return {"forward": block_share["forward"], "backward": block_share["backward"], "optimizer": 0.0}
 
 
 def calibrate(baseline: dict[str, dict[str, float]], shares: dict[str, float], measured_ms: float) -> H100Model:
@@ -293,6 +352,44 @@ def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, A
     return out
 
 
+def optimizer_counts(level: str, layers: int) -> dict[str, float]:
+    """Counts of one compiled ``LowBitAdam`` step at ``level`` over ``layers`` square FP8
+    layers with gradients in place, set up as bench/optimizer.py times it."""
+    torch.manual_seed(0)
+    model = square_layers(layers * WIDTH * WIDTH, torch.device("cpu"))
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level,
+                                       layer_selection="all")
+    fused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True)
+    model(torch.randn(16, WIDTH)).sum().backward()
+    fused.step()  # compiles
+    counter = StepCounter()
+    with counter, counter.phase("optimizer"):
+        fused.step()
+    return counter.totals()["optimizer"]
+
+
+def optimizer_check(model: H100Model, recorded: dict[str, Any]) -> list[dict[str, Any]]:
+    """The modeled compiled optimizer step against bench/optimizer.py's H100 timings
+    (``amp8_fused_ms``), same sizes; counts at one and two layers, linear in the layers."""
+    counts: dict[tuple[str, int], dict[str, float]] = {}
+    rows = []
+    for run in recorded["step_time"]:
+        level = run["level"]
+        for layers in (1, 2):
+            if (level, layers) not in counts:
+                counts[level, layers] = optimizer_counts(level, layers)
+        layers = max(1, round(run["millions"] * 1_000_000 / (WIDTH * WIDTH)))  # as square_layers
+        one, two = counts[level, 1], counts[level, 2]
+        row = {key: one[key] + (layers - 1) * (two[key] - one[key]) for key in COUNTS}
+        modeled = 1e3 * model.seconds(row, 0.0)
+        rows.append({"millions": run["millions"], "level": level, "layers": layers,
+                     "graph_calls": row["graph_calls"], "graph_kernels": row["graph_kernels"],
+                     "graph_gb": row["graph_bytes"] / 1e9, "eager_ops": row["ops"],
+                     "modeled_ms": modeled, "recorded_ms": run["amp8_fused_ms"],
+                     "error_pct": 100 * (modeled / run["amp8_fused_ms"] - 1)})
+    return rows
+
+
 def print_table(level: str, phases: dict[str, dict[str, float]], modeled: dict[str, float], title: str) -> None:
     """One level's phases as a rich table."""
     table = Table(title=f"{title}: {level}")
@@ -315,6 +412,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed plain steps (gpt-1b: none, counts only)")
     parser.add_argument("--layer-selection", choices=("cuda", "all"), default=None,
                         help="amp8's CUDA speed rule (default for gpt-1b, as recorded) or every layer")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="compiled",
+                        help="amp8's optimizer step: compiled (fused=True, as on CUDA) or the eager reference")
+    parser.add_argument("--counts", type=Path, default=None,
+                        help="model the counts of this earlier JSON of the same preset instead of profiling")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
     big = args.preset == "gpt-1b"
@@ -331,12 +432,17 @@ def main(argv: list[str] | None = None) -> Path:
     config = PRESETS[args.preset]
     big = args.preset == "gpt-1b"
     results: dict[str, Any] = {}
+    counted = json.loads(args.counts.read_text())["levels"] if args.counts else {}
     for level in args.levels:
-        if big:
-            phases, block_share = profile_extrapolated(level, config, args.batch_size, args.layer_selection)
-            results[level] = {"phases": phases, "compiled_share": compiled_shares(level, block_share)}
+        if level in counted:  # the counts of an earlier run, modeled anew
+            block_share = counted[level].get("block_share", counted[level]["compiled_share"])
+            shares = compiled_shares(block_share) if big else dict.fromkeys(PHASES, 0.0)
+            results[level] = {"phases": counted[level]["phases"], "compiled_share": shares, "block_share": block_share}
+        elif big:
+            phases, block_share = profile_extrapolated(level, config, args.batch_size, args.layer_selection, args.optimizer)
+            results[level] = {"phases": phases, "compiled_share": compiled_shares(block_share), "block_share": block_share}
         else:
-            phases = profile(level, config, args.batch_size, args.steps, args.layer_selection)
+            phases = profile(level, config, args.batch_size, args.steps, args.layer_selection, args.optimizer)
             results[level] = {"phases": phases, "compiled_share": dict.fromkeys(PHASES, 0.0)}
         print(f"{level} done", flush=True)
     model = H100Model()
@@ -344,7 +450,8 @@ def main(argv: list[str] | None = None) -> Path:
         "command": "python bench/step_profile.py" + (f" --preset {args.preset}" if args.preset != "small" else ""),
         "preset": args.preset, "config": dataclasses.asdict(config), "batch_size": args.batch_size,
         "steps": 0 if big else args.steps, "layer_selection": args.layer_selection, "autocast": "bfloat16",
-        "amp8_optimizer": "reference step (fused=False), every operation eager",
+        "amp8_optimizer": {"compiled": "LowBitAdam(fused=True): compiled graphs counted per call, as on CUDA",
+                           "reference": "reference step (fused=False), every operation eager"}[args.optimizer],
         "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors",
     }
     if big:
@@ -352,6 +459,8 @@ def main(argv: list[str] | None = None) -> Path:
         if "O0" in results and recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
             model = calibrate(results["O0"]["phases"], results["O0"]["compiled_share"], recorded["runs"]["baseline"]["step_ms"])
             payload["predictions"] = predictions(results, model, recorded)
+        if args.optimizer == "compiled":
+            payload["optimizer_check"] = optimizer_check(model, json.loads(OPTIMIZER_RECORDED.read_text()))
         payload["solved_from"] = [{"n_layer": l, "batch_size": b} for l, b in GPT_1B_POINTS]
     payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": "compiled_factor, on the O0 baseline" if big else "not calibrated (eager)"}
     for level, result in results.items():
@@ -363,6 +472,9 @@ def main(argv: list[str] | None = None) -> Path:
         for level, row in payload["predictions"].items():
             recorded_text = f", recorded {row['recorded_ms']:.1f} ms ({row['error_pct']:+.0f} %)" if "recorded_ms" in row else ""
             print(f"{level}: modeled {row['modeled_ms']:.1f} ms{recorded_text}")
+    for row in payload.get("optimizer_check", []):
+        print(f"optimizer {row['level']} {row['millions']}M: {row['graph_calls']:.0f} graph calls, modeled "
+              f"{row['modeled_ms']:.1f} ms, recorded {row['recorded_ms']:.1f} ms ({row['error_pct']:+.0f} %)")
     payload["levels"] = results
     name = "step_profile" if big else f"step_profile-{args.preset}"  # the gpt-1b record is the one kept
     path = write_result(name, torch.device("cpu"), payload, args.out)

@@ -311,7 +311,8 @@ step_profile = load_bench("step_profile")
 def test_step_profile_tiny_counts_every_level_and_phase(tmp_path: Path) -> None:
     """Every level's step splits into the three phases; the GEMM FLOPs are the same work
     at every level, all high precision at O0 and mostly FP8 at O1-O3."""
-    path = step_profile.main(["--preset", "tiny", "--batch-size", "2", "--steps", "1", "--out", str(tmp_path)])
+    path = step_profile.main(["--preset", "tiny", "--batch-size", "2", "--steps", "1", "--optimizer", "reference",
+                              "--out", str(tmp_path)])
     record = json.loads(path.read_text())
     assert record["benchmark"] == "step_profile-tiny" and record["torch"] == torch.__version__
     assert set(record["levels"]) == set(step_profile.LEVELS)
@@ -329,6 +330,68 @@ def test_step_profile_tiny_counts_every_level_and_phase(tmp_path: Path) -> None:
     assert "optimizer: finite check" in parts and "optimizer: weight store" in parts, parts
     part_ops = sum(record["levels"]["O1"]["phases"][name]["ops"] for name in parts)
     assert part_ops == record["levels"]["O1"]["phases"]["optimizer"]["ops"]
+    assert all(r["phases"]["optimizer"]["graph_calls"] == 0 for r in record["levels"].values())  # all eager
+
+
+compiled_graphs = load_bench("compiled_graphs")
+
+
+def _scale_and_bump(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y.add_(1)  # written in place: read and written by the graph
+    return x * 2, (x + y).amax()
+
+
+_compiled_scale_and_bump = torch.compile(_scale_and_bump, fullgraph=True, dynamic=True)
+
+
+@pytest.mark.parametrize("n", [8, 40])
+@pytest.mark.parametrize("calls", [1, 3])
+def test_step_profile_counts_compiled_graph_calls_and_their_bytes(n: int, calls: int) -> None:
+    """Each call of a compiled graph is counted with the bytes of its inputs, outputs and
+    in-place writes; what runs inside it is not counted again as eager operations."""
+    x, y = torch.randn(n), torch.randn(n)
+    _compiled_scale_and_bump(x, y)  # compiled outside the count
+    counter = step_profile.StepCounter()
+    with counter, counter.phase("optimizer"):
+        for _ in range(calls):
+            _compiled_scale_and_bump(x, y)
+        x.mul_(3)  # one eager operation beside the graphs
+    row = counter.totals()["optimizer"]
+    assert row["graph_calls"] == calls, row
+    assert row["graph_bytes"] == calls * 4 * (n + n + n + 1 + n), row  # in: x, y; out: 2x, amax; y again
+    assert row["graph_kernels"] >= calls, row
+    assert row["ops"] == 1 and row["bytes"] == 4 * 2 * n, row
+
+
+@pytest.mark.parametrize("nests, calls, extern", [(1, 1, 0), (2, 3, 1), (4, 2, 2)])
+def test_step_profile_kernels_of_generated_code(nests: int, calls: int, extern: int) -> None:
+    """A generated C++ kernel counts one GPU kernel per outermost loop nest, per call."""
+    loops = "\n".join("        for(int64_t x0=static_cast<int64_t>(0L); x0<ks0; x0+=16) {}" for _ in range(nests))
+    source = (f"cpp_fused_add_0 = async_compile.cpp_pybinding(['float*'], r'''\n{loops}\n''')\n"
+              "class Runner:\n    def call(self, args):\n"
+              + "        cpp_fused_add_0(buf0)\n" * calls + "        extern_kernels.mm(a, b, out=c)\n" * extern)
+    assert compiled_graphs.kernel_launches(source) == nests * calls + extern
+
+
+@pytest.mark.parametrize("level", ["O1"])
+def test_step_profile_counts_the_compiled_low_bit_adam_step(level: str) -> None:
+    """LowBitAdam's compiled step is seen as graph calls (however it groups the
+    parameters) that read and write at least its moments and weights once each."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False))
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level,
+                                       layer_selection="all")
+    fused = amp8.optim.LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level,
+                                                 fused=True)
+    model(torch.randn(4, 32)).sum().backward()
+    fused.step()  # compiles
+    counter = step_profile.StepCounter()
+    with counter, counter.phase("optimizer"):
+        fused.step()
+    row = counter.totals()["optimizer"]
+    state = sum(t.nbytes for s in fused.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
+    weights = sum(handle.data.nbytes for handle in fused.weights.values())
+    assert 1 <= row["graph_calls"] <= 2, row
+    assert row["graph_bytes"] >= 2 * (state + weights), (row, state, weights)
 
 
 @pytest.mark.parametrize("m, k, n", [(4, 8, 16), (32, 16, 8)])
