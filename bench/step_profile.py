@@ -24,8 +24,9 @@ time per phase (median), then one step under a ``TorchDispatchMode`` gives the c
   outputs and in-place writes and the GPU kernels its generated code stands for
   (``compiled_graphs.GraphCalls``), however the optimizer groups its parameters into them.
 Inside amp8's optimizer step the operations are split by the amp8 function they run
-in (``OPTIMIZER_PARTS``): the finiteness check, gradient and weight reads, the update,
-the moment and weight stores.
+in (``OPTIMIZER_PARTS``): the finiteness check, the gradients copied into the update
+groups' buffers (or read one by one), the update, the moment and weight stores, and
+torch's fused step of plain float32 parameters.
 
 ``--preset gpt-1b`` (batch 8 x 1024, 20 blocks) does not fit a CPU step. Every count is
 bilinear in the block count L and the batch B at fixed width and context, so the profile
@@ -70,11 +71,17 @@ PHASES = ("forward", "backward", "optimizer")
 # the innermost one on the stack names the part, anything else is "update".
 OPTIMIZER_PARTS = {
     "all_finite": "finite check",
-    "LowBitAdam.stored_gradients": "finite check",
+    "UpdateGroup.gather": "gradient copy",
     "LowBitAdam.gradient": "gradient read",
     "StoredState.weight": "weight read",
+    "adam_group_step": "update",
+    "_store": "moment store",  # amp8.optim.group_step and amp8.optim.fused
     "StoredState.store_moment": "moment store",
+    "_encode_fp16": "weight store",
+    "_encode_fp8": "weight store",
+    "UpdateGroup.run": "weight store",  # the scales copied back to the layers
     "StoredState.write_weight": "weight store",
+    "plain_adam_step": "plain step",
 }
 # Operations that launch no kernel: allocations and metadata (views are found by schema).
 NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default}
