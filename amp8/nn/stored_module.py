@@ -478,7 +478,11 @@ def _state_dict_form(
         if key not in state_dict or not isinstance(handle.param, ScaledWeight):
             continue
         if compact:
-            state_dict[key] = handle.data.detach()
+            data = handle.data.detach()
+            # A weight kept in an optimizer's flat buffer (amp8.optim.update_groups) gets
+            # memory of its own: a checkpoint then holds this weight alone, and
+            # safetensors refuses tensors that share memory.
+            state_dict[key] = data.clone() if data.untyped_storage().nbytes() != data.nbytes else data
         else:
             state_dict[key] = handle.read().to(handle.param.dtype)
     if not compact:

@@ -396,8 +396,12 @@ class LowBitAdam(torch.optim.Optimizer):
         signature, updates = self._signature()
         plan = self._plan
         if plan is None or plan.signature != signature or not plan.gather(updates):
-            self._drop_plan()
-            plan = self._plan = self._build_plan(signature, updates)
+            # The new groups copy from the old ones' views; what the old ones still hold
+            # then gets memory of its own.
+            old, plan = plan, self._build_plan(signature, updates)
+            if old is not None:
+                old.release()
+            self._plan = plan
             if not plan.gather(updates):
                 raise RuntimeError("amp8: an update group does not hold the tensors it was just built from")
         plan.other_grads = [grad[0] for param, (grad, _) in updates.items() if param not in plan.grouped] + [
@@ -448,12 +452,13 @@ class LowBitAdam(torch.optim.Optimizer):
                     # starts now (at O3 its master from the FP8 weight).
                     param_state = self.state[param]
                     self.stored.init(param, param_state, None)
-                if self._is_sharded(param):
+                handle = self.weights.get(param)
+                if handle is not None and handle.sharded and self.level.shard_optimizer:
                     kind = "sharded" if self.gradient(param) is not None else "skip"
-                elif takes_plain_step(param, param_state):
+                elif handle is None and takes_plain_step(param, param_state):
                     kind = "plain"
                 else:
-                    grad = stored_grad(param, self.weights.get(param))
+                    grad = stored_grad(param, handle)
                     kind = "skip" if grad is None else "update"
                     if grad is not None:
                         updates[param] = (grad, param_state)

@@ -84,7 +84,9 @@ class GroupKey:
 class UpdateGroup:
     """The flat buffers of one group's parameters and its step (see the module docstring)."""
 
-    def __init__(self, key: GroupKey, entries: list[tuple[nn.Parameter, StoredWeight | None, dict[str, Any], fused.Tensors]], draws: list[int]) -> None:
+    def __init__(
+        self, key: GroupKey, entries: list[tuple[nn.Parameter, StoredWeight | None, dict[str, Any]]], draws: list[int]
+    ) -> None:
         self.key = key
         spec, width, device = key.spec, key.width, key.device
         self.step = key.step
@@ -92,7 +94,7 @@ class UpdateGroup:
         row_tensor: list[int] = []
         row_offset: list[int] = []
         first = 0
-        for index, (param, handle, param_state, _) in enumerate(entries):
+        for index, (param, handle, param_state) in enumerate(entries):
             rows = -(-state_shape(param_state, param).numel() // width)
             grad_scales = rows if scales_per_row(spec.grad) else 1
             self.members.append(Member(param, handle, param_state, first, rows, grad_scales=grad_scales))
@@ -100,7 +102,6 @@ class UpdateGroup:
             row_offset += range(0, rows * width, width)
             first += rows
         total = first
-        sample = entries[0][3]
 
         def buffer(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros((total, width), dtype=dtype, device=device)
@@ -110,12 +111,14 @@ class UpdateGroup:
                 return None
             return torch.ones(total if scales_per_row(storage) else len(entries), device=device)
 
-        grad_dtype = sample.grad.dtype if spec.grad.dtype is not None else torch.float32
+        def stored(storage: fused.Storage) -> torch.Tensor:
+            return buffer(storage.dtype or torch.float32)
+
         weight_dtype = torch.float32 if spec.weight is fused.WeightKind.PLAIN else torch.float16
         self.tensors = GroupTensors(
-            grad=buffer(grad_dtype), grad_scale=scales(spec.grad),
-            exp_avg=buffer(sample.exp_avg.dtype), exp_avg_scale=scales(spec.exp_avg),
-            exp_avg_sq=buffer(sample.exp_avg_sq.dtype), exp_avg_sq_scale=scales(spec.exp_avg_sq),
+            grad=stored(spec.grad), grad_scale=scales(spec.grad),
+            exp_avg=stored(spec.exp_avg), exp_avg_scale=scales(spec.exp_avg),
+            exp_avg_sq=stored(spec.exp_avg_sq), exp_avg_sq_scale=scales(spec.exp_avg_sq),
             weight=buffer(weight_dtype),
             weight_scale=None if spec.weight is fused.WeightKind.PLAIN else torch.ones(len(entries), device=device),
             fp8_weight=buffer(spec.fp8_weight.dtype) if spec.weight is fused.WeightKind.MASTER else None,  # type: ignore[arg-type]
@@ -124,12 +127,14 @@ class UpdateGroup:
             row_offset=torch.tensor(row_offset, dtype=torch.int64, device=device),
             draw=torch.tensor(draws, dtype=torch.int64, device=device),
         )
+        # The step counts, one vector for the group (what ``run`` advances in one
+        # operation); each state holds its count as a 0-d view, as torch stores it.
+        self._steps = torch.stack([member.state["step"] for member in self.members])
         for index, member in enumerate(self.members):
-            self._pack(index, member, entries[index][3])
-            member.views["step"] = member.state["step"]  # updated in place by ``run``
-        self._grad_views = [self._view(self.tensors.grad, member) for member in self.members]
-        self._weight_views = [self._view(self.tensors.weight, member) for member in self.members]
-        self._steps = [member.state["step"] for member in self.members]
+            self._pack(index, member)
+            member.state["step"] = member.views["step"] = self._steps[index]
+        self._grad_views = [self._view(self.tensors.grad, member, member.param) for member in self.members]
+        self._weight_views = [self._view(self.tensors.weight, member, member.param) for member in self.members]
         # Each stored weight's new scales, where the step writes them (copied to the layers).
         self._scale_pieces: list[torch.Tensor] = []
         if spec.weight is fused.WeightKind.FP16_SCALED:
@@ -143,11 +148,10 @@ class UpdateGroup:
             ]
 
     # -- layout ------------------------------------------------------------------------
-    def _view(self, buffer: torch.Tensor, member: Member) -> torch.Tensor:
-        """``member``'s tensor in ``buffer``, shaped like its state."""
-        shape = state_shape(member.state, member.param)
+    def _view(self, buffer: torch.Tensor, member: Member, like: torch.Tensor) -> torch.Tensor:
+        """``member``'s tensor in ``buffer``, shaped like ``like`` (what it replaces)."""
         start = member.first_row * self.key.width
-        return buffer.view(-1)[start:start + shape.numel()].view(shape)
+        return buffer.view(-1)[start:start + like.numel()].view(like.shape)
 
     def _scale_view(self, scales: torch.Tensor, storage: fused.Storage, index: int, member: Member, like: torch.Tensor) -> torch.Tensor:
         """``member``'s scales in a group scale vector, shaped like ``like`` (its own)."""
@@ -155,9 +159,9 @@ class UpdateGroup:
             return scales[member.first_row:member.first_row + member.rows].view(like.shape)
         return scales[index]
 
-    def _pack(self, index: int, member: Member, stored: fused.Tensors) -> None:
+    def _pack(self, index: int, member: Member) -> None:
         """Copy ``member``'s state and stored weight into the buffers and leave views in their place."""
-        spec, tensors, param_state = self.key.spec, self.tensors, member.state
+        spec, tensors = self.key.spec, self.tensors
         for key, data, scales, storage in (
             (MOMENTS[0], tensors.exp_avg, tensors.exp_avg_scale, spec.exp_avg),
             (MOMENTS[1], tensors.exp_avg_sq, tensors.exp_avg_sq_scale, spec.exp_avg_sq),
@@ -165,28 +169,28 @@ class UpdateGroup:
             self._adopt(member, key, data)
             if scales is not None:
                 self._adopt_scale(member, key + state_storage.SCALE_SUFFIX, scales, storage, index)
+        if spec.weight is fused.WeightKind.PLAIN:
+            return
+        handle = member.handle
+        assert handle is not None  # FP16_SCALED and MASTER weights are FP8 layers'
         if spec.weight is fused.WeightKind.MASTER:
+            assert tensors.weight_scale is not None and tensors.fp8_weight is not None
             self._adopt(member, MASTER, tensors.weight)
-            self._adopt_scale(member, MASTER + state_storage.SCALE_SUFFIX, tensors.weight_scale, fused.Storage(torch.float16), index)  # type: ignore[arg-type]
-            member.weight_view = self._view_like(tensors.fp8_weight, member, member.handle.data)  # type: ignore[arg-type, union-attr]
-            member.handle.place(member.weight_view)  # type: ignore[union-attr]
-        elif spec.weight is fused.WeightKind.FP16_SCALED:
-            member.weight_view = self._view(tensors.weight, member)
-            member.handle.place(member.weight_view)  # type: ignore[union-attr]
-        del stored  # the state and weights are read from their owners above
-
-    def _view_like(self, buffer: torch.Tensor, member: Member, like: torch.Tensor) -> torch.Tensor:
-        start = member.first_row * self.key.width
-        return buffer.view(-1)[start:start + like.numel()].view(like.shape)
+            self._adopt_scale(member, MASTER + state_storage.SCALE_SUFFIX, tensors.weight_scale, fused.Storage(torch.float16), index)
+            member.weight_view = self._view(tensors.fp8_weight, member, handle.data)
+        else:
+            member.weight_view = self._view(tensors.weight, member, handle.data)
+        handle.place(member.weight_view)
 
     def _adopt(self, member: Member, key: str, buffer: torch.Tensor) -> None:
         """Move ``state[key]`` into ``buffer`` and put the view in the state."""
         current = member.state[key]
-        view = self._view_like(buffer, member, current)
+        view = self._view(buffer, member, current)
         view.copy_(current)
         member.state[key] = member.views[key] = view
 
     def _adopt_scale(self, member: Member, key: str, scales: torch.Tensor, storage: fused.Storage, index: int) -> None:
+        """Move the scales ``state[key]`` into the group's ``scales`` and put the view in the state."""
         current = member.state[key]
         view = self._scale_view(scales, storage, index, member, current)
         view.copy_(current)
@@ -197,7 +201,7 @@ class UpdateGroup:
         is being dropped), where they are still this group's views."""
         for member in self.members:
             for key, view in member.views.items():
-                if key != "step" and member.state.get(key) is view:
+                if member.state.get(key) is view:
                     member.state[key] = view.clone()
             handle = member.handle
             if handle is not None and member.weight_view is not None and handle.data is member.weight_view:
@@ -262,7 +266,7 @@ class UpdateGroup:
             step(self.key.spec, self.tensors, scalars, _int64(seed_part), _int64(first_draw))
         else:
             step(self.key.spec, self.tensors, scalars, seed_part, first_draw)
-        torch._foreach_add_(self._steps, 1.0)
+        self._steps.add_(1.0)
         if self.key.spec.weight is fused.WeightKind.PLAIN:
             torch._foreach_copy_([member.param for member in self.members], self._weight_views)
             return
@@ -315,7 +319,7 @@ def build_groups(
             continue
         key = GroupKey(index, inputs[0], width, param.device, float(param_state["step"]))
         entries, draws = grouped.setdefault(key, ([], []))
-        entries.append((param, handle, param_state, inputs[1]))
+        entries.append((param, handle, param_state))
         draws.append(draw)
     return [UpdateGroup(key, entries, draws) for key, (entries, draws) in grouped.items()], alone
 

@@ -202,7 +202,11 @@ class StoredWeight:
     @property
     def param(self) -> nn.Parameter:
         """The weight Parameter as the layer holds it now."""
-        return getattr(self._module, self.name)
+        module = self._module
+        # The registry first: ``getattr`` runs nn.Module's fallback lookup, which an
+        # optimizer step over thousands of weights would pay for each of them.
+        param = module._parameters.get(self.name)
+        return param if param is not None else getattr(module, self.name)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -214,7 +218,9 @@ class StoredWeight:
     def stored_scale(self) -> torch.Tensor:
         """The layer's scale buffer itself (``scale_dtype``): what an in-place update of
         the scales writes into."""
-        return getattr(self._module, self.scale_name)
+        module = self._module
+        scale = module._buffers.get(self.scale_name)
+        return scale if scale is not None else getattr(module, self.scale_name)
 
     @property
     def data(self) -> torch.Tensor:
