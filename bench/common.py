@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import platform
 import statistics
@@ -26,6 +27,44 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued work on ``device`` (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Return the memory of dropped models to the device and restart its peak count, so
+    each case starts from the same empty device and reports its own peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class PhaseClock:
+    """Times consecutive phases of a step on the device's own clock: ``mark()`` at each
+    boundary (CUDA events on CUDA, which add no synchronization inside the step; the host
+    clock elsewhere, where operations finish before they return), then ``phases_ms()``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        """Record the end of one phase and the start of the next."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phases_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (waits for the device), and forget the marks."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            spans = [start.elapsed_time(end) for start, end in zip(self.marks, self.marks[1:])]
+        else:
+            spans = [1e3 * (end - start) for start, end in zip(self.marks, self.marks[1:])]
+        self.marks = []
+        return spans
 
 
 def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
