@@ -7,7 +7,7 @@
 Step time: one optimizer step over square FP8 layers (``--widths``: each layer width x
 width) holding the given number of parameters, with gradients already in place:
 torch.optim.AdamW (foreach on the CPU, fused on CUDA) over FP32 layers of the same shapes,
-and amp8's LowBitAdam at O1, O2 and O3 with its torch.compile'd step (``fused=True``)
+and amp8's LowBitAdam at O1, O2 and O3 (``--levels``) with its torch.compile'd step (``fused=True``)
 and, unless ``--fused-only``, its reference step (unfused), in the same process. Each row
 starts from a fresh compiler: its first fused step compiles (``fused_first_step_s``;
 ``fused_compile_s`` is that less one timed step), outside the timing. Rows go width by
@@ -191,6 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 30], help="millions of parameters")
     parser.add_argument("--widths", type=int, nargs="+", default=[1024], help="width of the square layers")
+    parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS), help="opt levels to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fused-only", action="store_true", help="skip amp8's reference (unfused) step")
     parser.add_argument("--no-memory", action="store_true", help="time the step only, skip bytes/param")
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> Path:
     }
     for width in args.widths:
         for millions in args.sizes:
-            for level in LEVELS:
+            for level in args.levels:
                 payload["step_time"].append(step_row(millions, width, level, device, args.repeats, not args.fused_only))
                 path = write_result("optimizer", device, payload, args.out)
                 print(f"{millions}M x {width}, {level}: done", flush=True)

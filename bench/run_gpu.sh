@@ -7,13 +7,15 @@
 #     bash bench/run_gpu.sh /tmp/h100                # JSON and the test log into /tmp/h100/
 #     bash bench/run_gpu.sh --budget 540 /tmp/h100   # every step ends within 540 s in all
 #     bash bench/run_gpu.sh --cpu-check /tmp/check   # every step on the CPU at tiny sizes,
-#                                                    # limits and budget x3
+#                                                    # limits and budget x3 (about 3 minutes)
+#     bash bench/run_gpu.sh --cpu-check --quick /tmp/check   # no compiling but O1's optimizer
+#                                                    # step, tests not collected (about 30 s)
 #
 # Steps (limit in seconds on the GPU):
 #   1 cuda-tests  75  the CUDA-only tests (pytest -m cuda); their output in OUT/cuda-tests.log
 #   2 optimizer   75  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 300M and 1B
 #                     parameters of 1024 x 1024 layers, then of 4096 x 4096 ones
-#   3 gpt-1b     160  GPT training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
+#   3 gpt        160  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
 #                     compiled then eager, the optimizer timed apart
 #   4 llama      100  the same step, compiled, on four layers of Llama-3-8B's shapes
 #   5 linear      70  Fp8Linear at the three headline shapes
@@ -26,18 +28,20 @@
 # collected: they need an FP8 GPU), to try the whole script before a GPU run.
 #
 # Exit status: 0 when every step passed; else the sum of the failed steps' bits (1
-# cuda-tests, 2 optimizer, 4 gpt-1b, 8 llama, 16 linear; a step that runs out of time
+# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear; a step that runs out of time
 # fails); 64 for bad arguments or no CUDA device.
 set -u
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 mode=gpu
+quick=0
 budget=""
 out=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu-check) mode=cpu ;;
+        --quick) quick=1 ;;
         --budget)
             if [[ $# -lt 2 || ! "$2" =~ ^[0-9]+$ ]]; then
                 echo "--budget takes whole seconds, e.g. --budget 540" >&2; exit 64
@@ -50,6 +54,9 @@ while [ $# -gt 0 ]; do
     shift
 done
 
+if [ "$quick" = 1 ] && [ "$mode" != cpu ]; then
+    echo "--quick goes with --cpu-check: bash $0 --cpu-check --quick OUT" >&2; exit 64
+fi
 if [ "$mode" = cpu ]; then
     scale=3  # limits and budget x3: compiling on a small CPU is slower than on a GPU machine
 else
@@ -72,7 +79,7 @@ if [ "$mode" = gpu ]; then
     device=cuda
     tests=(-m cuda -n 8 tests)
     optimizer=(--sizes 300 1000 --widths 1024 4096 --repeats 3)
-    gpt_1b=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5)
+    gpt=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5)
     llama=(--preset llama3-8b-layers --batch-size 1 --warmup 2 --steps 5 --modes compiled)
     linear=(--warmup 5 --repeats 20)
     sweep=(--sweep --warmup 3 --repeats 10)
@@ -82,10 +89,18 @@ else
     device=cpu
     tests=(-m cuda -n 0 --collect-only tests)
     optimizer=(--sizes 1 --widths 256 --repeats 1)
-    gpt_1b=(--preset tiny --batch-size 2 --warmup 1 --steps 1)
+    gpt=(--preset tiny --batch-size 2 --warmup 1 --steps 1)
     llama=(--preset llama-tiny --batch-size 2 --warmup 1 --steps 1 --modes compiled)
     linear=(--shapes 64,128,64 --warmup 1 --repeats 1)
     sweep=(--sweep --shapes 64,128,64 --sweep-m 64 --grid 64 128 --warmup 0 --repeats 1 --no-compile)
+    if [ "$quick" = 1 ]; then
+        echo "quick: the models run eagerly, the optimizer at O1 alone, the tests are not collected"
+        tests=()
+        optimizer+=(--levels O1)
+        gpt+=(--modes eager)
+        llama+=(--modes eager)
+        linear+=(--no-compile)
+    fi
 fi
 python -c "import sys; sys.path.insert(0, 'bench'); from common import torchao_float8; print('torchao:', torchao_float8()[1])"
 
@@ -119,9 +134,13 @@ step() {  # step BIT NAME SECONDS LOG COMMAND...: run COMMAND within SECONDS and
     echo "== $name: $((SECONDS - start)) s, $status"
 }
 
-step 1 cuda-tests 75 "$out/cuda-tests.log" python -m pytest -q -p no:cacheprovider "${tests[@]}"
+if [ ${#tests[@]} -gt 0 ]; then
+    step 1 cuda-tests 75 "$out/cuda-tests.log" python -m pytest -q -p no:cacheprovider "${tests[@]}"
+else
+    echo "== cuda-tests: skipped (--quick)"
+fi
 step 2 optimizer 75 - python bench/optimizer.py --device $device "${optimizer[@]}" --fused-only --no-memory --out "$out"
-step 4 gpt-1b 160 - python bench/gpt.py --device $device "${gpt_1b[@]}" --out "$out"
+step 4 gpt 160 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
 step 8 llama 100 - python bench/gpt.py --device $device "${llama[@]}" --out "$out"
 step 16 linear 70 - python bench/linear.py --device $device "${linear[@]}" --out "$out"
 step 0 sweep "$budget" - python bench/linear.py --device $device "${sweep[@]}" --out "$out"
