@@ -23,8 +23,13 @@ compiles); of the ``--steps`` timed steps the median gives step ms (wall clock, 
 host) and tokens/s, and, timed apart on the device's clock (CUDA events), forward+backward
 ms and optimizer ms; ratios are against the baseline of the same mode, with peak memory on
 CUDA. The models are amp8's byte-level GPT (amp8/tools/experiments/gpt.py, tied head:
-presets tiny to gpt-1b) and a decoder with Llama-3-8B's layer shapes (bench/llama_layers.py:
-llama3-8b-layers, llama-tiny). On the CPU FP8 is emulated: the numbers check the
+presets tiny to gpt-1b) and the experiments' byte-level Llama (transformers'
+LlamaForCausalLM, amp8/tools/experiments/llama.py; needs transformers): llama3-8b-layers
+has four of Llama-3-8B's layers (width 4096, MLP 14336, 32 query and 8 key/value heads)
+at the context torchtitan trains it with, to set beside torchao's published speed-up on
+Llama-3-8B, and llama-tiny the same layout at test size. Their vocabulary is bytes: a
+128256-entry head would be over a third of four layers' GEMM work (7 % of the real 32
+layers') and hide the layers' speed-up. On the CPU FP8 is emulated: the numbers check the
 benchmark, not FP8's speed. Results go to ``--out``/gpt-<device>.json for the byte GPT's
 presets, gpt-<preset>-<device>.json for the others.
 """
@@ -44,20 +49,25 @@ from rich.table import Table
 from torch import nn
 
 import amp8
-import llama_layers
 from amp8.monitor.console import default_console
 from amp8.tools.experiments.gpt import PRESETS as GPT_PRESETS
-from amp8.tools.experiments.gpt import GPT, GPTConfig
+from amp8.tools.experiments.gpt import GPTConfig
+from amp8.tools.experiments.llama import LlamaSpec
 from common import (
     RESULTS, PhaseClock, device_name, error_text, free_memory, graph_break_count, reset_compiler, synchronize,
     torchao_float8, write_result,
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Config = Union[GPTConfig, llama_layers.LlamaShapedConfig]
+Config = Union[GPTConfig, LlamaSpec]
 RUNS = ("baseline", "torchao", "torchao rowwise", "amp8 O1", "amp8 O2", "amp8 O3")
 MODES = ("compiled", "eager")
-PRESETS: dict[str, Config] = {**GPT_PRESETS, **llama_layers.PRESETS}
+LLAMA_PRESETS = {
+    "llama3-8b-layers": LlamaSpec(n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, intermediate=14336,
+                                  block_size=8192),  # 0.87e9 parameters
+    "llama-tiny": LlamaSpec(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate=224, block_size=64),
+}
+PRESETS: dict[str, Config] = {**GPT_PRESETS, **LLAMA_PRESETS}
 
 
 def make_batches(config: Config, batch_size: int, count: int, device: torch.device) -> list[Batch]:
@@ -71,17 +81,30 @@ def make_batches(config: Config, batch_size: int, count: int, device: torch.devi
 
 
 def _fp8_eligible(module: nn.Module, fqn: str) -> bool:
-    """torchao's filter: the projections amp8 also runs in FP8 (not the head)."""
+    """torchao's filter: the projections amp8 also runs in FP8 (not the head: the GPT's
+    ``head``, the Llama's ``lm.lm_head``)."""
     return (isinstance(module, nn.Linear) and module.in_features % 16 == 0
-            and module.out_features % 16 == 0 and fqn != "head")
+            and module.out_features % 16 == 0 and not fqn.endswith("head"))
+
+
+def new_model(config: Config, device: torch.device) -> nn.Module:
+    """The model of ``config`` with its seeded initial weights, drawn on ``device`` (a
+    billion weights drawn on the host take longer than a compile): the GPT draws them
+    from a generator there, transformers' Llama under a seed it takes from a host one."""
+    generator = torch.Generator(device if isinstance(config, GPTConfig) else "cpu").manual_seed(0)
+    with torch.device(device):
+        return config.build(generator)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's transformer blocks: the GPT's ``blocks``, the Llama's decoder layers."""
+    return model.lm.model.layers if hasattr(model, "lm") else model.blocks
 
 
 def build(run: str, config: Config, device: torch.device,
           to_torchao: Callable[..., Any] | None) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model and optimizer of ``run``, from the same seeded initial weights, drawn on
-    ``device`` (a billion weights drawn on the host would take longer than a compile)."""
-    with torch.device(device):
-        model: nn.Module = config.build(torch.Generator(device).manual_seed(0))
+    """The model and optimizer of ``run``, from the same seeded initial weights."""
+    model = new_model(config, device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), **fast)
     if run.startswith("amp8"):
@@ -143,7 +166,7 @@ def compile_model(model: nn.Module, scope: str) -> nn.Module:
     graph, so a 20-block model compiles in about the time of one block)."""
     if scope == "model":
         return torch.compile(model)
-    for block in model.blocks:
+    for block in transformer_blocks(model):
         block.compile()
     return model
 
