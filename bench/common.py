@@ -82,7 +82,8 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats:
 
 
 def write_result(name: str, device: torch.device, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
-    """Write ``payload`` with the device, torch version and date to ``out_dir/name-<device>.json``."""
+    """Write ``payload`` with the device, torch version and date to ``out_dir/name-<device>.json``,
+    replacing the file whole."""
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": name,
@@ -93,7 +94,11 @@ def write_result(name: str, device: torch.device, payload: dict[str, Any], out_d
     }
     tag = "cuda" if device.type == "cuda" else "cpu"
     path = out_dir / f"{name}-{tag}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    # Written beside it, then renamed over it: a run stopped mid-write (its time limit in
+    # bench/run_gpu.sh) leaves the last complete file, never half of one.
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    partial.replace(path)
     return path
 
 

@@ -194,6 +194,14 @@ def test_phase_clock_splits_a_step_into_its_phases() -> None:
     assert clock.marks == [], "the marks are forgotten once read"
 
 
+def test_write_result_replaces_the_file_whole(tmp_path: Path) -> None:
+    device = torch.device("cpu")
+    common.write_result("probe", device, {"rows": [1]}, tmp_path)
+    path = common.write_result("probe", device, {"rows": [1, 2]}, tmp_path)
+    assert json.loads(path.read_text())["rows"] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe-cpu.json"], "no partial file is left"
+
+
 # -- bench/optimizer.py ------------------------------------------------------------------
 optimizer_bench = load_bench("optimizer")
 
@@ -463,6 +471,15 @@ def test_step_profile_counter_counts_a_matmul_and_skips_views(m: int, k: int, n:
     row = counter.counts["forward"]
     assert row["ops"] == 1 and row["other_flops"] == 2 * m * k * n and row["fp8_flops"] == 0, row
     assert row["bytes"] == 4 * (m * k + k * n + m * n), row
+
+
+@pytest.mark.parametrize("layout", ["per mode", "compiled only"])
+def test_step_profile_reads_the_compiled_row_of_either_gpt_record(layout: str) -> None:
+    compiled, eager = {"step_ms": 110.0}, {"step_ms": 180.0}
+    run = {"compiled": compiled, "eager": eager} if layout == "per mode" else compiled
+    record = {"runs": {"baseline": run}}
+    assert step_profile.compiled_row(record, "baseline") == compiled
+    assert step_profile.compiled_row(record, "amp8 O3") == {}
 
 
 def test_step_profile_solves_bilinear_counts_exactly() -> None:
