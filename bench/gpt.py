@@ -3,7 +3,7 @@ torchao's float8 and amp8 O1, O2 and O3, each compiled and eager, the optimizer'
 timed apart.
 
     python bench/gpt.py                                  # CUDA: the gpt-1b preset
-    python bench/gpt.py --preset tiny --steps 2          # CPU smoke run, well under a minute
+    python bench/gpt.py --preset tiny --steps 2 --modes eager   # CPU smoke run, seconds
     python bench/gpt.py --preset llama3-8b-layers --batch-size 1 --modes compiled
     python bench/gpt.py --preset gpt-125m --modes eager --runs baseline "amp8 O2" --out /tmp/results
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> Path:
     with torch.device("meta"):  # counts without allocating
         parameters = sum(p.numel() for p in config.build().parameters())
     name = "gpt" if args.preset in GPT_PRESETS else f"gpt-{args.preset}"
-    results: dict[str, dict[str, dict[str, Any]]] = {run: {} for run in args.runs}
+    results: dict[str, dict[str, dict[str, Any]]] = {}  # run -> mode -> row, as measured
     payload = {
         "preset": args.preset, "model": type(config).__name__, "config": dataclasses.asdict(config),
         "parameters": parameters, "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
@@ -283,11 +283,11 @@ def main(argv: list[str] | None = None) -> Path:
     for mode in args.modes:
         for run in args.runs:
             if run.startswith("torchao") and to_torchao is None:
-                results[run][mode] = {"skipped": torchao_status}
+                row = {"skipped": torchao_status}
             else:
-                results[run][mode] = run_one(run, mode, config, batches, args.warmup, device,
-                                             args.compile_scope, to_torchao)
-            add_ratios({r: results[r][mode] for r in args.runs if mode in results[r]}, tokens_per_step)
+                row = run_one(run, mode, config, batches, args.warmup, device, args.compile_scope, to_torchao)
+            results.setdefault(run, {})[mode] = row
+            add_ratios({r: modes[mode] for r, modes in results.items() if mode in modes}, tokens_per_step)
             path = write_result(name, device, payload, args.out)
             print(f"{run}, {mode}: done", flush=True)
     emulated = " (CPU: FP8 GEMMs are emulated, slower than FP32 by design)" if not cuda else ""
