@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import platform
 import statistics
@@ -28,6 +29,44 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def free_memory(device: torch.device) -> None:
+    """Return the memory of dropped models to the device and restart its peak count, so
+    each case starts from the same empty device and reports its own peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class PhaseClock:
+    """Times consecutive phases of a step on the device's own clock: ``mark()`` at each
+    boundary (CUDA events on CUDA, which add no synchronization inside the step; the host
+    clock elsewhere, where operations finish before they return), then ``phases_ms()``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        """Record the end of one phase and the start of the next."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phases_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (waits for the device), and forget the marks."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            spans = [start.elapsed_time(end) for start, end in zip(self.marks, self.marks[1:])]
+        else:
+            spans = [1e3 * (end - start) for start, end in zip(self.marks, self.marks[1:])]
+        self.marks = []
+        return spans
+
+
 def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
     """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
     for _ in range(warmup):
@@ -43,7 +82,8 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats:
 
 
 def write_result(name: str, device: torch.device, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
-    """Write ``payload`` with the device, torch version and date to ``out_dir/name-<device>.json``."""
+    """Write ``payload`` with the device, torch version and date to ``out_dir/name-<device>.json``,
+    replacing the file whole."""
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": name,
@@ -54,7 +94,11 @@ def write_result(name: str, device: torch.device, payload: dict[str, Any], out_d
     }
     tag = "cuda" if device.type == "cuda" else "cpu"
     path = out_dir / f"{name}-{tag}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    # Written beside it, then renamed over it: a run stopped mid-write (its time limit in
+    # bench/run_gpu.sh) leaves the last complete file, never half of one.
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    partial.replace(path)
     return path
 
 

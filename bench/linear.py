@@ -4,6 +4,7 @@
     python bench/linear.py --quick                  # CPU-friendly: shapes up to 1e11 FLOP, 2 repeats
     python bench/linear.py --sweep                  # sweep shapes + the (K, N) grid at M=4096
     python bench/linear.py --device cuda --repeats 20 --out /tmp/results
+    python bench/linear.py --shapes 64,128,64 --warmup 0 --repeats 1   # any shapes, here a tiny one
 
 Variants, side by side in one process on the same inputs: nn.Linear (the baseline: BF16
 autocast on CUDA, FP32 on the CPU, where there is no fast BF16 path), amp8's Fp8Linear,
@@ -58,10 +59,13 @@ CANDIDATES = ("Fp8Linear", "Fp8Linear compiled", "Fp8Linear rowwise compiled", "
               "torchao rowwise compiled")
 
 
-def shapes_to_run(sweep: bool, sweep_m: int, grid: tuple[int, ...], quick: bool) -> list[Shape]:
-    """The (M, K, N) cases in order, without repeats; with ``quick`` only those up to
+def shapes_to_run(sweep: bool, sweep_m: int, grid: tuple[int, ...], quick: bool,
+                  listed: list[Shape] | None = None) -> list[Shape]:
+    """The (M, K, N) cases in order, without repeats: ``listed`` (default: the headline
+    shapes, or the sweep's), then with ``sweep`` the grid; with ``quick`` only those up to
     ``QUICK_FLOP_LIMIT`` forward + backward FLOP."""
-    shapes = SWEEP + [(sweep_m, k, n) for k in grid for n in grid] if sweep else HEADLINE
+    first = listed if listed is not None else SWEEP if sweep else HEADLINE
+    shapes = first + [(sweep_m, k, n) for k in grid for n in grid] if sweep else first
     unique = list(dict.fromkeys(shapes))
     return [s for s in unique if not quick or 6 * s[0] * s[1] * s[2] <= QUICK_FLOP_LIMIT]
 
@@ -190,6 +194,17 @@ def print_table(rows: list[dict[str, Any]], baseline: str, device: torch.device)
     default_console().print(table)
 
 
+def _shape(text: str) -> Shape:
+    """``"M,K,N"`` as a shape of three positive ints."""
+    try:
+        m, k, n = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not M,K,N; write three ints, e.g. 64,128,64") from None
+    if min(m, k, n) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} has a size below 1; every size must be >= 1")
+    return m, k, n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--quick`` lowers the repeats unless they are given."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -201,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grid", type=int, nargs="+", default=list(GRID_SIZES), help="K and N values of the grid")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls after the first (default 2)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls, median reported (default 5)")
+    parser.add_argument("--shapes", type=_shape, nargs="+", default=None, metavar="M,K,N",
+                        help="shapes to time instead of the headline (or sweep) shapes, e.g. 64,128,64")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> Path:
         "warmup": args.warmup, "repeats": args.repeats, "torchao": torchao_status, "rows": [],
     }
     print(f"torchao: {torchao_status}", flush=True)
-    for shape in shapes_to_run(args.sweep, args.sweep_m, grid, args.quick):
+    for shape in shapes_to_run(args.sweep, args.sweep_m, grid, args.quick, args.shapes):
         payload["rows"].append(run_shape(shape, device, to_torchao, args.warmup, args.repeats, not args.no_compile))
         if args.sweep:
             payload["layer_selection"] = layer_selection(payload["rows"], args.sweep_m, grid, device_name(device))

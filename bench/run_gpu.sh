@@ -1,40 +1,149 @@
 #!/usr/bin/env bash
-# The GPU benchmark set, one command; about 8 minutes on an H100 (most of it compiling).
+# The GPU benchmark set in one command, most important first. Steps 1-5 are the
+# essentials, about 8 minutes on an H100 (most of it compiling); each step runs in its own
+# process under its own time limit, so one slow step cannot eat the rest.
 #
-#     bash bench/run_gpu.sh                 # JSON into bench/results/
-#     bash bench/run_gpu.sh /tmp/h100       # JSON into /tmp/h100/
+#     bash bench/run_gpu.sh                          # JSON into bench/results/
+#     bash bench/run_gpu.sh /tmp/h100                # JSON and the test log into /tmp/h100/
+#     bash bench/run_gpu.sh --budget 540 /tmp/h100   # every step ends within 540 s in all
+#     bash bench/run_gpu.sh --cpu-check /tmp/check   # every step on the CPU at tiny sizes,
+#                                                    # limits and budget x3 (about 4 minutes)
+#     bash bench/run_gpu.sh --cpu-check --quick /tmp/check   # no compiling but O1's optimizer
+#                                                    # step, tests not collected (about 30 s)
 #
-# Runs, most important first, each in its own process: Fp8Linear at the three headline
-# shapes, a GPT training step at the gpt-1b preset, the optimizer step, then the shape
-# sweep with the (K, N) grid for the layer-selection rule (written after every shape, so
-# a sweep cut short keeps what it measured). A step that fails is reported and the next
-# one still runs; the exit status is non-zero if any failed.
+# Steps (limit in seconds on the GPU; steps 1-5 add up to 500):
+#   1 cuda-tests  80  the CUDA-only tests (pytest -m cuda); their output in OUT/cuda-tests.log
+#   2 optimizer   70  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 300M and 1B
+#                     parameters of 1024 x 1024 layers, then of 4096 x 4096 ones
+#   3 gpt        170  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
+#                     compiled then eager, the optimizer timed apart
+#   4 llama      110  the same step, compiled, on four layers of Llama-3-8B's shapes
+#   5 linear      70  Fp8Linear at the three headline shapes
+#   6 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
+#                     --budget (default 570 s); cut short, it is not a failure
+# Every benchmark rewrites its JSON after each row, so a step cut short keeps what it
+# measured; the whole output goes to OUT/run_gpu.log too. torchao's rows run where
+# torchao imports and are recorded as skipped elsewhere.
+# --cpu-check runs each step with --device cpu at tiny sizes (the tests are only
+# collected: they need an FP8 GPU), to try the whole script before a GPU run.
+#
+# Exit status: 0 when every step passed; else the sum of the failed steps' bits (1
+# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear; a step that runs out of time
+# fails); 64 for bad arguments or no CUDA device.
 set -u
 
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+mode=gpu
+quick=0
+budget=""
+out=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu-check) mode=cpu ;;
+        --quick) quick=1 ;;
+        --budget)
+            if [[ $# -lt 2 || ! "$2" =~ ^[0-9]+$ ]]; then
+                echo "--budget takes whole seconds, e.g. --budget 540" >&2; exit 64
+            fi
+            budget=$2; shift ;;
+        -h|--help) usage; exit 0 ;;
+        -*) echo "unknown option $1; see bash $0 --help" >&2; exit 64 ;;
+        *) out=$1 ;;
+    esac
+    shift
+done
+
+if [ "$quick" = 1 ] && [ "$mode" != cpu ]; then
+    echo "--quick goes with --cpu-check: bash $0 --cpu-check --quick OUT" >&2; exit 64
+fi
+if [ "$mode" = cpu ]; then
+    scale=3  # limits and budget x3: compiling on a small CPU is slower than on a GPU machine
+else
+    scale=1
+fi
+budget=${budget:-$((570 * scale))}
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-out="${1:-$repo/bench/results}"
+out="${out:-$repo/bench/results}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
 cd "$repo"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's amp8
-failed=()
+export PYTHONUNBUFFERED=1  # a step's output is in the log when its time runs out
+start_all=$SECONDS
+failed=0
+exec > >(tee "$out/run_gpu.log") 2>&1  # the whole run's output, kept beside the JSON
 
-run() {  # run NAME COMMAND...: time one step, remember a failure
-    echo "== $1"
-    local start=$SECONDS
-    "${@:2}" || failed+=("$1")
-    echo "== $1: $((SECONDS - start)) s"
+# Step arguments: the GPU sizes, or tiny ones that take the same code paths on the CPU.
+if [ "$mode" = gpu ]; then
+    python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 64
+    device=cuda
+    tests=(-m cuda -n 8 --continue-on-collection-errors tests)
+    optimizer=(--sizes 300 1000 --widths 1024 4096 --repeats 3)
+    gpt=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5)
+    llama=(--preset llama3-8b-layers --batch-size 1 --warmup 2 --steps 5 --modes compiled)
+    linear=(--warmup 5 --repeats 20)
+    sweep=(--sweep --warmup 3 --repeats 10)
+else
+    echo "CPU check: every step with --device cpu at tiny sizes; the numbers check the script, not FP8's speed"
+    echo "cuda-tests: collected, not run: they need a CUDA GPU with FP8 (sm_89+)"
+    device=cpu
+    tests=(-m cuda -n 0 --collect-only tests)
+    optimizer=(--sizes 1 --widths 256 --repeats 1)
+    gpt=(--preset tiny --batch-size 2 --warmup 1 --steps 1)
+    llama=(--preset llama-tiny --batch-size 2 --warmup 1 --steps 1 --modes compiled)
+    linear=(--shapes 64,128,64 --warmup 1 --repeats 1)
+    sweep=(--sweep --shapes 64,128,64 --sweep-m 64 --grid 64 128 --warmup 0 --repeats 1 --no-compile)
+    if [ "$quick" = 1 ]; then
+        echo "quick: the models run eagerly, the optimizer at O1 alone, the tests are not collected"
+        tests=()
+        optimizer+=(--levels O1)
+        gpt+=(--modes eager)
+        llama+=(--modes eager)
+        linear+=(--no-compile)
+    fi
+fi
+python -c "import sys; sys.path.insert(0, 'bench'); from common import torchao_float8; print('torchao:', torchao_float8()[1])"
+
+step() {  # step BIT NAME SECONDS LOG COMMAND...: run COMMAND within SECONDS and the budget left,
+          # its output also in the file LOG (- for none); a failure sets BIT in the exit status
+    local bit=$1 name=$2 limit=$(($3 * scale)) log=$4
+    shift 4
+    local left=$((budget - (SECONDS - start_all)))
+    if [ "$limit" -gt "$left" ]; then limit=$left; fi
+    if [ "$limit" -le 0 ]; then
+        echo "== $name: not run, the --budget of $budget s is spent"
+        failed=$((failed | bit))
+        return
+    fi
+    echo "== $name (limit $limit s)"
+    local start=$SECONDS rc status=ok
+    if [ "$log" = - ]; then
+        timeout --kill-after=10 "$limit" "$@"
+        rc=$?
+    else
+        timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+    fi
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        status="ran out of its $limit s (what it wrote is kept)"
+        failed=$((failed | bit))
+    elif [ $rc -ne 0 ]; then
+        status="failed (exit $rc)"
+        failed=$((failed | bit))
+    fi
+    echo "== $name: $((SECONDS - start)) s, $status"
 }
 
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
-run "linear, headline shapes" python bench/linear.py --device cuda --warmup 5 --repeats 20 --out "$out"
-run "gpt, gpt-1b" python bench/gpt.py --device cuda --preset gpt-1b --batch-size 8 --steps 10 --out "$out"
-# bench/optimizer.py has no output option: it writes bench/results/, copied from there.
-run "optimizer" python bench/optimizer.py --device cuda --sizes 30 300
-if [ "$out" != "$repo/bench/results" ]; then cp bench/results/optimizer-cuda.json "$out/" 2>/dev/null; fi
-run "linear, sweep and grid" python bench/linear.py --device cuda --sweep --warmup 3 --repeats 10 --out "$out"
-
-echo "results in $out"
-if [ ${#failed[@]} -gt 0 ]; then
-    printf 'failed: %s\n' "${failed[@]}"
-    exit 1
+if [ ${#tests[@]} -gt 0 ]; then
+    step 1 cuda-tests 80 "$out/cuda-tests.log" python -m pytest -q -p no:cacheprovider "${tests[@]}"
+else
+    echo "== cuda-tests: skipped (--quick)"
 fi
+step 2 optimizer 70 - python bench/optimizer.py --device $device "${optimizer[@]}" --fused-only --no-memory --out "$out"
+step 4 gpt 170 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
+step 8 llama 110 - python bench/gpt.py --device $device "${llama[@]}" --out "$out"
+step 16 linear 70 - python bench/linear.py --device $device "${linear[@]}" --out "$out"
+step 0 sweep "$budget" - python bench/linear.py --device $device "${sweep[@]}" --out "$out"
+
+echo "== all steps: $((SECONDS - start_all)) s; results in $out"
+exit $failed

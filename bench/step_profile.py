@@ -343,6 +343,13 @@ def calibrate(baseline: dict[str, dict[str, float]], shares: dict[str, float], m
     return H100Model(compiled_factor=factor)
 
 
+def compiled_row(recorded: dict[str, Any], run: str) -> dict[str, Any]:
+    """The compiled row of ``run`` in a bench/gpt.py record (``{}`` where it has none);
+    records written before the eager rows hold the compiled row under the run alone."""
+    row = recorded["runs"].get(run, {})
+    return row.get("compiled", row)
+
+
 def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, Any]) -> dict[str, Any]:
     """Modeled gpt-1b ms per level and phase against the recorded step times."""
     names = {"O0": "baseline", "O1": "amp8 O1", "O2": "amp8 O2"}
@@ -351,7 +358,7 @@ def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, A
         shares = result["compiled_share"]
         phases = {p: 1e3 * model.seconds(result["phases"][p], shares[p]) for p in PHASES}
         row: dict[str, Any] = {"modeled_ms": sum(phases.values()), "phases_ms": phases}
-        run = recorded["runs"].get(names.get(level, ""), {})
+        run = compiled_row(recorded, names.get(level, ""))
         if "step_ms" in run:
             row["recorded_ms"] = run["step_ms"]
             row["error_pct"] = 100 * (row["modeled_ms"] / run["step_ms"] - 1)
@@ -464,7 +471,7 @@ def main(argv: list[str] | None = None) -> Path:
     if big:
         recorded = json.loads(RECORDED.read_text())
         if "O0" in results and recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
-            model = calibrate(results["O0"]["phases"], results["O0"]["compiled_share"], recorded["runs"]["baseline"]["step_ms"])
+            model = calibrate(results["O0"]["phases"], results["O0"]["compiled_share"], compiled_row(recorded, "baseline")["step_ms"])
             payload["predictions"] = predictions(results, model, recorded)
         if args.optimizer == "compiled":
             payload["optimizer_check"] = optimizer_check(model, json.loads(OPTIMIZER_RECORDED.read_text()))

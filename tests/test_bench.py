@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +18,11 @@ import torch
 import amp8
 from amp8.nn import Fp8Linear
 from amp8.quant.scaling import sqnr
-from conftest import load_bench
+from conftest import ROOT, load_bench
 
 linear = load_bench("linear")
 gpt = load_bench("gpt")
+common = load_bench("common")
 
 RECORD_FIELDS = ("benchmark", "device", "torch", "date", "baseline", "fp8", "torchao")
 
@@ -91,40 +96,166 @@ def test_quick_skips_large_shapes() -> None:
     assert linear.shapes_to_run(False, 4096, (1024,), quick=False) == linear.HEADLINE
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_linear_listed_shapes_replace_the_default_ones(sweep: bool) -> None:
+    listed = linear.parse_args(["--shapes", "64,128,64", "32,32,32"]).shapes
+    assert listed == [(64, 128, 64), (32, 32, 32)]
+    grid = [(16, 8, 8)] if sweep else []
+    assert linear.shapes_to_run(sweep, 16, (8,), quick=False, listed=listed) == listed + grid
+
+
+@pytest.mark.parametrize("text", ["64,128", "64,0,64", "a,b,c"])
+def test_linear_refuses_a_bad_shape(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        linear.parse_args(["--shapes", text])
+    assert f"shape {text!r}" in capsys.readouterr().err
+
+
 # -- bench/gpt.py ------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.integration  # torchao's float8 where it is installed
-def test_gpt_tiny_writes_every_run(tmp_path: Path) -> None:
-    path = gpt.main(["--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "2",
-                     "--device", "cpu", "--no-compile", "--out", str(tmp_path)])
-    record = _assert_record(path, "gpt")
-    assert record["preset"] == "tiny" and record["parameters"] > 0 and record["tokens_per_step"] == 2 * 64
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_gpt_eager_writes_every_run_with_its_optimizer_share(tmp_path: Path, preset: str) -> None:
+    if preset.startswith("llama"):
+        pytest.importorskip("transformers", reason="the Llama presets need transformers (pip install 'amp8[hf]')")
+    path = gpt.main(["--preset", preset, "--steps", "2", "--warmup", "1", "--batch-size", "2",
+                     "--device", "cpu", "--modes", "eager", "--out", str(tmp_path)])
+    assert path.name == ("gpt-cpu.json" if preset == "tiny" else f"gpt-{preset}-cpu.json")
+    record = _assert_record(path, path.stem.removesuffix("-cpu"))
+    assert record["preset"] == preset and record["parameters"] > 0 and record["tokens_per_step"] == 2 * 64
     assert set(record["runs"]) == set(gpt.RUNS)
-    for name in ("baseline", "amp8 O1", "amp8 O2"):
-        run = record["runs"][name]
+    for name in ("baseline", "amp8 O1", "amp8 O2", "amp8 O3"):
+        run = record["runs"][name]["eager"]
         assert run["mode"] == "eager", run
         assert run["step_ms"] > 0 and run["tokens_per_s"] > 0 and run["vs_baseline"] > 0, run
+        assert run["forward_backward_ms"] > 0 and run["optimizer_ms"] > 0, run
+        # The two phases are timed inside the step: together they cannot outlast it.
+        assert run["forward_backward_ms"] + run["optimizer_ms"] <= run["step_ms"] * 1.01, run
+        assert 0 < run["optimizer_share"] < 1, run
         assert run["final_loss"] == pytest.approx(5.55, abs=0.1), run  # ln 256 at the start
-    torchao_run = record["runs"]["torchao"]
+    torchao_run = record["runs"]["torchao"]["eager"]
     assert "error" not in torchao_run and ("skipped" in torchao_run or "step_ms" in torchao_run), torchao_run
 
 
 @pytest.mark.slow
-def test_gpt_falls_back_to_eager_when_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpt_records_a_failed_compile_and_the_eager_row_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "compile", _no_compiler)
     config = gpt.PRESETS["tiny"]
     device = torch.device("cpu")
     batches = gpt.make_batches(config, 2, 2, device)
-    result = gpt.run_one("amp8 O1", config, batches, 1, device, compile="blocks", to_torchao=None)
-    assert result["mode"] == "eager" and "compiler unavailable" in result["compile_error"], result
-    assert result["step_ms"] > 0
+    compiled = gpt.run_one("amp8 O1", "compiled", config, batches, 1, device, "blocks", None)
+    assert "compiler unavailable" in compiled["error"] and "step_ms" not in compiled, compiled
+    eager = gpt.run_one("amp8 O1", "eager", config, batches, 1, device, "blocks", None)
+    assert eager["mode"] == "eager" and eager["step_ms"] > 0, eager
+
+
+def test_gpt_ratios_compare_each_mode_with_its_own_baseline() -> None:
+    rows = {"baseline": {"step_ms": 10.0, "forward_backward_ms": 8.0},
+            "amp8 O1": {"step_ms": 20.0, "forward_backward_ms": 4.0}, "torchao": {"skipped": "unavailable"}}
+    gpt.add_ratios(rows, tokens_per_step=1000)
+    assert rows["baseline"]["tokens_per_s"] == pytest.approx(1e5) and rows["baseline"]["vs_baseline"] == 1.0
+    assert rows["amp8 O1"]["vs_baseline"] == pytest.approx(0.5)
+    assert rows["amp8 O1"]["forward_backward_vs_baseline"] == pytest.approx(2.0)
+    assert rows["torchao"] == {"skipped": "unavailable"}
+
+
+@pytest.mark.integration
+def test_llama3_8b_layers_preset_has_llama3_8b_layer_shapes() -> None:
+    pytest.importorskip("transformers", reason="the Llama presets need transformers (pip install 'amp8[hf]')")
+    with torch.device("meta"):
+        model = gpt.PRESETS["llama3-8b-layers"].build()
+    blocks = gpt.transformer_blocks(model)
+    shapes = {name.split(".")[-1]: tuple(module.weight.shape) for name, module in blocks[0].named_modules()
+              if isinstance(module, torch.nn.Linear)}
+    assert shapes == {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "v_proj": (1024, 4096),
+                      "o_proj": (4096, 4096), "gate_proj": (14336, 4096), "up_proj": (14336, 4096),
+                      "down_proj": (4096, 14336)}
+    assert len(blocks) == 4 and gpt.PRESETS["llama3-8b-layers"].block_size == 8192
+    torchao_layers = [fqn for fqn, module in model.named_modules() if gpt._fp8_eligible(module, fqn)]
+    assert len(torchao_layers) == 4 * 7, "every projection, not the head"
 
 
 def test_gpt_1b_preset_is_about_a_billion_parameters() -> None:
     with torch.device("meta"):
-        model = gpt.GPT(gpt.PRESETS["gpt-1b"])
+        model = gpt.PRESETS["gpt-1b"].build()
     count = sum(p.numel() for p in model.parameters())
     assert 0.95e9 < count < 1.05e9, f"{count / 1e9:.3f}e9 parameters"
+
+
+# -- bench/common.py ---------------------------------------------------------------------
+def test_phase_clock_splits_a_step_into_its_phases() -> None:
+    clock = common.PhaseClock(torch.device("cpu"))
+    clock.mark()
+    time.sleep(0.02)
+    clock.mark()
+    clock.mark()
+    first, second = clock.phases_ms()
+    assert first >= 20 and 0 <= second < first, (first, second)
+    assert clock.marks == [], "the marks are forgotten once read"
+
+
+def test_write_result_replaces_the_file_whole(tmp_path: Path) -> None:
+    device = torch.device("cpu")
+    common.write_result("probe", device, {"rows": [1]}, tmp_path)
+    path = common.write_result("probe", device, {"rows": [1, 2]}, tmp_path)
+    assert json.loads(path.read_text())["rows"] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe-cpu.json"], "no partial file is left"
+
+
+# -- bench/optimizer.py ------------------------------------------------------------------
+optimizer_bench = load_bench("optimizer")
+
+
+@pytest.mark.parametrize("millions, width, layers", [(1, 256, 15), (1, 128, 61), (1, 2048, 1)])
+def test_optimizer_layers_hold_the_asked_parameters_and_all_get_gradients(millions: int, width: int,
+                                                                           layers: int) -> None:
+    stack = optimizer_bench.square_layers(millions, width, torch.device("cpu"))
+    assert len(stack) == layers and all(tuple(layer.weight.shape) == (width, width) for layer in stack)
+    optimizer_bench.fill_gradients(stack, torch.device("cpu"))
+    norms = torch.stack([layer.weight.grad.norm() for layer in stack])
+    assert (norms > 0).all() and norms.max() / norms.min() < 1.01, "every layer gets the same nonzero gradient"
+
+
+@pytest.mark.slow
+@pytest.mark.compile  # LowBitAdam's fused step compiles
+def test_optimizer_writes_each_row_with_its_compile_seconds(tmp_path: Path) -> None:
+    path = optimizer_bench.main(["--device", "cpu", "--sizes", "1", "--widths", "128", "--levels", "O1",
+                                 "--repeats", "1", "--no-memory", "--out", str(tmp_path)])
+    record = json.loads(path.read_text())
+    assert path == tmp_path / "optimizer-cpu.json" and record["torch_adamw"] == "foreach"
+    (row,) = record["step_time"]
+    assert row["level"] == "O1" and row["width"] == 128 and row["layers"] == 61, row
+    assert row["torch_adamw_ms"] > 0 and row["amp8_fused_ms"] > 0 and row["amp8_ms"] > 0, row
+    assert row["fused_first_step_s"] >= row["fused_compile_s"] >= 0, row
+    assert row["fused_ratio"] == pytest.approx(row["amp8_fused_ms"] / row["torch_adamw_ms"]), row
+
+
+# -- bench/run_gpu.sh --------------------------------------------------------------------
+@pytest.mark.slow  # every Python step of the GPU script, at tiny sizes on the CPU
+def test_run_gpu_cpu_check_runs_every_python_step(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--cpu-check", "--quick", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "run_gpu.log").read_text()
+    for step in ("optimizer", "gpt", "llama", "linear", "sweep"):
+        assert re.search(rf"^== {step}: \d+ s, ok$", log, re.MULTILINE), f"{step} did not pass:\n{log[-2000:]}"
+    assert "== cuda-tests: skipped" in log
+    written = {path.name for path in tmp_path.glob("*.json")}
+    assert written == {"optimizer-cpu.json", "gpt-cpu.json", "gpt-llama-tiny-cpu.json", "linear-cpu.json",
+                       "linear-sweep-cpu.json"}, written
+    llama = json.loads((tmp_path / "gpt-llama-tiny-cpu.json").read_text())
+    assert llama["runs"]["amp8 O2"]["eager"]["optimizer_ms"] > 0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--budget", "soon"], "--budget takes whole seconds"), (["--quick"], "--quick goes with --cpu-check"),
+    (["--fast"], "unknown option --fast"),
+])
+def test_run_gpu_refuses_bad_arguments(tmp_path: Path, arguments: list[str], message: str) -> None:
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *arguments, str(tmp_path)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 64 and message in done.stderr, (done.returncode, done.stderr)
 
 
 # -- bench/numerics_ablation.py ----------------------------------------------------------
@@ -403,6 +534,15 @@ def test_step_profile_counter_counts_a_matmul_and_skips_views(m: int, k: int, n:
     row = counter.counts["forward"]
     assert row["ops"] == 1 and row["other_flops"] == 2 * m * k * n and row["fp8_flops"] == 0, row
     assert row["bytes"] == 4 * (m * k + k * n + m * n), row
+
+
+@pytest.mark.parametrize("layout", ["per mode", "compiled only"])
+def test_step_profile_reads_the_compiled_row_of_either_gpt_record(layout: str) -> None:
+    compiled, eager = {"step_ms": 110.0}, {"step_ms": 180.0}
+    run = {"compiled": compiled, "eager": eager} if layout == "per mode" else compiled
+    record = {"runs": {"baseline": run}}
+    assert step_profile.compiled_row(record, "baseline") == compiled
+    assert step_profile.compiled_row(record, "amp8 O3") == {}
 
 
 def test_step_profile_solves_bilinear_counts_exactly() -> None:
