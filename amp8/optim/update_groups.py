@@ -29,6 +29,7 @@ from amp8.optim import state as state_storage
 from amp8.optim.fused_update import update_inputs
 from amp8.optim.group_step import MAX_ELEMENTS, GroupTensors, adam_group_step, scales_per_row
 from amp8.optim.state import MASTER, MOMENTS
+from amp8.tensor.scaled import is_sharded
 from amp8.tensor.stored import StoredWeight
 
 TENSOR_ROW_WIDTH = 256
@@ -286,10 +287,12 @@ def state_shape(param_state: dict[str, Any], param: nn.Parameter) -> torch.Size:
 
 def groupable(spec: fused.UpdateSpec, param: nn.Parameter, handle: StoredWeight | None, param_state: dict[str, Any]) -> int | None:
     """The row width ``param``'s update takes in a group, or None where it takes its
-    own update: a layout no width serves, an empty or huge tensor, weight scales not
-    already of the shape the step writes."""
+    own update: a layout no width serves, an empty or huge tensor, a ``DTensor`` (FSDP2's
+    shards), weight scales not already of the shape the step writes."""
     shape = state_shape(param_state, param)
     if shape.numel() == 0 or shape.numel() > MAX_ELEMENTS or shape != param.shape:
+        return None
+    if is_sharded(param) or (handle is None and is_sharded(param.grad)):  # DTensors keep their own update
         return None
     width = row_width(spec, shape)
     if width is None:
