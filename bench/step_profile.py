@@ -14,7 +14,10 @@ compiled``, ``LowBitAdam(fused=True)``) or its eager reference (``--optimizer re
 every operation of the update visible). One warm-up step, then ``--steps`` plain steps give the host
 time per phase (median), then one step under a ``TorchDispatchMode`` gives the counts:
 - ops: aten operations that run a kernel (views, ``detach`` and allocations are left out),
-  a proxy for GPU kernel launches in eager mode; syncs: ``.item()``-style reads;
+  a proxy for GPU kernel launches in eager mode; host ops: operations on the optimizer's
+  step counts, which a CUDA run keeps on the CPU (``host_scalars``), and on what is computed
+  from them alone; syncs: ``.item()``-style reads of anything else (a read of a step count
+  is none); each phase is also counted in stretches between its syncs (``stretches``);
 - bytes: the nbytes of every plain tensor an operation takes plus those it returns, an
   upper bound of its memory traffic (a kernel may read a broadcast operand once, and an
   in-place result is counted as read and written);
@@ -32,8 +35,9 @@ torch's fused step of plain float32 parameters.
 bilinear in the block count L and the batch B at fixed width and context, so the profile
 runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
 ``a + b L + c B + d L B``: exact for the counts; no host time (the small preset gives it).
-The H100 model (``H100Model``), calibrated once on the recorded BF16 baseline, and its
-predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
+The H100 model (``H100Model``) keeps two clocks, host and GPU, over the step's stretches
+and joins them at each sync and at the step's end; calibrated once on the recorded BF16
+baseline, its predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
 presets write step_profile-<preset>-<device>.json with the uncalibrated (eager) model.
 """
 
