@@ -14,7 +14,10 @@ compiled``, ``LowBitAdam(fused=True)``) or its eager reference (``--optimizer re
 every operation of the update visible). One warm-up step, then ``--steps`` plain steps give the host
 time per phase (median), then one step under a ``TorchDispatchMode`` gives the counts:
 - ops: aten operations that run a kernel (views, ``detach`` and allocations are left out),
-  a proxy for GPU kernel launches in eager mode; syncs: ``.item()``-style reads;
+  a proxy for GPU kernel launches in eager mode; host ops: operations on the optimizer's
+  step counts, which a CUDA run keeps on the CPU (``host_scalars``), and on what is computed
+  from them alone; syncs: ``.item()``-style reads of anything else (a read of a step count
+  is none); each phase is also counted in stretches between its syncs (``stretches``);
 - bytes: the nbytes of every plain tensor an operation takes plus those it returns, an
   upper bound of its memory traffic (a kernel may read a broadcast operand once, and an
   in-place result is counted as read and written);
@@ -32,8 +35,9 @@ torch's fused step of plain float32 parameters.
 bilinear in the block count L and the batch B at fixed width and context, so the profile
 runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
 ``a + b L + c B + d L B``: exact for the counts; no host time (the small preset gives it).
-The H100 model (``H100Model``), calibrated once on the recorded BF16 baseline, and its
-predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
+The H100 model (``H100Model``) keeps two clocks, host and GPU, over the step's stretches
+and joins them at each sync and at the step's end; calibrated once on the recorded BF16
+baseline, its predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
 presets write step_profile-<preset>-<device>.json with the uncalibrated (eager) model.
 """
 
@@ -47,13 +51,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from rich.table import Table
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
 import amp8
 from amp8.monitor.console import default_console
@@ -62,7 +67,7 @@ from amp8.optim import LowBitAdam
 from amp8.tools.experiments.gpt import GPT, PRESETS, GPTConfig
 from common import RESULTS, write_result
 from compiled_graphs import GraphCall, GraphCalls
-from optimizer import WIDTH, square_layers
+from optimizer import square_layers
 
 aten = torch.ops.aten
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -86,7 +91,7 @@ OPTIMIZER_PARTS = {
 # Operations that launch no kernel: allocations and metadata (views are found by schema).
 NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default}
 SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default}
-COUNTS = ("ops", "syncs", "bytes", "fp8_flops", "other_flops", "graph_calls", "graph_kernels", "graph_bytes")
+COUNTS = ("ops", "host_ops", "syncs", "bytes", "fp8_flops", "other_flops", "graph_calls", "graph_kernels", "graph_bytes")
 OPTIMIZERS = {"compiled": True, "reference": False}  # --optimizer: LowBitAdam's fused= for O1-O3
 RECORDED = RESULTS / "gpt-cuda.json"
 OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"
@@ -100,29 +105,81 @@ GPT_1B_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (blocks, batch) the gpt-1b c
 
 @dataclasses.dataclass(frozen=True)
 class H100Model:
-    """time = ops * launch_s + bytes / bandwidth + fp8_flops / fp8_rate + other_flops / bf16_rate,
-    the launch and bytes terms scaled where the recorded run compiled the code
-    (``compiled_factor``), plus for the compiled graphs the profile ran as such
-    graph_calls * graph_call_s + graph_kernels * launch_s + graph_bytes / bandwidth."""
+    """Two clocks, as a CUDA step runs: the host queues kernels and runs ahead while the GPU
+    works through them, and waits for the GPU only at a sync.
+
+    host time = eager ops * launch_s + host_ops * host_op_s
+                + graph_calls * graph_call_s + graph_kernels * launch_s
+    GPU time  = (eager ops + graph_kernels) * kernel_s + bytes / bandwidth
+                + fp8_flops / fp8_rate + other_flops / bf16_rate
+    with the eager ops, their kernels and bytes scaled by ``compiled_factor`` where the
+    recorded run compiled the code. ``step_seconds`` runs both clocks over a step's
+    stretches between syncs (``StepCounter.stretches``)."""
 
     bandwidth: float = 2.8e12  # B/s: 3.35 TB/s HBM3 peak, ~85 % achievable
     bf16_rate: float = 0.65 * 989e12  # FLOP/s: dense BF16 peak, ~65 % reached by large GEMMs
     fp8_rate: float = 0.65 * 1979e12  # FLOP/s: dense FP8 peak, same share
-    launch_s: float = 6e-6  # per eager kernel launch (host and launch gap)
-    # Host time of one compiled-graph call beyond its kernel launches: dynamo's guards on
-    # its inputs, the AOT wrapper, and the caller's Python that prepares it.
+    # Host: Python and torch's dispatch of one operation plus cudaLaunchKernel, eager or
+    # from inductor's wrapper; the GPU does not wait for it while it has queued work.
+    launch_s: float = 6e-6
+    # Host: an operation on CPU scalars (the optimizer's step counts): dispatch, no launch.
+    host_op_s: float = 3e-6
+    # Host: one compiled-graph call beyond its kernel launches: dynamo's guards on its
+    # inputs, the AOT wrapper, and the caller's Python that prepares it.
     graph_call_s: float = GRAPH_CALL_S
-    # The recorded run compiled every block: fusion cuts the launches and bytes of the
-    # non-GEMM work there. One factor, fitted once so the model gives the recorded BF16 baseline.
+    # GPU: what a kernel costs beyond its bytes and FLOPs (its start on the device, the
+    # ramp-up and tail of its grid), about 2 us back to back on an H100.
+    kernel_s: float = 2e-6
+    # The recorded run compiled every block: fusion cuts the launches, kernels and bytes of
+    # the non-GEMM work there. One factor, fitted once so the model gives the recorded BF16 baseline.
     compiled_factor: float = 1.0
 
-    def seconds(self, counts: dict[str, float], compiled_share: float) -> float:
-        """Modeled time of ``counts``; ``compiled_share`` (0-1) of its ops and bytes ran compiled."""
-        scale = 1 - compiled_share + compiled_share * self.compiled_factor
-        graphs = (counts.get("graph_calls", 0) * self.graph_call_s + counts.get("graph_kernels", 0) * self.launch_s
-                  + counts.get("graph_bytes", 0) / self.bandwidth)
-        return (scale * (counts["ops"] * self.launch_s + counts["bytes"] / self.bandwidth) + graphs
+    def _scale(self, compiled_share: float) -> float:
+        return 1 - compiled_share + compiled_share * self.compiled_factor
+
+    def host_seconds(self, counts: dict[str, float], compiled_share: float) -> float:
+        """Host time of ``counts``; ``compiled_share`` (0-1) of its eager ops ran compiled."""
+        return (self._scale(compiled_share) * counts["ops"] * self.launch_s
+                + counts.get("host_ops", 0) * self.host_op_s
+                + counts.get("graph_calls", 0) * self.graph_call_s + counts.get("graph_kernels", 0) * self.launch_s)
+
+    def device_seconds(self, counts: dict[str, float], compiled_share: float) -> float:
+        """GPU time of ``counts``; ``compiled_share`` (0-1) of its eager ops and bytes ran compiled."""
+        scale = self._scale(compiled_share)
+        return (scale * (counts["ops"] * self.kernel_s + counts["bytes"] / self.bandwidth)
+                + counts.get("graph_kernels", 0) * self.kernel_s + counts.get("graph_bytes", 0) / self.bandwidth
                 + counts["fp8_flops"] / self.fp8_rate + counts["other_flops"] / self.bf16_rate)
+
+    def step_seconds(self, stretches: list[tuple[dict[str, float], float, bool]]) -> float:
+        """Time of a step from a sync to a sync: ``stretches`` in the order they run, each
+        (counts, compiled share, whether a sync ends it). Within a stretch the GPU runs
+        what the host queued, never before the host queued it: it ends at the later of its
+        own clock plus the stretch's GPU time and the host's clock. A sync joins the clocks
+        (the host waits for the GPU); so does the step's end (the loss read)."""
+        host = device = 0.0
+        for counts, share, sync in stretches:
+            start = host
+            host += self.host_seconds(counts, share)
+            device = max(max(device, start) + self.device_seconds(counts, share), host)
+            if sync:
+                host = device = max(host, device)
+        return max(host, device)
+
+
+def step_stretches(result: dict[str, Any]) -> list[tuple[dict[str, float], float, bool]]:
+    """A level's stretches between syncs in the order they run, for ``H100Model.step_seconds``:
+    each phase's ``stretches`` where counted (all but the last end with a sync), else the
+    phase as one stretch that ends with a sync if it made one."""
+    out = []
+    for phase in PHASES:
+        share = result["compiled_share"][phase]
+        stretches = result.get("stretches", {}).get(phase)
+        if stretches is None:
+            row = result["phases"][phase]
+            out.append((row, share, row["syncs"] > 0))
+        else:
+            out.extend((counts, share, i < len(stretches) - 1) for i, counts in enumerate(stretches))
+    return out
 
 
 def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[int, int]:
@@ -155,11 +212,20 @@ class StepCounter(TorchDispatchMode):
     """Counts ops, syncs, bytes and GEMM FLOPs per phase (``with counter.phase(name)``),
     and the compiled-graph calls, their kernels and bytes (``compiled_graphs.GraphCalls``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_tensors: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.current = ""
         self.counts: dict[str, dict[str, float]] = {}
         self._graphs = GraphCalls(self._count_graph_call)
+        # Tensors that stay on the CPU in a CUDA run (``host_scalars``) and what is computed
+        # from them alone: reading one is no sync, and operating on one launches no kernel.
+        self._host = WeakTensorKeyDictionary()
+        for tensor in host_tensors:
+            self._host[tensor] = True
+        # The row whose operation produced each tensor: a sync waits for that row's work.
+        self._producer = WeakTensorKeyDictionary()
+        # Per phase, its counts between syncs: a sync ends a stretch (the clocks join there).
+        self.stretches: dict[str, list[dict[str, float]]] = {}
 
     @classmethod
     def is_infra_mode(cls) -> bool:
@@ -178,14 +244,24 @@ class StepCounter(TorchDispatchMode):
         finally:
             self._graphs.__exit__(*exc)
 
-    def _row(self, eager_op: bool) -> dict[str, float]:
+    def _row_name(self) -> str:
         name = self.current
-        if name == "optimizer" and eager_op:
-            name = f"optimizer: {_optimizer_part()}"
-        return self.counts.setdefault(name, dict.fromkeys(COUNTS, 0))
+        return f"optimizer: {_optimizer_part()}" if name == "optimizer" else name
+
+    def _row(self, name: str | None = None) -> dict[str, float]:
+        return self.counts.setdefault(name or self._row_name(), dict.fromkeys(COUNTS, 0))
+
+    def _count(self, name: str | None, **values: float) -> None:
+        """Add ``values`` to row ``name`` (default: the running part) and to the phase's stretch."""
+        row = self._row(name)
+        stretch = self.stretches.setdefault(self.current, [dict.fromkeys(COUNTS, 0)])[-1]
+        for key, value in values.items():
+            row[key] += value
+            stretch[key] += value
 
     def totals(self) -> dict[str, dict[str, float]]:
-        """The counts per phase and part, each phase's row the sum of its parts' and its own."""
+        """The counts per phase and part, each phase's row the sum of its parts' and its own;
+        the parts of a phase in the order they first ran."""
         rows = {name: dict(row) for name, row in self.counts.items()}
         for name in PHASES:
             row = rows.setdefault(name, dict.fromkeys(COUNTS, 0))
@@ -198,10 +274,9 @@ class StepCounter(TorchDispatchMode):
     def _count_graph_call(self, call: GraphCall) -> None:
         if not self.current:
             return
-        row = self._row(eager_op=True)
-        row["graph_calls"] += 1
-        row["graph_kernels"] += call.kernels
-        row["graph_bytes"] += call.read_bytes + call.written_bytes
+        # A compiled graph in the optimizer is its update, whichever amp8 function calls it.
+        self._count("optimizer: update" if self.current == "optimizer" else None, graph_calls=1,
+                    graph_kernels=call.kernels, graph_bytes=call.read_bytes + call.written_bytes)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -215,18 +290,30 @@ class StepCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.current or self._graphs.inside or func.is_view or func in NO_KERNEL:
+        if not self.current or self._graphs.inside:
             return out
-        row = self._row(eager_op=func not in SYNC)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        on_host = bool(inputs) and all(t in self._host for t in inputs)
         if func in SYNC:
-            row["syncs"] += 1
+            if not on_host:  # a read of a GPU value: the host waits for the work that made it
+                self._count(self._producer.get(inputs[0]), syncs=1)
+                self.stretches[self.current].append(dict.fromkeys(COUNTS, 0))
             return out
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if type(t) in (torch.Tensor, torch.nn.Parameter)]
+        name = self._row_name()
+        for tensor in outputs:
+            if on_host:
+                self._host[tensor] = True
+            else:
+                self._producer[tensor] = name
+        if func.is_view or func in NO_KERNEL:
+            return out
+        if on_host:  # arithmetic on CPU scalars: host time, no kernel
+            self._count(name, host_ops=1)
+            return out
+        tensors = [t for t in inputs + outputs if type(t) in (torch.Tensor, torch.nn.Parameter)]
         fp8, other = _flops(func, args, kwargs, out)
-        row["ops"] += 1
-        row["bytes"] += sum(t.nbytes for t in tensors)
-        row["fp8_flops"] += fp8
-        row["other_flops"] += other
+        self._count(name, ops=1, bytes=sum(t.nbytes for t in tensors), fp8_flops=fp8, other_flops=other)
         return out
 
 
@@ -249,6 +336,15 @@ def build(level: str, config: GPTConfig, layer_selection: str,
     model, optimizer = amp8.initialize(model, optimizer, level, layer_selection=selection)
     low_bit = LowBitAdam.from_optimizer(adamw(model.parameters()), optimizer.level, fused=OPTIMIZERS[optimizer_step])
     return model, low_bit
+
+
+def host_scalars(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of ``optimizer`` that a CUDA run keeps on the CPU: ``LowBitAdam``'s step
+    counts (float32 scalars it creates without a device, as torch's unfused Adam does);
+    torch's fused AdamW keeps its counts on the GPU and never reads them on the host."""
+    if not isinstance(optimizer, LowBitAdam):
+        return []
+    return [state["step"] for state in optimizer.state.values() if isinstance(state.get("step"), torch.Tensor)]
 
 
 def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
@@ -275,25 +371,28 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tu
 
 
 def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_selection: str,
-            optimizer_step: str) -> dict[str, dict[str, float]]:
-    """Counts and host ms per phase (and per part of the optimizer) of one step at ``level``."""
+            optimizer_step: str) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, float]]]]:
+    """Counts and host ms per phase (and per part of the optimizer) of one step at ``level``,
+    and each phase's counts between syncs (``StepCounter.stretches``)."""
     model, optimizer = build(level, config, layer_selection, optimizer_step)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), generator=generator)
     batch = (tokens[:, :-1], tokens[:, 1:])
     run_step(model, optimizer, batch, None)  # warm-up: lazy optimizer state, first-call costs
     times = [run_step(model, optimizer, batch, None) for _ in range(steps)]
-    counter = StepCounter()
+    counter = StepCounter(host_scalars(optimizer))
     run_step(model, optimizer, batch, counter)
     rows = counter.totals()
     for name in PHASES:
         if times:
             rows[name]["cpu_ms"] = 1e3 * statistics.median(t[name] for t in times)
-    return rows
+    return rows, {name: counter.stretches.get(name, [dict.fromkeys(COUNTS, 0)]) for name in PHASES}
 
 
-def _order(name: str) -> tuple[int, str]:
-    return PHASES.index(name.split(":")[0]), name
+def _order(name: str) -> tuple[int, bool]:
+    """A phase's row, then its parts (``sorted`` keeps their order of first run)."""
+    phase = name.split(":")[0]
+    return PHASES.index(phase), name != phase
 
 
 def solve_bilinear(points: dict[tuple[int, int], float], blocks: int, batch: int) -> float:
@@ -306,12 +405,20 @@ def solve_bilinear(points: dict[tuple[int, int], float], blocks: int, batch: int
 
 
 def profile_extrapolated(level: str, config: GPTConfig, batch_size: int,
-                         layer_selection: str, optimizer_step: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """gpt-1b-sized counts from four small (blocks, batch) runs; also each phase's
-    share of ops and bytes that lies in the blocks (compiled in the recorded run)."""
-    runs = {}
+                         layer_selection: str, optimizer_step: str) -> dict[str, Any]:
+    """gpt-1b-sized counts from four small (blocks, batch) runs: ``phases`` and
+    ``stretches`` as ``profile`` gives them, and ``block_share``, each phase's share of ops
+    and bytes that lies in the blocks (compiled in the recorded run)."""
+    runs, stretch_runs = {}, {}
     for blocks, batch in GPT_1B_POINTS:  # host time is not bilinear enough to extrapolate: counts only
-        runs[blocks, batch] = profile(level, dataclasses.replace(config, n_layer=blocks), batch, 0, layer_selection, optimizer_step)
+        runs[blocks, batch], stretch_runs[blocks, batch] = profile(
+            level, dataclasses.replace(config, n_layer=blocks), batch, 0, layer_selection, optimizer_step)
+    stretches = {
+        name: [{key: round(solve_bilinear({p: stretch_runs[p][name][i][key] for p in GPT_1B_POINTS},
+                                          config.n_layer, batch_size)) for key in COUNTS}
+               for i in range(len(stretch_runs[1, 1][name]))]
+        for name in PHASES
+    }
     result: dict[str, dict[str, float]] = {}
     block_share: dict[str, float] = {}
     for name in runs[1, 1]:
@@ -325,7 +432,7 @@ def profile_extrapolated(level: str, config: GPTConfig, batch_size: int,
             cost = row["ops"] * H100Model.launch_s + row["bytes"] / H100Model.bandwidth
             block_cost = config.n_layer * (one_block["ops"] * H100Model.launch_s + one_block["bytes"] / H100Model.bandwidth)
             block_share[name] = block_cost / cost if cost else 0.0
-    return result, block_share
+    return {"phases": result, "stretches": stretches, "block_share": block_share}
 
 
 def compiled_shares(block_share: dict[str, float]) -> dict[str, float]:
@@ -335,12 +442,25 @@ def compiled_shares(block_share: dict[str, float]) -> dict[str, float]:
     return {"forward": block_share["forward"], "backward": block_share["backward"], "optimizer": 0.0}
 
 
-def calibrate(baseline: dict[str, dict[str, float]], shares: dict[str, float], measured_ms: float) -> H100Model:
-    """The model whose ``compiled_factor`` makes the baseline's modeled step ``measured_ms``
-    (the modeled time is linear in the factor)."""
-    at = {f: sum(H100Model(compiled_factor=f).seconds(baseline[p], shares[p]) for p in PHASES) for f in (0.0, 1.0)}
-    factor = (measured_ms / 1e3 - at[0.0]) / (at[1.0] - at[0.0])
-    return H100Model(compiled_factor=factor)
+def calibrate(baseline: dict[str, Any], measured_ms: float) -> H100Model:
+    """The model whose ``compiled_factor`` makes the baseline's (a level's result: phases,
+    stretches, compiled shares) modeled step ``measured_ms``; the step time grows with the
+    factor, so bisection finds it."""
+    stretches = step_stretches(baseline)
+    floor = H100Model(compiled_factor=0.0).step_seconds(stretches)
+    if floor > measured_ms / 1e3:
+        raise ValueError(f"measured_ms={measured_ms} is below the {1e3 * floor:.1f} ms the baseline takes with its "
+                         "compiled work free (compiled_factor=0): check that the counts and the recorded run match")
+    low, high = 0.0, 1.0
+    while H100Model(compiled_factor=high).step_seconds(stretches) < measured_ms / 1e3 and high < 1e3:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        if H100Model(compiled_factor=middle).step_seconds(stretches) < measured_ms / 1e3:
+            low = middle
+        else:
+            high = middle
+    return H100Model(compiled_factor=(low + high) / 2)
 
 
 def compiled_row(recorded: dict[str, Any], run: str) -> dict[str, Any]:
@@ -351,13 +471,15 @@ def compiled_row(recorded: dict[str, Any], run: str) -> dict[str, Any]:
 
 
 def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, Any]) -> dict[str, Any]:
-    """Modeled gpt-1b ms per level and phase against the recorded step times."""
+    """Modeled gpt-1b ms per level against the recorded step times, with each phase's
+    host and GPU time."""
     names = {"O0": "baseline", "O1": "amp8 O1", "O2": "amp8 O2"}
     out = {}
     for level, result in results.items():
         shares = result["compiled_share"]
-        phases = {p: 1e3 * model.seconds(result["phases"][p], shares[p]) for p in PHASES}
-        row: dict[str, Any] = {"modeled_ms": sum(phases.values()), "phases_ms": phases}
+        phases = {p: {"host_ms": 1e3 * model.host_seconds(result["phases"][p], shares[p]),
+                      "gpu_ms": 1e3 * model.device_seconds(result["phases"][p], shares[p])} for p in PHASES}
+        row: dict[str, Any] = {"modeled_ms": 1e3 * model.step_seconds(step_stretches(result)), "phases_ms": phases}
         run = compiled_row(recorded, names.get(level, ""))
         if "step_ms" in run:
             row["recorded_ms"] = run["step_ms"]
@@ -366,54 +488,69 @@ def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, A
     return out
 
 
-def optimizer_counts(level: str, layers: int) -> dict[str, float]:
+OPTIMIZER_WIDTH = 1024  # the layer width of bench/optimizer.py's recorded H100 runs
+
+
+def optimizer_counts(level: str, layers: int) -> list[dict[str, float]]:
     """Counts of one compiled ``LowBitAdam`` step at ``level`` over ``layers`` square FP8
-    layers with gradients in place, set up as bench/optimizer.py times it."""
+    layers with gradients in place, set up as bench/optimizer.py times it: one per stretch
+    between syncs (``StepCounter.stretches``)."""
     torch.manual_seed(0)
-    model = square_layers(layers * WIDTH * WIDTH, torch.device("cpu"))
+    model = square_layers(layers * OPTIMIZER_WIDTH**2 / 1e6, OPTIMIZER_WIDTH, torch.device("cpu"))
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level,
                                        layer_selection="all")
     fused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True)
-    model(torch.randn(16, WIDTH)).sum().backward()
+    model(torch.randn(16, OPTIMIZER_WIDTH)).sum().backward()
     fused.step()  # compiles
-    counter = StepCounter()
+    counter = StepCounter(host_scalars(fused))
     with counter, counter.phase("optimizer"):
         fused.step()
-    return counter.totals()["optimizer"]
+    return counter.stretches["optimizer"]
 
 
-def optimizer_check(model: H100Model, recorded: dict[str, Any]) -> list[dict[str, Any]]:
-    """The modeled compiled optimizer step against bench/optimizer.py's H100 timings
-    (``amp8_fused_ms``), same sizes; counts at one and two layers, linear in the layers."""
-    counts: dict[tuple[str, int], dict[str, float]] = {}
+def optimizer_check_counts(recorded: dict[str, Any]) -> list[dict[str, Any]]:
+    """The counts of the compiled optimizer step at each size of bench/optimizer.py's H100
+    runs (``recorded``), from counts at one and two layers, linear in the layers."""
+    counts: dict[tuple[str, int], list[dict[str, float]]] = {}
     rows = []
     for run in recorded["step_time"]:
         level = run["level"]
         for layers in (1, 2):
             if (level, layers) not in counts:
                 counts[level, layers] = optimizer_counts(level, layers)
-        layers = max(1, round(run["millions"] * 1_000_000 / (WIDTH * WIDTH)))  # as square_layers
-        one, two = counts[level, 1], counts[level, 2]
-        row = {key: one[key] + (layers - 1) * (two[key] - one[key]) for key in COUNTS}
-        modeled = 1e3 * model.seconds(row, 0.0)
+        layers = max(1, round(run["millions"] * 1_000_000 / OPTIMIZER_WIDTH**2))  # as square_layers
+        stretches = [{key: one[key] + (layers - 1) * (two[key] - one[key]) for key in COUNTS}
+                     for one, two in zip(counts[level, 1], counts[level, 2], strict=True)]
         rows.append({"millions": run["millions"], "level": level, "layers": layers,
-                     "graph_calls": row["graph_calls"], "graph_kernels": row["graph_kernels"],
-                     "graph_gb": row["graph_bytes"] / 1e9, "eager_ops": row["ops"],
-                     "modeled_ms": modeled, "recorded_ms": run["amp8_fused_ms"],
-                     "error_pct": 100 * (modeled / run["amp8_fused_ms"] - 1)})
+                     "recorded_ms": run["amp8_fused_ms"], "stretches": stretches})
     return rows
 
 
-def print_table(level: str, phases: dict[str, dict[str, float]], modeled: dict[str, float], title: str) -> None:
-    """One level's phases as a rich table."""
+def optimizer_check(model: H100Model, counted: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The modeled compiled optimizer step against bench/optimizer.py's H100 timings
+    (``amp8_fused_ms``) for the counts of ``optimizer_check_counts``."""
+    rows = []
+    for run in counted:
+        total = {key: sum(stretch[key] for stretch in run["stretches"]) for key in COUNTS}
+        last = len(run["stretches"]) - 1
+        modeled = 1e3 * model.step_seconds([(counts, 0.0, i < last) for i, counts in enumerate(run["stretches"])])
+        rows.append({**run, "graph_calls": total["graph_calls"], "graph_kernels": total["graph_kernels"],
+                     "graph_gb": total["graph_bytes"] / 1e9, "eager_ops": total["ops"],
+                     "modeled_ms": modeled, "error_pct": 100 * (modeled / run["recorded_ms"] - 1)})
+    return rows
+
+
+def print_table(level: str, phases: dict[str, dict[str, float]], modeled: dict[str, dict[str, float]],
+                title: str) -> None:
+    """One level's phases as a rich table, with each row's modeled host and GPU ms."""
     table = Table(title=f"{title}: {level}")
-    for column in ("phase", "ops", "syncs", "MB moved", "GFLOP fp8", "GFLOP other", "CPU ms", "H100 ms"):
+    for column in ("phase", "ops", "syncs", "MB moved", "GFLOP fp8", "GFLOP other", "CPU ms", "H100 host ms", "H100 GPU ms"):
         table.add_column(column, justify="right")
     for name, row in phases.items():
         cpu = f"{row['cpu_ms']:.1f}" if "cpu_ms" in row else ""
-        h100 = f"{modeled[name]:.2f}" if name in modeled else ""
         table.add_row(name, f"{row['ops']:,.0f}", f"{row['syncs']:,.0f}", f"{row['bytes'] / 1e6:,.1f}",
-                      f"{row['fp8_flops'] / 1e9:,.1f}", f"{row['other_flops'] / 1e9:,.1f}", cpu, h100)
+                      f"{row['fp8_flops'] / 1e9:,.1f}", f"{row['other_flops'] / 1e9:,.1f}", cpu,
+                      f"{modeled[name]['host_ms']:.2f}", f"{modeled[name]['gpu_ms']:.2f}")
     default_console().print(table)
 
 
@@ -452,12 +589,14 @@ def main(argv: list[str] | None = None) -> Path:
             block_share = counted[level].get("block_share", counted[level]["compiled_share"])
             shares = compiled_shares(block_share) if big else dict.fromkeys(PHASES, 0.0)
             results[level] = {"phases": counted[level]["phases"], "compiled_share": shares, "block_share": block_share}
+            if "stretches" in counted[level]:
+                results[level]["stretches"] = counted[level]["stretches"]
         elif big:
-            phases, block_share = profile_extrapolated(level, config, args.batch_size, args.layer_selection, args.optimizer)
-            results[level] = {"phases": phases, "compiled_share": compiled_shares(block_share), "block_share": block_share}
+            result = profile_extrapolated(level, config, args.batch_size, args.layer_selection, args.optimizer)
+            results[level] = {**result, "compiled_share": compiled_shares(result["block_share"])}
         else:
-            phases = profile(level, config, args.batch_size, args.steps, args.layer_selection, args.optimizer)
-            results[level] = {"phases": phases, "compiled_share": dict.fromkeys(PHASES, 0.0)}
+            phases, stretches = profile(level, config, args.batch_size, args.steps, args.layer_selection, args.optimizer)
+            results[level] = {"phases": phases, "stretches": stretches, "compiled_share": dict.fromkeys(PHASES, 0.0)}
         print(f"{level} done", flush=True)
     model = H100Model()
     payload: dict[str, Any] = {
@@ -471,16 +610,21 @@ def main(argv: list[str] | None = None) -> Path:
     if big:
         recorded = json.loads(RECORDED.read_text())
         if "O0" in results and recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
-            model = calibrate(results["O0"]["phases"], results["O0"]["compiled_share"], compiled_row(recorded, "baseline")["step_ms"])
+            model = calibrate(results["O0"], compiled_row(recorded, "baseline")["step_ms"])
             payload["predictions"] = predictions(results, model, recorded)
         if args.optimizer == "compiled":
-            payload["optimizer_check"] = optimizer_check(model, json.loads(OPTIMIZER_RECORDED.read_text()))
+            saved = json.loads(args.counts.read_text()).get("optimizer_check", []) if args.counts else []
+            if not all("stretches" in row for row in saved) or not saved:
+                saved = optimizer_check_counts(json.loads(OPTIMIZER_RECORDED.read_text()))
+            payload["optimizer_check"] = optimizer_check(model, saved)
         payload["solved_from"] = [{"n_layer": l, "batch_size": b} for l, b in GPT_1B_POINTS]
     payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": "compiled_factor, on the O0 baseline" if big else "not calibrated (eager)"}
     for level, result in results.items():
-        modeled = {name: 1e3 * model.seconds(row, result["compiled_share"][name.split(":")[0]])
+        shares = {name: result["compiled_share"][name.split(":")[0]] for name in result["phases"]}
+        modeled = {name: {"host_ms": 1e3 * model.host_seconds(row, shares[name]),
+                          "gpu_ms": 1e3 * model.device_seconds(row, shares[name])}
                    for name, row in result["phases"].items()}
-        result["modeled_h100_ms"] = modeled
+        result["modeled_h100_ms"] = {**modeled, "step": 1e3 * model.step_seconds(step_stretches(result))}
         print_table(level, result["phases"], modeled, f"GPT {args.preset} training step, batch {args.batch_size}")
     if "predictions" in payload:
         for level, row in payload["predictions"].items():

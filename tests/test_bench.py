@@ -452,7 +452,13 @@ def test_step_profile_tiny_counts_every_level_and_phase(tmp_path: Path) -> None:
         phases = result["phases"]
         for name in step_profile.PHASES:
             assert phases[name]["ops"] > 0 and phases[name]["bytes"] > 0 and phases[name]["cpu_ms"] > 0, (level, name)
-            assert result["modeled_h100_ms"][name] > 0, (level, name)
+            assert result["modeled_h100_ms"][name]["gpu_ms"] > 0, (level, name)
+            stretches = result["stretches"][name]  # the phase split at its syncs, nothing lost
+            assert len(stretches) == phases[name]["syncs"] + 1, (level, name, stretches)
+            for key in step_profile.COUNTS:
+                assert sum(s[key] for s in stretches) == phases[name][key], (level, name, key)
+        assert result["modeled_h100_ms"]["step"] >= max(r["gpu_ms"] for n, r in result["modeled_h100_ms"].items()
+                                                        if n in step_profile.PHASES), level
         gemm[level] = [phases[p]["fp8_flops"] + phases[p]["other_flops"] for p in ("forward", "backward")]
         fp8 = phases["forward"]["fp8_flops"] + phases["backward"]["fp8_flops"]
         assert (fp8 == 0) == (level == "O0"), (level, fp8)
@@ -553,10 +559,60 @@ def test_step_profile_solves_bilinear_counts_exactly() -> None:
     assert step_profile.solve_bilinear(points, 20, 8) == f(20, 8)
 
 
-def test_step_profile_calibration_reproduces_the_baseline() -> None:
-    counts = {"ops": 2e4, "syncs": 0, "bytes": 2e11, "fp8_flops": 0.0, "other_flops": 5e13}
-    baseline = dict.fromkeys(step_profile.PHASES, counts)
-    shares = dict.fromkeys(step_profile.PHASES, 0.5)
-    model = step_profile.calibrate(baseline, shares, 400.0)
-    total = sum(model.seconds(baseline[p], shares[p]) for p in step_profile.PHASES)
-    assert total == pytest.approx(0.4, rel=1e-9), total
+def test_step_profile_reads_of_host_scalars_are_no_syncs() -> None:
+    """A read of the optimizer's CPU step count neither syncs nor launches a kernel; a read
+    of a value computed on the device syncs and ends the phase's stretch."""
+    step, x = torch.zeros(()), torch.randn(8)
+    counter = step_profile.StepCounter([step])
+    with counter, counter.phase("optimizer"):
+        step += 1
+        float(step)  # a host read
+        if bool((x * 2).sum() > 0):  # a device read: three kernels, then the sync
+            pass
+        x.mul_(3)
+    first, second = counter.stretches["optimizer"]
+    assert (first["ops"], first["host_ops"], first["syncs"]) == (3, 1, 1), first
+    assert (second["ops"], second["host_ops"], second["syncs"]) == (1, 0, 0), second
+    assert counter.totals()["optimizer"]["syncs"] == 1
+
+
+def _counts(ops: float = 0, nbytes: float = 0) -> dict[str, float]:
+    return {**dict.fromkeys(step_profile.COUNTS, 0), "ops": ops, "bytes": nbytes}
+
+
+# 1 ms of host time per eager op, 1 ms of GPU time per kB; nothing else costs anything.
+_MS_MODEL = step_profile.H100Model(launch_s=1e-3, kernel_s=0.0, bandwidth=1e6)
+
+
+@pytest.mark.parametrize("host_ms, gpu_ms", [(10, 2), (2, 10), (5, 5)])
+def test_step_profile_a_stretch_takes_the_longer_clock(host_ms: int, gpu_ms: int) -> None:
+    """One stretch, host-bound or GPU-bound: the host queues while the GPU works."""
+    stretch = _counts(ops=host_ms, nbytes=1000 * gpu_ms)
+    assert _MS_MODEL.step_seconds([(stretch, 0.0, False)]) == pytest.approx(1e-3 * max(host_ms, gpu_ms))
+
+
+@pytest.mark.parametrize("sync, step_ms", [(False, 10), (True, 20)])
+def test_step_profile_a_sync_joins_the_clocks(sync: bool, step_ms: int) -> None:
+    """GPU work (10 ms) then host work (10 ms): without a sync between them the host's work
+    overlaps the GPU's; with one the host waits for the GPU first and the two add up."""
+    stretches = [(_counts(nbytes=10_000), 0.0, sync), (_counts(ops=10), 0.0, False)]
+    assert _MS_MODEL.step_seconds(stretches) == pytest.approx(1e-3 * step_ms)
+
+
+def test_step_profile_gpu_never_runs_ahead_of_the_host() -> None:
+    """Host work (10 ms) then GPU work (10 ms): the GPU gets the second stretch only once the
+    host has queued it, so they add up even without a sync."""
+    stretches = [(_counts(ops=10), 0.0, False), (_counts(nbytes=10_000), 0.0, False)]
+    assert _MS_MODEL.step_seconds(stretches) == pytest.approx(20e-3)
+
+
+@pytest.mark.parametrize("measured_ms", [500.0, 700.0])
+def test_step_profile_calibration_reproduces_the_baseline(measured_ms: float) -> None:
+    counts = {**_counts(ops=2e4, nbytes=2e11), "other_flops": 5e13}
+    baseline = {"phases": dict.fromkeys(step_profile.PHASES, counts),
+                "compiled_share": dict.fromkeys(step_profile.PHASES, 0.5)}
+    model = step_profile.calibrate(baseline, measured_ms)
+    step = model.step_seconds(step_profile.step_stretches(baseline))
+    assert step == pytest.approx(measured_ms / 1e3, rel=1e-9), step
+    with pytest.raises(ValueError, match="compiled_factor"):  # faster than even free compiled work allows
+        step_profile.calibrate(baseline, 300.0)
