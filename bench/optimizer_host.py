@@ -31,26 +31,45 @@ from amp8.monitor.console import default_console
 from amp8.optim import LowBitAdam
 from amp8.optim.fused import cpp_compiler_found
 from common import RESULTS, time_call, write_result
+from compiled_graphs import GraphCalls
 
 WIDTH = 32
 LEVELS = ("O1", "O2", "O3")
 
 
 class OperationCount(TorchDispatchMode):
-    """Counts the aten operations dispatched while active (a compiled graph's own
-    kernels are not dispatched one by one)."""
+    """Counts the aten operations dispatched while active, a compiled graph's call as one
+    (its kernels run as generated code; ``compiled_graphs.GraphCalls`` sees the call)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self._graphs = GraphCalls(self._graph_call)
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        """True: compiled graphs then run compiled under this mode, as in training."""
+        return True
+
+    def _graph_call(self, call: Any) -> None:
+        self.count += 1
+
+    def __enter__(self) -> "OperationCount":
+        self._graphs.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._graphs.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        self.count += 1
+        if not self._graphs.inside:
+            self.count += 1
         return func(*args, **(kwargs or {}))
 
 
 def operations(step: Callable[[], Any]) -> int:
-    """Aten operations one call of ``step`` dispatches."""
+    """Aten operations (and compiled-graph calls) one call of ``step`` dispatches."""
     with OperationCount() as counter:
         step()
     return counter.count

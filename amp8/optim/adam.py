@@ -404,8 +404,10 @@ class LowBitAdam(torch.optim.Optimizer):
             self._plan = plan
             if not plan.gather(updates):
                 raise RuntimeError("amp8: an update group does not hold the tensors it was just built from")
-        plan.other_grads = [grad[0] for param, (grad, _) in updates.items() if param not in plan.grouped] + [
-            self.gradient(param) for _, param in plan.alone if self._is_sharded(param)
+        positions = {id(param): position for position, (_, param) in enumerate(self._params_in_order())} if plan.alone else {}
+        plan.other_grads = [
+            update[0][0] if (update := updates[positions[id(param)]]) is not None else self.gradient(param)
+            for _, param in plan.alone
         ] + [param.grad for params in plan.plain.values() for param in params]
         return plan
 
@@ -435,18 +437,21 @@ class LowBitAdam(torch.optim.Optimizer):
             )
         self.stored.rounding_counter = first_draw + plan.total_draws
 
-    def _signature(self) -> tuple[list[tuple[int, str]], dict[nn.Parameter, tuple[Any, dict[str, Any]]]]:
+    def _signature(self) -> tuple[list[tuple[int, str]], list[tuple[Any, dict[str, Any]] | None]]:
         """What each parameter's update is this step (``(id, kind)`` in order: "skip",
-        "plain", "sharded" or "update") and the stored gradients and states of the
-        "update" ones. A parameter trainable since the optimizer was built gets its state
-        here."""
-        signature, updates = [], {}
+        "plain", "sharded" or "update") and, in the same order, the stored gradient and
+        state of each "update" one (None for the others). A parameter trainable since the
+        optimizer was built gets its state here."""
+        signature: list[tuple[int, str]] = []
+        updates: list[tuple[Any, dict[str, Any]] | None] = []
         for group in self.param_groups:
             for param in group["params"]:
                 param_state = self.state.get(param)
+                update = None
                 if not param_state:
                     if not param.requires_grad:
                         signature.append((id(param), "skip"))  # frozen: no state, no update
+                        updates.append(None)
                         continue
                     # Frozen when this optimizer was built, trainable since: its state
                     # starts now (at O3 its master from the FP8 weight).
@@ -461,9 +466,14 @@ class LowBitAdam(torch.optim.Optimizer):
                     grad = stored_grad(param, handle)
                     kind = "skip" if grad is None else "update"
                     if grad is not None:
-                        updates[param] = (grad, param_state)
+                        update = (grad, param_state)
                 signature.append((id(param), kind))
+                updates.append(update)
         return signature, updates
+
+    def _params_in_order(self) -> list[tuple[int, nn.Parameter]]:
+        """``(param group index, param)`` of every parameter, in order."""
+        return [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
 
     def _drop_plan(self) -> None:
         """Forget the update groups, giving their members their own memory back."""
@@ -471,15 +481,15 @@ class LowBitAdam(torch.optim.Optimizer):
             self._plan.release()
             self._plan = None
 
-    def _build_plan(self, signature: list[tuple[int, str]], updates: dict[nn.Parameter, Any]) -> UpdatePlan:
+    def _build_plan(self, signature: list[tuple[int, str]], updates: list[Any]) -> UpdatePlan:
         """Sort the parameters by ``signature`` into update groups, the plain step and
         their own updates, and number their noise draws in the reference step's order."""
-        params = [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
+        params = self._params_in_order()
         draws_stochastically = state_storage.rounds_stochastically(MOMENTS[0], self.level.exp_avg)
         draws: dict[nn.Parameter, int] = {}
         plain: dict[tuple[int, torch.device], list[nn.Parameter]] = {}
         candidates, alone = [], []
-        for (index, param), (_, kind) in zip(params, signature):
+        for position, ((index, param), (_, kind)) in enumerate(zip(params, signature)):
             if kind == "plain":
                 plain.setdefault((index, param.device), []).append(param)
                 continue
@@ -488,7 +498,7 @@ class LowBitAdam(torch.optim.Optimizer):
             if param in self.weights or draws_stochastically:
                 draws[param] = len(draws)
             if kind == "update" and self.grouped:
-                candidates.append((index, param, self.weights.get(param), self.state[param], self.param_groups[index], draws.get(param, 0), updates[param][0]))
+                candidates.append((index, param, self.weights.get(param), self.state[param], self.param_groups[index], draws.get(param, 0), updates[position][0], position))
             else:
                 alone.append((index, param))
         groups, ungrouped = build_groups(candidates)

@@ -15,12 +15,16 @@ from amp8.optim import fused
 from amp8.optim import state as state_storage
 from amp8.optim.state import MASTER, MOMENTS
 from amp8.tensor.stored import StoredWeight
+from amp8.tensor.weight_grad import WeightGrad
 
 
 def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
     """``(data, scales, block size)`` of ``param``'s gradient as stored (FP8 with scales
     for an FP8 layer's weight, else ``param.grad`` without), or None without one."""
     if handle is not None:
+        grad = param.grad
+        if type(grad) is WeightGrad and not handle.sharded:  # the layer's own FP8 gradient
+            return grad.parts()
         scaled = handle.grad()
         return None if scaled is None else (scaled.data, scaled.scale, scaled.block_size)
     return None if param.grad is None else (param.grad, None, 0)

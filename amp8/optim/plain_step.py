@@ -22,6 +22,8 @@ from amp8.optim.state import MOMENTS
 def takes_plain_step(param: nn.Parameter, param_state: dict[str, Any]) -> bool:
     """Whether ``param``'s update is plain float32 Adam: a float32 parameter with a dense
     float32 gradient and float32 moments (no scales), and no master weight."""
+    if len(param_state) != 1 + len(MOMENTS):  # scales or a master weight beside the moments
+        return False
     grad = param.grad
     return (
         param.dtype == torch.float32

@@ -18,6 +18,7 @@ groups again from the tensors in place.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,8 +34,9 @@ from amp8.tensor.scaled import is_sharded
 from amp8.tensor.stored import StoredWeight
 
 TENSOR_ROW_WIDTH = 256
-"""Elements per buffer row where every scale is per tensor: what a tensor's last row
-may leave unused (zero padding)."""
+"""Elements per buffer row where every scale is per tensor (for tensors of at least that
+many elements; smaller ones take the power of two that holds them): what a tensor's last
+row may leave unused (zero padding)."""
 
 GroupStep = Callable[[fused.UpdateSpec, GroupTensors, fused.Coefficients, int, Any], None]
 
@@ -42,8 +44,8 @@ GroupStep = Callable[[fused.UpdateSpec, GroupTensors, fused.Coefficients, int, A
 def row_width(spec: fused.UpdateSpec, shape: torch.Size) -> int | None:
     """The buffer row width of a tensor of ``shape`` under ``spec``: its columns where a
     storage scales per row of a matrix, the block size where one scales per flat block,
-    else ``TENSOR_ROW_WIDTH``; None where no width serves every storage (tiles, blocks of
-    two sizes, rows beside blocks)."""
+    else ``TENSOR_ROW_WIDTH`` (or the power of two that holds a smaller tensor); None where
+    no width serves every storage (tiles, blocks of two sizes, rows beside blocks)."""
     storages = [spec.grad, spec.exp_avg, spec.exp_avg_sq]
     if spec.weight is fused.WeightKind.MASTER:
         storages.append(spec.fp8_weight)
@@ -54,7 +56,11 @@ def row_width(spec: fused.UpdateSpec, shape: torch.Size) -> int | None:
         return shape[1] if len(shape) == 2 and not blocks else None
     if len(blocks) > 1:
         return None
-    return blocks.pop() if blocks else TENSOR_ROW_WIDTH
+    if blocks:
+        return blocks.pop()
+    # A small tensor (a bias, a norm's scale) takes rows of the power of two that holds it,
+    # so a group of them is not mostly padding.
+    return min(TENSOR_ROW_WIDTH, 1 << max(0, shape.numel() - 1).bit_length())
 
 
 @dataclass
@@ -69,6 +75,7 @@ class Member:
     views: dict[str, torch.Tensor] = field(default_factory=dict)  # state key -> view
     weight_view: torch.Tensor | None = None  # the stored weight's view (FP16, or O3's FP8)
     grad_scales: int = 1  # how many scales its gradient has (1, or one per row)
+    position: int = 0  # its place among the optimizer's parameters
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ class UpdateGroup:
     """The flat buffers of one group's parameters and its step (see the module docstring)."""
 
     def __init__(
-        self, key: GroupKey, entries: list[tuple[nn.Parameter, StoredWeight | None, dict[str, Any]]], draws: list[int]
+        self, key: GroupKey, entries: list[tuple[nn.Parameter, StoredWeight | None, dict[str, Any], int]], draws: list[int]
     ) -> None:
         self.key = key
         spec, width, device = key.spec, key.width, key.device
@@ -95,10 +102,10 @@ class UpdateGroup:
         row_tensor: list[int] = []
         row_offset: list[int] = []
         first = 0
-        for index, (param, handle, param_state) in enumerate(entries):
+        for index, (param, handle, param_state, position) in enumerate(entries):
             rows = -(-state_shape(param_state, param).numel() // width)
             grad_scales = rows if scales_per_row(spec.grad) else 1
-            self.members.append(Member(param, handle, param_state, first, rows, grad_scales=grad_scales))
+            self.members.append(Member(param, handle, param_state, first, rows, grad_scales=grad_scales, position=position))
             row_tensor += [index] * rows
             row_offset += range(0, rows * width, width)
             first += rows
@@ -138,6 +145,7 @@ class UpdateGroup:
         self._weight_views = [self._view(self.tensors.weight, member, member.param) for member in self.members]
         # Each stored weight's new scales, where the step writes them (copied to the layers).
         self._scale_pieces: list[torch.Tensor] = []
+        self._scale_buffers: list[torch.Tensor] = []  # the layers' own, as ``gather`` found them
         if spec.weight is fused.WeightKind.FP16_SCALED:
             self._scale_pieces = list(self.tensors.weight_scale.unbind())  # type: ignore[union-attr]
         elif spec.weight is fused.WeightKind.MASTER:
@@ -209,24 +217,27 @@ class UpdateGroup:
                 handle.place(member.weight_view.clone())
 
     # -- a step --------------------------------------------------------------------------
-    def gather(self, updates: dict[nn.Parameter, tuple[Any, dict[str, Any]]]) -> bool:
+    def gather(self, updates: list[tuple[Any, dict[str, Any]] | None]) -> bool:
         """Copy this step's gradients (and the scales of the stored weights) into the
-        buffers, from ``updates`` (each parameter's stored gradient and its state). False,
+        buffers, from ``updates`` (each parameter's stored gradient and its state, by its
+        position among the optimizer's parameters). False,
         with nothing changed but the gradient buffer, where a member's state, weight or
         gradient is no longer what the group was built on."""
         spec = self.key.spec
         grads, grad_scales = [], []
         for member in self.members:
-            for key, view in member.views.items():
-                if member.state.get(key) is not view:
-                    return False
-            handle = member.handle
-            if handle is not None and handle.data is not member.weight_view:
+            update = updates[member.position] if member.position < len(updates) else None
+            if update is None:
                 return False
-            update = updates.get(member.param)
-            if update is None or update[1] is not member.state or update[0][0].shape != member.param.shape:
+            grad, param_state = update
+            views = member.views
+            if param_state is not member.state or not all(map(operator.is_, map(param_state.get, views), views.values())):
                 return False
-            grad = update[0]
+            # The stored weight: the optimizer's Parameter is the layer's own (amp8 took it over in place).
+            if member.weight_view is not None and getattr(member.param, "_data", None) is not member.weight_view:
+                return False
+            if grad[0].shape != member.param.shape:
+                return False
             data, scale, _ = grad
             if spec.grad.dtype is None:
                 if not data.is_floating_point():
@@ -246,12 +257,15 @@ class UpdateGroup:
                 torch.stack(grad_scales, out=tensors.grad_scale)
         if spec.weight is fused.WeightKind.PLAIN:
             torch._foreach_copy_(self._weight_views, [member.param for member in self.members])
-        elif spec.weight is fused.WeightKind.FP16_SCALED:
-            torch.stack([member.handle.stored_scale for member in self.members], out=tensors.weight_scale)  # type: ignore[union-attr]
+            return True
+        # The layers' scale buffers: read now, written by ``run``.
+        self._scale_buffers = [member.handle.stored_scale for member in self.members]  # type: ignore[union-attr]
+        if spec.weight is fused.WeightKind.FP16_SCALED:
+            torch.stack(self._scale_buffers, out=tensors.weight_scale)
         elif scales_per_row(spec.fp8_weight):  # (R, 1) each
-            torch.cat([member.handle.stored_scale for member in self.members], out=tensors.fp8_weight_scale.view(-1, 1))  # type: ignore[union-attr]
+            torch.cat(self._scale_buffers, out=tensors.fp8_weight_scale.view(-1, 1))  # type: ignore[union-attr]
         else:
-            torch.stack([member.handle.stored_scale for member in self.members], out=tensors.fp8_weight_scale)  # type: ignore[union-attr]
+            torch.stack(self._scale_buffers, out=tensors.fp8_weight_scale)  # type: ignore[arg-type]
         return True
 
     def run(self, step: GroupStep, group: dict[str, Any], seed_part: int, first_draw: int, as_tensors: bool) -> None:
@@ -271,7 +285,7 @@ class UpdateGroup:
         if self.key.spec.weight is fused.WeightKind.PLAIN:
             torch._foreach_copy_([member.param for member in self.members], self._weight_views)
             return
-        torch._foreach_copy_([member.handle.stored_scale for member in self.members], self._scale_pieces)  # type: ignore[union-attr]
+        torch._foreach_copy_(self._scale_buffers, self._scale_pieces)
         for member in self.members:
             member.handle.changed()  # type: ignore[union-attr]
 
@@ -307,14 +321,15 @@ def groupable(spec: fused.UpdateSpec, param: nn.Parameter, handle: StoredWeight 
 
 
 def build_groups(
-    candidates: list[tuple[int, nn.Parameter, StoredWeight | None, dict[str, Any], dict[str, Any], int, Any]],
+    candidates: list[tuple[int, nn.Parameter, StoredWeight | None, dict[str, Any], dict[str, Any], int, Any, int]],
 ) -> tuple[list[UpdateGroup], list[tuple[int, nn.Parameter]]]:
     """Sort the parameters that may update in groups, each ``(param group index, param,
-    handle, state, param group, draw, stored gradient)``, into update groups; the
-    ``(param group index, param)`` of those that take their own update."""
+    handle, state, param group, draw, stored gradient, position among the optimizer's
+    parameters)``, into update groups; the ``(param group index, param)`` of those that
+    take their own update."""
     grouped: dict[GroupKey, tuple[list[Any], list[int]]] = {}
     alone = []
-    for index, param, handle, param_state, group, draw, grad in candidates:
+    for index, param, handle, param_state, group, draw, grad, position in candidates:
         inputs = update_inputs(param, handle, param_state, group, grad)
         width = None if inputs is None else groupable(inputs[0], param, handle, param_state)
         if inputs is None or width is None:
@@ -322,7 +337,7 @@ def build_groups(
             continue
         key = GroupKey(index, inputs[0], width, param.device, float(param_state["step"]))
         entries, draws = grouped.setdefault(key, ([], []))
-        entries.append((param, handle, param_state))
+        entries.append((param, handle, param_state, position))
         draws.append(draw)
     return [UpdateGroup(key, entries, draws) for key, (entries, draws) in grouped.items()], alone
 
@@ -349,7 +364,7 @@ class UpdatePlan:
         gradient buffer (after ``gather``) and the gradients outside the groups."""
         return [group.tensors.grad for group in self.groups] + self.other_grads
 
-    def gather(self, updates: dict[nn.Parameter, tuple[Any, dict[str, Any]]]) -> bool:
+    def gather(self, updates: list[tuple[Any, dict[str, Any]] | None]) -> bool:
         """Every group's ``gather`` of this step's ``updates``; False where one no longer fits."""
         return all(group.gather(updates) for group in self.groups)
 

@@ -250,21 +250,25 @@ def quantize_tiles(
     return quantize_rounded(x, expand_scale(scale, tuple(x.shape), block_size), dtype, noise_key), scale
 
 
-_NONFINITE_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
-"""The bits of an FP8 byte (sign masked out) that are all set exactly where the value is
-inf or NaN: E4M3FN's one NaN pattern (it has no inf), E5M2's all-ones exponent."""
+_NONFINITE_FROM = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+"""The smallest positive byte of an FP8 format that is inf or NaN: E4M3FN's NaN (it has no
+inf), E5M2's inf. Every byte from it up to 0x7F is inf or NaN, and so is every byte from
+it | 0x80 up to 0xFF (the same values, negative)."""
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A bool scalar tensor: True when no tensor holds an inf or NaN. FP8 tensors are read
-    as bytes (one byte per element, not four for a float32 copy); the others take one
-    multi-tensor absolute max (inf or NaN exactly where one of the values is)."""
+    """A bool scalar tensor: True when no tensor holds an inf or NaN. An FP8 tensor is read
+    as its bytes, twice, with no temporary: its largest byte as int8 (the positive values:
+    inf and NaN are the largest codes) and as uint8 (the negative ones). The others take
+    one multi-tensor absolute max (inf or NaN exactly where one of the values is)."""
     finite = []
     wide = []
     for tensor in tensors:
-        bits = _NONFINITE_BITS.get(tensor.dtype)
-        if bits is not None:
-            finite.append(((tensor.view(torch.uint8) & bits) != bits).all())
+        first = _NONFINITE_FROM.get(tensor.dtype)
+        if first is not None:
+            if tensor.numel():
+                finite.append(tensor.view(torch.int8).amax() < first)
+                finite.append(tensor.view(torch.uint8).amax() < (first | 0x80))
         elif tensor.numel():
             wide.append(tensor if tensor.element_size() > 1 else tensor.float())
     if wide:

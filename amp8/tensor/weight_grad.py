@@ -110,6 +110,11 @@ class WeightGrad(WeightGradDispatch):
         scale = torch.ones(layout.scale_shape(shape), device=device)
         return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
 
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(FP8 data, scales, block size)`` as ``fp8`` holds them, without building it
+        (an optimizer step reads thousands)."""
+        return self._data, self._scale, self.grad_layout.block_size
+
     @property
     def fp8(self) -> ScaledTensor:
         """The FP8 data and scales, sharing their memory (changes show in the gradient)."""
