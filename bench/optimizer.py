@@ -8,7 +8,8 @@ Step time: one optimizer step over square FP8 layers (``--widths``: each layer w
 width) holding the given number of parameters, with gradients already in place:
 torch.optim.AdamW (foreach on the CPU, fused on CUDA) over FP32 layers of the same shapes,
 and amp8's LowBitAdam at O1, O2 and O3 (``--levels``) with its torch.compile'd step (``fused=True``)
-and, unless ``--fused-only``, its reference step (unfused), in the same process. Each row
+and, unless ``--fused-only``, its eager step (``fused=False``: the update groups run
+eagerly), in the same process. Each row
 starts from a fresh compiler: its first fused step compiles (``fused_first_step_s``;
 ``fused_compile_s`` is that less one timed step), outside the timing. Rows go width by
 width, then size by size, then level by level, and the JSON is rewritten after each, so a
@@ -66,7 +67,7 @@ def first_call_s(fn: Any, device: torch.device) -> float:
 def step_row(millions: int, width: int, level: str, device: torch.device, repeats: int,
              reference_step: bool) -> dict[str, Any]:
     """One row: ms per step of torch AdamW and LowBitAdam at ``level`` (fused, and the
-    reference step where ``reference_step``), their ratios and the fused compile seconds."""
+    eager step where ``reference_step``), their ratios and the fused compile seconds."""
     reset_compiler()
     free_memory(device)
     torch.manual_seed(0)
