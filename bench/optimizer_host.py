@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> Path:
             "layer": f"Linear({WIDTH}, {WIDTH}) with bias, layer_selection='all'", "rows": rows,
         }, args.out)
     table = Table(title="optimizer step over small FP8 layers: ms (ops) per step, one thread")
-    for column in ["layers", "torch fused AdamW", *(f"{level} {name}" for level in LEVELS for name in ("grouped", "per tensor", "compiled"))]:
+    variants = ("grouped", "per tensor", "compiled")
+    for column in ["layers", "torch fused AdamW", *(f"{level} {name}" for level in LEVELS for name in variants)]:
         table.add_column(column, justify="right")
     for result in rows:
         cells = [str(result["layers"]), f"{result['torch_fused_adamw_ms']:.2f} ({result['torch_fused_adamw_ops']})"]

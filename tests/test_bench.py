@@ -616,3 +616,19 @@ def test_step_profile_calibration_reproduces_the_baseline(measured_ms: float) ->
     assert step == pytest.approx(measured_ms / 1e3, rel=1e-9), step
     with pytest.raises(ValueError, match="compiled_factor"):  # faster than even free compiled work allows
         step_profile.calibrate(baseline, 300.0)
+
+
+optimizer_host = load_bench("optimizer_host")
+
+
+def test_optimizer_host_counts_a_fixed_number_of_operations(tmp_path: Path) -> None:
+    """bench/optimizer_host.py, eager rows only: the grouped step dispatches as many
+    operations for 6 layers as for 2, the per-tensor step more, and every row is written."""
+    path = optimizer_host.main(["--layers", "2", "6", "--repeats", "1", "--no-compile", "--out", str(tmp_path)])
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "optimizer_host" and record["torch"] == torch.__version__
+    small, large = record["rows"]
+    for level in optimizer_host.LEVELS:
+        assert small[f"{level}_grouped_ops"] == large[f"{level}_grouped_ops"], level
+        assert small[f"{level}_per_tensor_ops"] < large[f"{level}_per_tensor_ops"], level
+        assert large[f"{level}_grouped_ms"] > 0 and f"{level}_grouped_compiled_ms" not in large

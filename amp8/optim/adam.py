@@ -404,7 +404,9 @@ class LowBitAdam(torch.optim.Optimizer):
             self._plan = plan
             if not plan.gather(updates):
                 raise RuntimeError("amp8: an update group does not hold the tensors it was just built from")
-        positions = {id(param): position for position, (_, param) in enumerate(self._params_in_order())} if plan.alone else {}
+        positions = (
+            {id(param): position for position, (_, param) in enumerate(self._params_in_order())} if plan.alone else {}
+        )
         plan.other_grads = [
             update[0][0] if (update := updates[positions[id(param)]]) is not None else self.gradient(param)
             for _, param in plan.alone
@@ -498,7 +500,10 @@ class LowBitAdam(torch.optim.Optimizer):
             if param in self.weights or draws_stochastically:
                 draws[param] = len(draws)
             if kind == "update" and self.grouped:
-                candidates.append((index, param, self.weights.get(param), self.state[param], self.param_groups[index], draws.get(param, 0), updates[position][0], position))
+                candidates.append((
+                    index, param, self.weights.get(param), self.state[param], self.param_groups[index],
+                    draws.get(param, 0), updates[position][0], position,
+                ))
             else:
                 alone.append((index, param))
         groups, ungrouped = build_groups(candidates)
@@ -528,7 +533,8 @@ class LowBitAdam(torch.optim.Optimizer):
         )
         # Stored moments: the step is held to exact Adam's bound (amp8.optim.bound).
         exp_avg, exp_avg_sq, weight = fused_step.adam_arithmetic(
-            grad, exp_avg, exp_avg_sq, weight, scalars, decay=fused_step.decay_of(group), maximize=bool(group["maximize"]),
+            grad, exp_avg, exp_avg_sq, weight, scalars,
+            decay=fused_step.decay_of(group), maximize=bool(group["maximize"]),
             bounded=state_storage.low_bit_moments(param_state),
         )
         noise_key = self.stored.update_noise_key(param)

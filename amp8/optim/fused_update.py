@@ -18,7 +18,9 @@ from amp8.tensor.stored import StoredWeight
 from amp8.tensor.weight_grad import WeightGrad
 
 
-def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+def stored_grad(
+    param: nn.Parameter, handle: StoredWeight | None
+) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
     """``(data, scales, block size)`` of ``param``'s gradient as stored (FP8 with scales
     for an FP8 layer's weight, else ``param.grad`` without), or None without one."""
     if handle is not None:

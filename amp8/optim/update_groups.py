@@ -93,7 +93,10 @@ class UpdateGroup:
     """The flat buffers of one group's parameters and its step (see the module docstring)."""
 
     def __init__(
-        self, key: GroupKey, entries: list[tuple[nn.Parameter, StoredWeight | None, dict[str, Any], int]], draws: list[int]
+        self,
+        key: GroupKey,
+        entries: list[tuple[nn.Parameter, StoredWeight | None, dict[str, Any], int]],
+        draws: list[int],
     ) -> None:
         self.key = key
         spec, width, device = key.spec, key.width, key.device
@@ -105,7 +108,9 @@ class UpdateGroup:
         for index, (param, handle, param_state, position) in enumerate(entries):
             rows = -(-state_shape(param_state, param).numel() // width)
             grad_scales = rows if scales_per_row(spec.grad) else 1
-            self.members.append(Member(param, handle, param_state, first, rows, grad_scales=grad_scales, position=position))
+            self.members.append(
+                Member(param, handle, param_state, first, rows, grad_scales=grad_scales, position=position)
+            )
             row_tensor += [index] * rows
             row_offset += range(0, rows * width, width)
             first += rows
@@ -123,14 +128,15 @@ class UpdateGroup:
             return buffer(storage.dtype or torch.float32)
 
         weight_dtype = torch.float32 if spec.weight is fused.WeightKind.PLAIN else torch.float16
+        master = spec.weight is fused.WeightKind.MASTER
         self.tensors = GroupTensors(
             grad=stored(spec.grad), grad_scale=scales(spec.grad),
             exp_avg=stored(spec.exp_avg), exp_avg_scale=scales(spec.exp_avg),
             exp_avg_sq=stored(spec.exp_avg_sq), exp_avg_sq_scale=scales(spec.exp_avg_sq),
             weight=buffer(weight_dtype),
             weight_scale=None if spec.weight is fused.WeightKind.PLAIN else torch.ones(len(entries), device=device),
-            fp8_weight=buffer(spec.fp8_weight.dtype) if spec.weight is fused.WeightKind.MASTER else None,  # type: ignore[arg-type]
-            fp8_weight_scale=scales(spec.fp8_weight) if spec.weight is fused.WeightKind.MASTER else None,
+            fp8_weight=stored(spec.fp8_weight) if master else None,
+            fp8_weight_scale=scales(spec.fp8_weight) if master else None,
             row_tensor=torch.tensor(row_tensor, dtype=torch.int64, device=device),
             row_offset=torch.tensor(row_offset, dtype=torch.int64, device=device),
             draw=torch.tensor(draws, dtype=torch.int64, device=device),
@@ -152,7 +158,9 @@ class UpdateGroup:
             fp8_scales = self.tensors.fp8_weight_scale
             assert fp8_scales is not None
             self._scale_pieces = [
-                self._scale_view(fp8_scales, spec.fp8_weight, index, member, member.handle.stored_scale)  # type: ignore[union-attr]
+                self._scale_view(
+                    fp8_scales, spec.fp8_weight, index, member, member.handle.stored_scale  # type: ignore[union-attr]
+                )
                 for index, member in enumerate(self.members)
             ]
 
@@ -162,7 +170,9 @@ class UpdateGroup:
         start = member.first_row * self.key.width
         return buffer.view(-1)[start:start + like.numel()].view(like.shape)
 
-    def _scale_view(self, scales: torch.Tensor, storage: fused.Storage, index: int, member: Member, like: torch.Tensor) -> torch.Tensor:
+    def _scale_view(
+        self, scales: torch.Tensor, storage: fused.Storage, index: int, member: Member, like: torch.Tensor
+    ) -> torch.Tensor:
         """``member``'s scales in a group scale vector, shaped like ``like`` (its own)."""
         if scales_per_row(storage):
             return scales[member.first_row:member.first_row + member.rows].view(like.shape)
@@ -185,7 +195,8 @@ class UpdateGroup:
         if spec.weight is fused.WeightKind.MASTER:
             assert tensors.weight_scale is not None and tensors.fp8_weight is not None
             self._adopt(member, MASTER, tensors.weight)
-            self._adopt_scale(member, MASTER + state_storage.SCALE_SUFFIX, tensors.weight_scale, fused.Storage(torch.float16), index)
+            master_scale = MASTER + state_storage.SCALE_SUFFIX
+            self._adopt_scale(member, master_scale, tensors.weight_scale, fused.Storage(torch.float16), index)
             member.weight_view = self._view(tensors.fp8_weight, member, handle.data)
         else:
             member.weight_view = self._view(tensors.weight, member, handle.data)
@@ -231,7 +242,9 @@ class UpdateGroup:
                 return False
             grad, param_state = update
             views = member.views
-            if param_state is not member.state or not all(map(operator.is_, map(param_state.get, views), views.values())):
+            if param_state is not member.state:
+                return False
+            if not all(map(operator.is_, map(param_state.get, views), views.values())):
                 return False
             # The stored weight: the optimizer's Parameter is the layer's own (amp8 took it over in place).
             if member.weight_view is not None and getattr(member.param, "_data", None) is not member.weight_view:
@@ -299,7 +312,9 @@ def state_shape(param_state: dict[str, Any], param: nn.Parameter) -> torch.Size:
     return param_state.get(MASTER, param).shape
 
 
-def groupable(spec: fused.UpdateSpec, param: nn.Parameter, handle: StoredWeight | None, param_state: dict[str, Any]) -> int | None:
+def groupable(
+    spec: fused.UpdateSpec, param: nn.Parameter, handle: StoredWeight | None, param_state: dict[str, Any]
+) -> int | None:
     """The row width ``param``'s update takes in a group, or None where it takes its
     own update: a layout no width serves, an empty or huge tensor, a ``DTensor`` (FSDP2's
     shards), weight scales not already of the shape the step writes."""
