@@ -404,12 +404,9 @@ class LowBitAdam(torch.optim.Optimizer):
             self._plan = plan
             if not plan.gather(updates):
                 raise RuntimeError("amp8: an update group does not hold the tensors it was just built from")
-        positions = (
-            {id(param): position for position, (_, param) in enumerate(self._params_in_order())} if plan.alone else {}
-        )
         plan.other_grads = [
-            update[0][0] if (update := updates[positions[id(param)]]) is not None else self.gradient(param)
-            for _, param in plan.alone
+            update[0][0] if (update := updates[position]) is not None else self.gradient(param)
+            for _, param, position in plan.alone
         ] + [param.grad for params in plan.plain.values() for param in params]
         return plan
 
@@ -417,7 +414,7 @@ class LowBitAdam(torch.optim.Optimizer):
         """Every parameter's update with a gradient, each on the path ``plan`` gives it,
         rounding under the noise key the reference step would draw for it."""
         first_draw = self.stored.rounding_counter
-        for index, param in plan.alone:
+        for index, param, _ in plan.alone:
             self.stored.rounding_counter = first_draw + plan.draws.get(param, 0)
             group = self.param_groups[index]
             if self._runs_fused(param) and fused_update(
@@ -505,10 +502,9 @@ class LowBitAdam(torch.optim.Optimizer):
                     draws.get(param, 0), updates[position][0], position,
                 ))
             else:
-                alone.append((index, param))
+                alone.append((index, param, position))
         groups, ungrouped = build_groups(candidates)
-        order = {id(param): position for position, (_, param) in enumerate(params)}
-        alone = sorted(alone + ungrouped, key=lambda entry: order[id(entry[1])])
+        alone = sorted(alone + ungrouped, key=lambda entry: entry[2])
         return UpdatePlan(signature, groups, alone, plain, draws, len(draws))
 
     def _runs_fused(self, param: nn.Parameter) -> bool:
@@ -522,15 +518,11 @@ class LowBitAdam(torch.optim.Optimizer):
 
     def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict[str, Any]) -> None:
         """``param``'s update, one eager operation at a time: the reference step."""
-        (beta1, beta2), weight_decay = group["betas"], group["weight_decay"]
         param_state = self.state[param]
         exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in MOMENTS)
         weight = self.stored.weight(param, param_state)
         param_state["step"] += 1
-        scalars = fused_step.coefficients(
-            group["lr"], beta1, beta2, group["eps"], weight_decay, group["decoupled_weight_decay"],
-            float(param_state["step"]), as_tensors=False,
-        )
+        scalars = fused_step.coefficients(group, float(param_state["step"]), as_tensors=False)
         # Stored moments: the step is held to exact Adam's bound (amp8.optim.bound).
         exp_avg, exp_avg_sq, weight = fused_step.adam_arithmetic(
             grad, exp_avg, exp_avg_sq, weight, scalars,

@@ -137,12 +137,11 @@ class Result(NamedTuple):
     fp8_weight_scale: torch.Tensor | None
 
 
-def coefficients(
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float,
-    as_tensors: bool = True,
-) -> Coefficients:
-    """The ``Coefficients`` of Adam step number ``step`` (1.0 for the first step), as
-    0-d float32 tensors (``as_tensors``) or floats."""
+def coefficients(group: dict[str, Any], step: float, as_tensors: bool = True) -> Coefficients:
+    """The ``Coefficients`` of Adam step number ``step`` (1.0 for the first step) under the
+    hyperparameters of a param ``group``, as 0-d float32 tensors (``as_tensors``) or floats."""
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    weight_decay, decoupled = group["weight_decay"], group["decoupled_weight_decay"]
     values = (
         1 - beta1, beta2, 1 - beta2, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, eps,
         1 - lr * weight_decay if decoupled else weight_decay, ratio_bound(beta1, beta2, step),

@@ -93,11 +93,7 @@ def fused_update(
         return False
     spec, tensors = inputs
     param_state["step"] += 1
-    beta1, beta2 = group["betas"]
-    scalars = fused.coefficients(
-        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
-        float(param_state["step"]),
-    )
+    scalars = fused.coefficients(group, float(param_state["step"]))
     result = steps(spec, tensors, scalars, next_noise_key())
     for key, data, scale in zip(
         MOMENTS, (result.exp_avg, result.exp_avg_sq), (result.exp_avg_scale, result.exp_avg_sq_scale)

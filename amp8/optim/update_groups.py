@@ -285,11 +285,7 @@ class UpdateGroup:
         """The update of every member (after ``gather``), then the scales and plain
         weights copied back to their owners and the step counts advanced."""
         self.step += 1
-        beta1, beta2 = group["betas"]
-        scalars = fused.coefficients(
-            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
-            self.step, as_tensors=as_tensors,
-        )
+        scalars = fused.coefficients(group, self.step, as_tensors=as_tensors)
         if as_tensors:
             step(self.key.spec, self.tensors, scalars, _int64(seed_part), _int64(first_draw))
         else:
@@ -337,18 +333,18 @@ def groupable(
 
 def build_groups(
     candidates: list[tuple[int, nn.Parameter, StoredWeight | None, dict[str, Any], dict[str, Any], int, Any, int]],
-) -> tuple[list[UpdateGroup], list[tuple[int, nn.Parameter]]]:
+) -> tuple[list[UpdateGroup], list[tuple[int, nn.Parameter, int]]]:
     """Sort the parameters that may update in groups, each ``(param group index, param,
     handle, state, param group, draw, stored gradient, position among the optimizer's
-    parameters)``, into update groups; the ``(param group index, param)`` of those that
-    take their own update."""
+    parameters)``, into update groups; the ``(param group index, param, position)`` of
+    those that take their own update."""
     grouped: dict[GroupKey, tuple[list[Any], list[int]]] = {}
     alone = []
     for index, param, handle, param_state, group, draw, grad, position in candidates:
         inputs = update_inputs(param, handle, param_state, group, grad)
         width = None if inputs is None else groupable(inputs[0], param, handle, param_state)
         if inputs is None or width is None:
-            alone.append((index, param))
+            alone.append((index, param, position))
             continue
         key = GroupKey(index, inputs[0], width, param.device, float(param_state["step"]))
         entries, draws = grouped.setdefault(key, ([], []))
@@ -364,15 +360,11 @@ class UpdatePlan:
 
     signature: list[tuple[int, str]]
     groups: list[UpdateGroup]
-    alone: list[tuple[int, nn.Parameter]]  # (param group index, param): their own update
+    alone: list[tuple[int, nn.Parameter, int]]  # (param group index, param, position): their own update
     plain: dict[tuple[int, torch.device], list[nn.Parameter]]  # torch's fused Adam (amp8.optim.plain_step)
     draws: dict[nn.Parameter, int]  # each update's noise draw, counted from the step's first
     total_draws: int
-    grouped: set[nn.Parameter] = field(default_factory=set)  # the members of ``groups``
     other_grads: list[torch.Tensor] = field(default_factory=list)  # this step's gradients outside the groups
-
-    def __post_init__(self) -> None:
-        self.grouped = {member.param for group in self.groups for member in group.members}
 
     def gradients(self) -> list[torch.Tensor]:
         """This step's gradients as stored, for the finiteness check: each group's

@@ -48,9 +48,10 @@ def hash32(x: Word) -> Word:
     return x ^ (x >> 16)
 
 
-def _signed32(word: int) -> int:
-    """The int32 with the same bits as the 32-bit word ``word``."""
-    return word - (1 << 32) if word >= 1 << 31 else word
+def _signed32(word: Word) -> Word:
+    """The int32 value with the same bits as the 32-bit word ``word`` (an int, or an int64
+    tensor of words)."""
+    return word - ((word >> 31) << 32)
 
 
 def _int32_index(numel: int, device: torch.device, width: int = 1024) -> torch.Tensor:
@@ -130,7 +131,7 @@ def random_bits_at(index: torch.Tensor, key: torch.Tensor | int, numel: int) -> 
     as ``random_bits`` gives it for each. int32 words eagerly where the indices fit in
     31 bits, int64 words otherwise."""
     if not torch.compiler.is_compiling() and numel < 1 << 31:
-        signed_key = _signed32(key) if isinstance(key, int) else (key - ((key >> 31) << 32)).to(torch.int32)
+        signed_key = _signed32(key) if isinstance(key, int) else _signed32(key).to(torch.int32)
         return _hash32_int32_(index.to(torch.int32) ^ signed_key)
     bits = hash32(key ^ (index & _MASK32))
     if numel > _MASK32:  # elements past 2**32 mix in the high word of their index
