@@ -16,7 +16,7 @@ import amp8
 from amp8.optim import LowBitAdam
 from amp8.optim import fused
 from amp8.optim.update_groups import TENSOR_ROW_WIDTH, row_width
-from conftest import assert_bitwise_equal, compact_state
+from conftest import assert_bitwise_equal, compact_state, cuda_fp8
 
 RECIPES = {
     "tensorwise": amp8.Recipe(),
@@ -50,9 +50,11 @@ def _model(layers: int = 2, width: int = 32) -> nn.Module:
     return nn.Sequential(*blocks, nn.LayerNorm(width))
 
 
-def _twins(level: str, recipe: amp8.Recipe, optimizer: str, layers: int = 2, **options: Any) -> tuple[list[nn.Module], list[LowBitAdam]]:
-    """One model and its copy: the first stepped tensor by tensor, the second in groups."""
-    model, _ = amp8.initialize(_model(layers), None, level, recipe)
+def _twins(level: str, recipe: amp8.Recipe, optimizer: str, layers: int = 2, device: str = "cpu",
+           **options: Any) -> tuple[list[nn.Module], list[LowBitAdam]]:
+    """One model and its copy on ``device``: the first stepped tensor by tensor, the second
+    in groups."""
+    model, _ = amp8.initialize(_model(layers).to(device), None, level, recipe)
     models = [model, copy.deepcopy(model)]
     optimizer_class, kwargs = OPTIMIZERS[optimizer]
     optimizers = [
@@ -63,10 +65,10 @@ def _twins(level: str, recipe: amp8.Recipe, optimizer: str, layers: int = 2, **o
 
 
 def _train(models: list[nn.Module], optimizers: list[LowBitAdam], steps: int, start: int = 0) -> None:
-    width = next(models[0].parameters()).shape[1]
+    first = next(models[0].parameters())
     for step in range(start, start + steps):
         torch.manual_seed(100 + step)
-        x = torch.randn(8, width)
+        x = torch.randn(8, first.shape[1]).to(first.device)
         for model, optimizer in zip(models, optimizers):
             optimizer.zero_grad()
             model(x).square().mean().backward()
@@ -96,6 +98,17 @@ def test_grouped_step_is_the_reference_step_bit_for_bit(level: str, recipe: str,
     """Eager, the groups compute every value with the reference's operations on the same
     inputs: weights, moments, scales, masters and noise draws all equal, step after step."""
     models, optimizers = _twins(level, RECIPES[recipe], optimizer)
+    _train(models, optimizers, steps=4)
+    assert optimizers[1]._plan is not None and optimizers[1]._plan.groups, "nothing was grouped"
+    _assert_identical(models, optimizers)
+
+
+@cuda_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_grouped_step_on_cuda_is_the_reference_step_bit_for_bit(level: str, recipe: str) -> None:
+    """The same on a CUDA GPU: the groups' buffers, views and noise keys on the device."""
+    models, optimizers = _twins(level, RECIPES[recipe], "adamw", device="cuda")
     _train(models, optimizers, steps=4)
     assert optimizers[1]._plan is not None and optimizers[1]._plan.groups, "nothing was grouped"
     _assert_identical(models, optimizers)
