@@ -96,9 +96,10 @@ OPTIMIZERS = {"compiled": True, "reference": False}  # --optimizer: LowBitAdam's
 RECORDED = RESULTS / "gpt-cuda.json"
 OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"
 # Host seconds per compiled-graph call on the recorded H100 machine, beyond its kernel
-# launches: bench/results/optimizer-cuda.json's six compiled optimizer-only runs (O1-O3,
-# 30M and 300M parameters) spend 0.28-0.64 ms per graph call more than their counted
-# launches and bytes, 0.45 ms on average; one number for every level and size.
+# launches: the six compiled optimizer-only runs of one graph per tensor (O1-O3, 30M and
+# 300M parameters; bench/results/optimizer-per-tensor-cuda.json) spend 0.28-0.64 ms per
+# graph call more than their counted launches and bytes, 0.45 ms on average; one number
+# for every level and size.
 GRAPH_CALL_S = 0.45e-3
 GPT_1B_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (blocks, batch) the gpt-1b counts are solved from
 
