@@ -81,6 +81,25 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats:
     return statistics.median(times)
 
 
+def time_alternately(first: Callable[[], Any], second: Callable[[], Any], device: torch.device, warmup: int,
+                     repeats: int) -> tuple[float, float]:
+    """Median wall times of ``first()`` and ``second()`` in seconds, each called in turn
+    ``repeats`` times after ``warmup`` untimed calls of both: whatever else the machine does
+    meanwhile slows both alike, so their ratio holds where either time alone would drift."""
+    for _ in range(warmup):
+        first()
+        second()
+    synchronize(device)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, spent in zip((first, second), times):
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            spent.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def write_result(name: str, device: torch.device, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
     """Write ``payload`` with the device, torch version and date to ``out_dir/name-<device>.json``,
     replacing the file whole."""

@@ -461,6 +461,11 @@ def saved_recipe(local_metadata: dict[str, Any] | None) -> dict[str, Any] | None
     return record
 
 
+def _own_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where it is a view into a larger storage."""
+    return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+
+
 def _state_dict_form(
     module: StoredWeightsModule, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
 ) -> None:
@@ -478,11 +483,13 @@ def _state_dict_form(
         if key not in state_dict or not isinstance(handle.param, ScaledWeight):
             continue
         if compact:
-            data = handle.data.detach()
-            # A weight kept in an optimizer's flat buffer (amp8.optim.update_groups) gets
-            # memory of its own: a checkpoint then holds this weight alone, and
+            # A weight or scales kept in an optimizer's flat buffers (amp8.optim.update_groups)
+            # get memory of their own: a checkpoint then holds this layer's alone, and
             # safetensors refuses tensors that share memory.
-            state_dict[key] = data.clone() if data.untyped_storage().nbytes() != data.nbytes else data
+            state_dict[key] = _own_memory(handle.data.detach())
+            scale_key = prefix + handle.scale_name
+            if scale_key in state_dict:
+                state_dict[scale_key] = _own_memory(state_dict[scale_key])
         else:
             state_dict[key] = handle.read().to(handle.param.dtype)
     if not compact:

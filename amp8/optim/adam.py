@@ -443,9 +443,10 @@ class LowBitAdam(torch.optim.Optimizer):
         optimizer was built gets its state here."""
         signature: list[tuple[int, str]] = []
         updates: list[tuple[Any, dict[str, Any]] | None] = []
+        states, weights, shard_optimizer = self.state, self.weights, self.level.shard_optimizer
         for group in self.param_groups:
             for param in group["params"]:
-                param_state = self.state.get(param)
+                param_state = states.get(param)
                 update = None
                 if not param_state:
                     if not param.requires_grad:
@@ -454,10 +455,10 @@ class LowBitAdam(torch.optim.Optimizer):
                         continue
                     # Frozen when this optimizer was built, trainable since: its state
                     # starts now (at O3 its master from the FP8 weight).
-                    param_state = self.state[param]
+                    param_state = states[param]
                     self.stored.init(param, param_state, None)
-                handle = self.weights.get(param)
-                if handle is not None and handle.sharded and self.level.shard_optimizer:
+                handle = weights.get(param)
+                if handle is not None and handle.sharded and shard_optimizer:
                     kind = "sharded" if self.gradient(param) is not None else "skip"
                 elif handle is None and takes_plain_step(param, param_state):
                     kind = "plain"

@@ -19,19 +19,22 @@ from torch import nn
 from amp8.optim.state import MOMENTS
 
 
+_PLAIN_STATE_KEYS = frozenset(("step", *MOMENTS))
+
+
 def takes_plain_step(param: nn.Parameter, param_state: dict[str, Any]) -> bool:
     """Whether ``param``'s update is plain float32 Adam: a float32 parameter with a dense
     float32 gradient and float32 moments (no scales), and no master weight."""
-    if len(param_state) != 1 + len(MOMENTS):  # scales or a master weight beside the moments
+    if param_state.keys() != _PLAIN_STATE_KEYS:  # scales or a master weight beside the moments
         return False
     grad = param.grad
     return (
-        param.dtype == torch.float32
+        param.dtype is torch.float32
         and type(grad) is torch.Tensor  # not an FP8 weight's gradient
-        and grad.dtype == torch.float32
+        and grad.dtype is torch.float32
         and not grad.is_sparse
-        and set(param_state) == {"step", *MOMENTS}  # no scales, no master weight
-        and all(param_state[key].dtype == torch.float32 for key in MOMENTS)
+        and param_state[MOMENTS[0]].dtype is torch.float32
+        and param_state[MOMENTS[1]].dtype is torch.float32
     )
 
 

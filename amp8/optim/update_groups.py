@@ -6,13 +6,14 @@ A group holds the parameters of one param group, device, ``UpdateSpec``, row wid
 step count. Their moments (and O3's master weights) live in the group's buffers: each
 parameter's state holds views into them, so checkpoints, ``optimizer.state`` and the
 reference step see ordinary tensors. So does an FP8 layer's stored weight (the
-``ScaledWeight``'s data is a view into the group's weight buffer). Each step copies the
-gradients in (one copy over all of them), runs one update over the buffers, and copies
-the weights' scales out; the work per step is a fixed number of tensor operations per
-group, whatever the number of parameters.
+``ScaledWeight``'s data is a view into the group's weight buffer, its layer's scale
+buffer a view into the group's scales). Each step copies the gradients in (one copy over
+all of them) and runs one update over the buffers; the work per step is a fixed number of
+tensor operations per group, whatever the number of parameters, and the Python work per
+parameter is a few passes over lists.
 
 Anything that replaces a view (``load_state_dict``, a model moved with ``.to()``, a
-parameter that has no gradient this step) is found by the next step, which builds the
+layer's scales re-stored at another shape, a parameter that has no gradient this step) is found by the next step, which builds the
 groups again from the tensors in place.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Callable
 
 import torch
@@ -37,6 +39,9 @@ TENSOR_ROW_WIDTH = 256
 """Elements per buffer row where every scale is per tensor (for tensors of at least that
 many elements; smaller ones take the power of two that holds them): what a tensor's last
 row may leave unused (zero padding)."""
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 GroupStep = Callable[[fused.UpdateSpec, GroupTensors, fused.Coefficients, int, Any], None]
 
@@ -149,9 +154,10 @@ class UpdateGroup:
             member.state["step"] = member.views["step"] = self._steps[index]
         self._grad_views = [self._view(self.tensors.grad, member, member.param) for member in self.members]
         self._weight_views = [self._view(self.tensors.weight, member, member.param) for member in self.members]
-        # Each stored weight's new scales, where the step writes them (copied to the layers).
+        # Each stored weight's scales, where the step writes them: the layers' scale
+        # buffers are views into the group's scale vector, as their weights are into its
+        # weight buffer.
         self._scale_pieces: list[torch.Tensor] = []
-        self._scale_buffers: list[torch.Tensor] = []  # the layers' own, as ``gather`` found them
         if spec.weight is fused.WeightKind.FP16_SCALED:
             self._scale_pieces = list(self.tensors.weight_scale.unbind())  # type: ignore[union-attr]
         elif spec.weight is fused.WeightKind.MASTER:
@@ -163,6 +169,9 @@ class UpdateGroup:
                 )
                 for index, member in enumerate(self.members)
             ]
+        for member, piece in zip(self.members, self._scale_pieces):
+            member.handle.place_scale(piece)  # type: ignore[union-attr]
+        self._index()
 
     # -- layout ------------------------------------------------------------------------
     def _view(self, buffer: torch.Tensor, member: Member, like: torch.Tensor) -> torch.Tensor:
@@ -226,42 +235,68 @@ class UpdateGroup:
             handle = member.handle
             if handle is not None and member.weight_view is not None and handle.data is member.weight_view:
                 handle.place(member.weight_view.clone())
+        for handle, (registry, name), piece in zip(self._handles, self._scale_slots, self._scale_pieces):
+            if registry.get(name) is piece:
+                handle.place_scale(piece.clone())
 
     # -- a step --------------------------------------------------------------------------
+    def _index(self) -> None:
+        """Flat lists over the members, so that a step checks and copies what the group
+        holds in a few passes over lists rather than Python work per member."""
+        members = self.members
+        self._positions = [member.position for member in members]
+        self._last_position = max(self._positions)
+        self._states = [member.state for member in members]
+        self._view_owners = [member.state for member in members for _ in member.views]
+        self._view_keys = [key for member in members for key in member.views]
+        self._view_tensors = [view for member in members for view in member.views.values()]
+        self._params = [member.param for member in members]
+        self._shapes = [member.param.shape for member in members]
+        self._grad_scale_counts = [member.grad_scales for member in members]
+        self._placed_weights = [member.weight_view for member in members if member.weight_view is not None]
+        handles = [member.handle for member in members if member.handle is not None]
+        self._handles = handles if self.key.spec.weight is not fused.WeightKind.PLAIN else []
+        self._scale_slots = [handle.scale_slot() for handle in self._handles]
+        self._drop_caches = [handle.cache_dropper() for handle in self._handles]
+
     def gather(self, updates: list[tuple[Any, dict[str, Any]] | None]) -> bool:
-        """Copy this step's gradients (and the scales of the stored weights) into the
-        buffers, from ``updates`` (each parameter's stored gradient and its state, by its
-        position among the optimizer's parameters). False,
-        with nothing changed but the gradient buffer, where a member's state, weight or
-        gradient is no longer what the group was built on."""
+        """Copy this step's gradients (and plain weights) into the buffers, from
+        ``updates`` (each parameter's stored gradient and its state, by its position among
+        the optimizer's parameters). False, with nothing changed, where a member's state,
+        weight, scales or gradient is no longer what the group was built on."""
+        if self._last_position >= len(updates):
+            return False
+        picked = list(map(updates.__getitem__, self._positions))
+        if any(map(operator.is_, picked, repeat(None))):
+            return False
+        grads, states = zip(*picked)
+        if not all(map(operator.is_, states, self._states)):
+            return False
+        if not all(map(operator.is_, map(dict.get, self._view_owners, self._view_keys), self._view_tensors)):
+            return False
+        # The stored weights: the optimizer's Parameter is the layer's own (amp8 took it over in place).
+        if self._placed_weights and not all(
+            map(operator.is_, map(getattr, self._params, repeat("_data"), repeat(None)), self._placed_weights)
+        ):
+            return False
+        # The layers' scale buffers are still the group's (a load, ``.to()`` or a change of
+        # recipe replaces them).
+        if self._scale_slots and not all(
+            map(operator.is_, map(dict.get, *zip(*self._scale_slots)), self._scale_pieces)
+        ):
+            return False
+        datas, grad_scales, _ = zip(*grads)
+        if list(map(_SHAPE, datas)) != self._shapes:
+            return False
         spec = self.key.spec
-        grads, grad_scales = [], []
-        for member in self.members:
-            update = updates[member.position] if member.position < len(updates) else None
-            if update is None:
+        if spec.grad.dtype is None:
+            if not all(map(torch.Tensor.is_floating_point, datas)):
                 return False
-            grad, param_state = update
-            views = member.views
-            if param_state is not member.state:
-                return False
-            if not all(map(operator.is_, map(param_state.get, views), views.values())):
-                return False
-            # The stored weight: the optimizer's Parameter is the layer's own (amp8 took it over in place).
-            if member.weight_view is not None and getattr(member.param, "_data", None) is not member.weight_view:
-                return False
-            if grad[0].shape != member.param.shape:
-                return False
-            data, scale, _ = grad
-            if spec.grad.dtype is None:
-                if not data.is_floating_point():
-                    return False
-            elif data.dtype != spec.grad.dtype or scale is None or scale.dtype != torch.float32 \
-                    or scale.numel() != member.grad_scales:
-                return False
-            else:
-                grad_scales.append(scale)
-            grads.append(data)
-        torch._foreach_copy_(self._grad_views, grads)
+        elif set(map(_DTYPE, datas)) != {spec.grad.dtype} or any(map(operator.is_, grad_scales, repeat(None))) \
+                or set(map(_DTYPE, grad_scales)) != {torch.float32} \
+                or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
+            return False
+        torch._foreach_copy_(self._grad_views, datas)
         tensors = self.tensors
         if tensors.grad_scale is not None:
             if scales_per_row(spec.grad):  # (R, 1) each
@@ -269,21 +304,14 @@ class UpdateGroup:
             else:  # 0-d each
                 torch.stack(grad_scales, out=tensors.grad_scale)
         if spec.weight is fused.WeightKind.PLAIN:
-            torch._foreach_copy_(self._weight_views, [member.param for member in self.members])
+            torch._foreach_copy_(self._weight_views, self._params)
             return True
-        # The layers' scale buffers: read now, written by ``run``.
-        self._scale_buffers = [member.handle.stored_scale for member in self.members]  # type: ignore[union-attr]
-        if spec.weight is fused.WeightKind.FP16_SCALED:
-            torch.stack(self._scale_buffers, out=tensors.weight_scale)
-        elif scales_per_row(spec.fp8_weight):  # (R, 1) each
-            torch.cat(self._scale_buffers, out=tensors.fp8_weight_scale.view(-1, 1))  # type: ignore[union-attr]
-        else:
-            torch.stack(self._scale_buffers, out=tensors.fp8_weight_scale)  # type: ignore[arg-type]
         return True
 
     def run(self, step: GroupStep, group: dict[str, Any], seed_part: int, first_draw: int, as_tensors: bool) -> None:
-        """The update of every member (after ``gather``), then the scales and plain
-        weights copied back to their owners and the step counts advanced."""
+        """The update of every member (after ``gather``), then the plain weights copied
+        back to their Parameters (the stored weights and their scales are the buffers'
+        views), the layers told to drop their casts, and the step counts advanced."""
         self.step += 1
         scalars = fused.coefficients(group, self.step, as_tensors=as_tensors)
         if as_tensors:
@@ -292,11 +320,10 @@ class UpdateGroup:
             step(self.key.spec, self.tensors, scalars, seed_part, first_draw)
         self._steps.add_(1.0)
         if self.key.spec.weight is fused.WeightKind.PLAIN:
-            torch._foreach_copy_([member.param for member in self.members], self._weight_views)
+            torch._foreach_copy_(self._params, self._weight_views)
             return
-        torch._foreach_copy_(self._scale_buffers, self._scale_pieces)
-        for member in self.members:
-            member.handle.changed()  # type: ignore[union-attr]
+        for drop_cache in self._drop_caches:  # the layers' casts of the old weights
+            drop_cache()
 
 
 def _int64(value: int) -> torch.Tensor:

@@ -256,6 +256,10 @@ inf), E5M2's inf. Every byte from it up to 0x7F is inf or NaN, and so is every b
 it | 0x80 up to 0xFF (the same values, negative)."""
 
 
+_SMALL_ELEMENTS = 1 << 14
+"""Tensors up to this many elements that ``all_finite`` concatenates before reading."""
+
+
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A bool scalar tensor: True when no tensor holds an inf or NaN. An FP8 tensor is read
     as its bytes, twice, with no temporary: its largest byte as int8 (the positive values:
@@ -263,6 +267,7 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     one multi-tensor absolute max (inf or NaN exactly where one of the values is)."""
     finite = []
     wide = []
+    small: dict[tuple[torch.dtype, torch.Size], list[torch.Tensor]] = {}
     for tensor in tensors:
         first = _NONFINITE_FROM.get(tensor.dtype)
         if first is not None:
@@ -270,7 +275,14 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
                 finite.append(tensor.view(torch.int8).amax() < first)
                 finite.append(tensor.view(torch.uint8).amax() < (first | 0x80))
         elif tensor.numel():
-            wide.append(tensor if tensor.element_size() > 1 else tensor.float())
+            tensor = tensor if tensor.element_size() > 1 else tensor.float()
+            if tensor.numel() <= _SMALL_ELEMENTS and tensor.dim():
+                small.setdefault((tensor.dtype, tensor.shape[1:]), []).append(tensor)
+            else:
+                wide.append(tensor)
+    # Many small tensors (biases, norms) are read as one: where a multi-tensor kernel runs
+    # one tensor at a time (the CPU), the concatenation costs less than a call for each.
+    wide += [torch.cat(alike) if len(alike) > 1 else alike[0] for alike in small.values()]
     if wide:
         finite.append(torch.isfinite(torch.stack(torch._foreach_norm(wide, math.inf)).float()).all())
     if not finite:

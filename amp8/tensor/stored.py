@@ -400,10 +400,37 @@ class StoredWeight:
                 memory.copy_(current)
             param._data = memory
 
+    def place_scale(self, memory: torch.Tensor) -> None:
+        """Keep the scale buffer in ``memory`` (a tensor of its dtype and shape, such as a
+        view into an optimizer's vector of scales): the scales are copied there, and the
+        layer and the Parameter hold ``memory`` from now on."""
+        current = self.stored_scale
+        if memory.dtype != current.dtype or memory.shape != current.shape:
+            raise ValueError(
+                f"cannot keep scales of {current.dtype} {tuple(current.shape)} in a tensor of "
+                f"{memory.dtype} {tuple(memory.shape)}"
+            )
+        if memory is not current:
+            with torch.no_grad():
+                memory.copy_(current)
+            self._module._buffers[self.scale_name] = memory
+            self.refresh()
+
     def changed(self) -> None:
         """Say that the stored tensor or its scales were written in place (by an
         optimizer step over its memory): the layer drops its cached casts."""
         self._module.drop_weight_cache()
+
+    def cache_dropper(self) -> Callable[[], None]:
+        """What ``changed`` calls, bound to the layer: for a caller that says so of
+        thousands of weights each step (it holds the layer while it keeps this)."""
+        return self._module.drop_weight_cache
+
+    def scale_slot(self) -> tuple[dict[str, Any], str]:
+        """The layer's buffer registry and the scale buffer's name in it: ``stored_scale``
+        is ``registry.get(name)`` wherever that is not None, read with no lookup through
+        the layer (a caller that reads thousands of them each step keeps the registry)."""
+        return self._module._buffers, self.scale_name
 
     def restore(self, storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
