@@ -389,30 +389,16 @@ class StoredWeight:
         a view into an optimizer's flat buffer): the values are copied there and the
         Parameter holds ``memory`` from now on."""
         param = self.param
-        current = self.data
-        if not isinstance(param, ScaledWeight) or memory.dtype != current.dtype or memory.shape != current.shape:
-            raise ValueError(
-                f"cannot keep a stored weight of {current.dtype} {tuple(current.shape)} in a tensor of "
-                f"{memory.dtype} {tuple(memory.shape)}"
-            )
-        if memory is not current:
-            with torch.no_grad():
-                memory.copy_(current)
+        if not isinstance(param, ScaledWeight):
+            raise ValueError(f"the weight {self.name!r} is kept as it is, not stored: nothing to place")
+        if _copied_into(memory, self.data, "a stored weight"):
             param._data = memory
 
     def place_scale(self, memory: torch.Tensor) -> None:
         """Keep the scale buffer in ``memory`` (a tensor of its dtype and shape, such as a
         view into an optimizer's vector of scales): the scales are copied there, and the
         layer and the Parameter hold ``memory`` from now on."""
-        current = self.stored_scale
-        if memory.dtype != current.dtype or memory.shape != current.shape:
-            raise ValueError(
-                f"cannot keep scales of {current.dtype} {tuple(current.shape)} in a tensor of "
-                f"{memory.dtype} {tuple(memory.shape)}"
-            )
-        if memory is not current:
-            with torch.no_grad():
-                memory.copy_(current)
+        if _copied_into(memory, self.stored_scale, "scales"):
             self._module._buffers[self.scale_name] = memory
             self.refresh()
 
@@ -574,3 +560,18 @@ def is_fp8_weight(param: torch.Tensor) -> bool:
 
 
 __all__ = ["StoredWeight", "WeightGrad", "encode_fp16", "float_grad", "is_fp8_weight", "is_sharded", "stored_weight"]
+
+
+def _copied_into(memory: torch.Tensor, current: torch.Tensor, what: str) -> bool:
+    """Copy ``current`` into ``memory`` (same dtype and shape, else a ValueError naming
+    ``what``); False where ``memory`` is ``current`` already."""
+    if memory.dtype != current.dtype or memory.shape != current.shape:
+        raise ValueError(
+            f"cannot keep {what} of {current.dtype} {tuple(current.shape)} in a tensor of "
+            f"{memory.dtype} {tuple(memory.shape)}"
+        )
+    if memory is current:
+        return False
+    with torch.no_grad():
+        memory.copy_(current)
+    return True
