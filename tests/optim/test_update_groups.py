@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp8
@@ -188,6 +190,11 @@ def test_groups_are_rebuilt_when_what_they_hold_changes(level: str) -> None:
             model[0].weight.mul_(0.5)
     _train(models, optimizers, steps=2, start=4)
     _assert_identical(models, optimizers)
+    for model in models:  # a compact checkpoint assigned: new weights and scale buffers
+        with amp8.compact_state_dict(model):
+            model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    _train(models, optimizers, steps=2, start=6)
+    _assert_identical(models, optimizers)
 
 
 def test_moments_and_weights_live_in_the_group_buffers() -> None:
@@ -203,10 +210,27 @@ def test_moments_and_weights_live_in_the_group_buffers() -> None:
                 assert state[key]._base is getattr(group.tensors, key)
             if member.handle is not None:
                 assert member.handle.data._base is group.tensors.weight
+                assert member.handle.stored_scale._base is group.tensors.weight_scale
         used = sum(member.param.numel() for member in group.members)
         assert int(group.tensors.exp_avg.float().ne(0).sum()) <= used
         rows = group.tensors.exp_avg.shape[0]
         assert rows == sum(-(-member.param.numel() // group.key.width) for member in group.members)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_compact_checkpoint_gives_each_layer_its_own_memory(level: str) -> None:
+    """The weights and scales a group holds are saved as tensors of their own: the
+    checkpoint holds each layer's alone, and safetensors takes it."""
+    model, _ = amp8.initialize(_model(2), None, level, amp8.Recipe())
+    optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), amp8.LEVELS[level])
+    _train([model], [optimizer], steps=2)
+    with amp8.compact_state_dict(model):
+        state = model.state_dict()
+    for key, value in state.items():
+        assert value.untyped_storage().nbytes() == value.nbytes, key
+    loaded = load_safetensors(save_safetensors(state))
+    for key, value in state.items():
+        assert_bitwise_equal(loaded[key], value)
 
 
 def test_row_width_follows_the_storage() -> None:
