@@ -7,8 +7,9 @@ simple H100 model that turns the counts into milliseconds.
     python bench/step_profile.py --preset gpt-1b     # counts for the recorded H100 run
 
 Each level builds amp8's byte-level GPT (amp8/tools/experiments/gpt.py) from the same
-seeded weights and runs eagerly under BF16 autocast, as bench/gpt.py runs on CUDA:
-O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
+seeded weights and runs under BF16 autocast, as bench/gpt.py runs on CUDA, with each
+transformer block compiled as there (``--blocks compiled``, the default for gpt-1b) or
+eagerly (``--blocks eager``, the default otherwise): O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
 ``amp8.initialize`` with amp8's optimizer step compiled as on CUDA (``--optimizer
 compiled``, ``LowBitAdam(fused=True)``) or its eager reference (``--optimizer reference``,
 every operation of the update visible). One warm-up step, then ``--steps`` plain steps give the host
@@ -23,9 +24,14 @@ time per phase (median), then one step under a ``TorchDispatchMode`` gives the c
   in-place result is counted as read and written);
 - GEMM FLOPs from ``torch.utils.flop_counter``'s formulas: ``_scaled_mm`` as FP8, the
   rest (mm, addmm, bmm, attention) as high precision.
-- graph calls: calls of compiled graphs, each with the bytes of its tensor inputs,
-  outputs and in-place writes and the GPU kernels its generated code stands for
-  (``compiled_graphs.GraphCalls``), however the optimizer groups its parameters into them.
+- graph calls: calls of compiled graphs (the blocks' forward and backward, the optimizer's
+  update however it groups its parameters), each with the GPU kernels its generated code
+  stands for and the bytes those kernels' arguments hold (``compiled_graphs.GraphCalls``);
+  the GEMMs and fallbacks a graph calls (``extern_kernels``) are aten operations this mode
+  sees: their bytes and FLOPs go to the graph's counts;
+- int ops: element operations on int32 and int64 tensors (the stochastic rounding's hash).
+  The compiled update's are counted on one more step of the same update run eagerly
+  (``add_update_int_ops``).
 Inside amp8's optimizer step the operations are split by the amp8 function they run
 in (``OPTIMIZER_PARTS``): the finiteness check, the gradients copied into the update
 groups' buffers (or read one by one), the update, the moment and weight stores, and
@@ -36,9 +42,12 @@ bilinear in the block count L and the batch B at fixed width and context, so the
 runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
 ``a + b L + c B + d L B``: exact for the counts; no host time (the small preset gives it).
 The H100 model (``H100Model``) keeps two clocks, host and GPU, over the step's stretches
-and joins them at each sync and at the step's end; calibrated once on the recorded BF16
-baseline, its predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
-presets write step_profile-<preset>-<device>.json with the uncalibrated (eager) model.
+and joins them at each sync and at the step's end. Two constants are fitted: the cost of
+an integer element operation on the optimizer-only H100 runs (bench/results/optimizer-cuda.json,
+``fit_int_op_s``), then the GEMMs' share of the dense peaks on the recorded BF16 baseline
+step (``calibrate``). Its predictions of the step, forward+backward and optimizer phases
+against bench/results/gpt-cuda.json go to step_profile-<device>.json; other presets write
+step_profile-<preset>-<device>.json with the uncalibrated model.
 """
 
 from __future__ import annotations
