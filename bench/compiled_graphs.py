@@ -13,7 +13,8 @@ is counted as it runs, with nothing assumed about the caller. Per call:
   ``extern_kernels`` calls such as GEMMs and the aten operations it falls back to);
 - kernel bytes: the nbytes of every tensor argument of each generated kernel it calls
   (``kernel_bytes``), inputs and the buffers it allocates alike, so an intermediate that
-  one kernel writes and the next reads is counted twice, as a GPU moves it. The
+  one kernel writes and the next reads is counted twice, as a GPU moves it; for a graph
+  with symbolic sizes, its inputs, outputs and in-place writes. The
   ``extern_kernels`` and fallback calls are aten operations that a ``TorchDispatchMode``
   sees: their bytes and FLOPs are for the caller to count.
 """
@@ -50,7 +51,7 @@ class GraphCall:
     read_bytes: int  # tensor inputs
     written_bytes: int  # tensor outputs and inputs written in place
     kernels: int  # kernels its generated code launches
-    kernel_bytes: int = 0  # tensor arguments of its generated kernels (not its extern calls)
+    kernel_bytes: int = 0  # tensor arguments of its generated kernels (not its extern calls); see GraphCalls
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +137,7 @@ class GraphCalls:
     def __init__(self, on_call: Callable[[GraphCall], None]) -> None:
         self.on_call = on_call
         self.inside = 0
-        self._pending: list[tuple[list[int], int, int, int]] = []
+        self._pending: list[tuple[list[int], int, int, int | None]] = []
         self._previous: Any = None
 
     def __enter__(self) -> "GraphCalls":
@@ -156,11 +157,16 @@ class GraphCalls:
             arguments = list(frame.f_locals["inputs"])
             inputs = _tensor_bytes(arguments)
             mutated = sum(inputs[i] for i in graph.mutated_input_idxs)
-            moved = kernel_bytes(graph.source_code, arguments)
+            # A graph with symbolic sizes (the optimizer's, compiled with dynamic shapes) is
+            # sized by its inputs and outputs: the sizes of its buffers, evaluated from its
+            # symbols, varied between compilations of the same graph.
+            static = not _call_plan(graph.source_code).symbols
+            moved = kernel_bytes(graph.source_code, arguments) if static else None
             self._pending.append((inputs, mutated, kernel_launches(graph.source_code), moved))
             self.inside += 1
         elif event == "return" and self._pending:
             inputs, mutated, kernels, moved = self._pending.pop()
             self.inside -= 1
             outputs = sum(_tensor_bytes(arg)) if isinstance(arg, (list, tuple)) else 0
+            moved = sum(inputs) + outputs + mutated if moved is None else moved
             self.on_call(GraphCall(sum(inputs), outputs + mutated, kernels, moved))
