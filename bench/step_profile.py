@@ -517,46 +517,6 @@ def _bisect(error: Callable[[float], float], low: float, high: float) -> float:
     return (low + high) / 2
 
 
-OPTIMIZER_BLOCKS = (2, 3)  # block counts the gpt-1b optimizer phase is counted at
-
-
-def optimizer_phase(level: str, config: GPTConfig, layer_selection: str) -> tuple[dict[str, dict[str, float]],
-                                                                                  list[dict[str, float]]]:
-    """The optimizer phase of one compiled step at ``level`` (its rows and stretches, as
-    ``profile`` counts them) with random gradients set in place of a forward and backward:
-    the update does not depend on the batch, only on the parameters."""
-    torch._dynamo.reset()
-    model, optimizer = build(level, config, layer_selection, "compiled")
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(2):  # the first step compiles
-        for param in model.parameters():
-            param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-        counter = StepCounter(host_scalars(optimizer))
-        with counter, counter.phase("optimizer"):
-            optimizer.step()
-    rows = {name: row for name, row in counter.totals().items() if name.split(":")[0] == "optimizer"}
-    stretches = {"optimizer": counter.stretches["optimizer"]}
-    if isinstance(optimizer, LowBitAdam):
-        add_update_int_ops(optimizer, rows, stretches)
-    return rows, stretches["optimizer"]
-
-
-def optimizer_extrapolated(level: str, config: GPTConfig, layer_selection: str) -> tuple[dict[str, dict[str, float]],
-                                                                                         list[dict[str, float]]]:
-    """The gpt-1b optimizer phase from counts at 2 and 3 blocks, linear in the blocks (with
-    one block the dynamic-shape update graphs specialize on sizes of 1 and differ)."""
-    (rows_a, stretches_a), (rows_b, stretches_b) = (
-        optimizer_phase(level, dataclasses.replace(config, n_layer=blocks), layer_selection) for blocks in OPTIMIZER_BLOCKS)
-    low, high = OPTIMIZER_BLOCKS
-
-    def line(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-        return {key: round(a[key] + (config.n_layer - low) * (b[key] - a[key]) / (high - low)) for key in COUNTS}
-
-    empty = dict.fromkeys(COUNTS, 0)
-    rows = {name: line(rows_a.get(name, empty), rows_b.get(name, empty)) for name in {**rows_a, **rows_b}}
-    return rows, [line(a, b) for a, b in zip(stretches_a, stretches_b, strict=True)]
-
-
 def calibrate(baseline: dict[str, Any], measured_ms: float, model: H100Model | None = None) -> H100Model:
     """``model`` with the ``gemm_share`` that makes the baseline's (a level's result:
     phases, stretches) modeled step ``measured_ms``; the step time falls as the share
@@ -748,11 +708,6 @@ def main(argv: list[str] | None = None) -> Path:
             phases, stretches = profile(level, config, args.batch_size, args.steps, args.layer_selection,
                                         args.optimizer, args.blocks)
             results[level] = {"phases": phases, "stretches": stretches}
-        if big:  # the optimizer phase recounted apart, at more blocks and without a batch
-            rows, stretches = optimizer_extrapolated(level, config, args.layer_selection)
-            phases = {name: row for name, row in results[level]["phases"].items() if name.split(":")[0] != "optimizer"}
-            results[level]["phases"] = {**phases, **dict(sorted(rows.items(), key=lambda item: _order(item[0])))}
-            results[level]["stretches"] = {**results[level]["stretches"], "optimizer": stretches}
         print(f"{level} done", flush=True)
     model = H100Model()
     payload: dict[str, Any] = {
