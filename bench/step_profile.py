@@ -7,8 +7,9 @@ simple H100 model that turns the counts into milliseconds.
     python bench/step_profile.py --preset gpt-1b     # counts for the recorded H100 run
 
 Each level builds amp8's byte-level GPT (amp8/tools/experiments/gpt.py) from the same
-seeded weights and runs eagerly under BF16 autocast, as bench/gpt.py runs on CUDA:
-O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
+seeded weights and runs under BF16 autocast, as bench/gpt.py runs on CUDA, with each
+transformer block compiled as there (``--blocks compiled``, the default for gpt-1b) or
+eagerly (``--blocks eager``, the default otherwise): O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
 ``amp8.initialize`` with amp8's optimizer step compiled as on CUDA (``--optimizer
 compiled``, ``LowBitAdam(fused=True)``) or its eager reference (``--optimizer reference``,
 every operation of the update visible). One warm-up step, then ``--steps`` plain steps give the host
@@ -23,9 +24,14 @@ time per phase (median), then one step under a ``TorchDispatchMode`` gives the c
   in-place result is counted as read and written);
 - GEMM FLOPs from ``torch.utils.flop_counter``'s formulas: ``_scaled_mm`` as FP8, the
   rest (mm, addmm, bmm, attention) as high precision.
-- graph calls: calls of compiled graphs, each with the bytes of its tensor inputs,
-  outputs and in-place writes and the GPU kernels its generated code stands for
-  (``compiled_graphs.GraphCalls``), however the optimizer groups its parameters into them.
+- graph calls: calls of compiled graphs (the blocks' forward and backward, the optimizer's
+  update however it groups its parameters), each with the GPU kernels its generated code
+  stands for and the bytes those kernels' arguments hold (``compiled_graphs.GraphCalls``);
+  the GEMMs and fallbacks a graph calls (``extern_kernels``) are aten operations this mode
+  sees: their bytes and FLOPs go to the graph's counts;
+- int ops: element operations on int32 and int64 tensors (the stochastic rounding's hash).
+  The compiled update's are counted on one more step of the same update run eagerly
+  (``add_update_int_ops``).
 Inside amp8's optimizer step the operations are split by the amp8 function they run
 in (``OPTIMIZER_PARTS``): the finiteness check, the gradients copied into the update
 groups' buffers (or read one by one), the update, the moment and weight stores, and
@@ -36,9 +42,12 @@ bilinear in the block count L and the batch B at fixed width and context, so the
 runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
 ``a + b L + c B + d L B``: exact for the counts; no host time (the small preset gives it).
 The H100 model (``H100Model``) keeps two clocks, host and GPU, over the step's stretches
-and joins them at each sync and at the step's end; calibrated once on the recorded BF16
-baseline, its predictions against bench/results/gpt-cuda.json go to step_profile-<device>.json; other
-presets write step_profile-<preset>-<device>.json with the uncalibrated (eager) model.
+and joins them at each sync and at the step's end. Two constants are fitted: the cost of
+an integer element operation on the optimizer-only H100 runs (bench/results/optimizer-cuda.json,
+``fit_int_op_s``), then the GEMMs' share of the dense peaks on the recorded BF16 baseline
+step (``calibrate``). Its predictions of the step, forward+backward and optimizer phases
+against bench/results/gpt-cuda.json go to step_profile-<device>.json; other presets write
+step_profile-<preset>-<device>.json with the uncalibrated model.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from rich.table import Table
@@ -91,7 +100,9 @@ OPTIMIZER_PARTS = {
 # Operations that launch no kernel: allocations and metadata (views are found by schema).
 NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default}
 SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default}
-COUNTS = ("ops", "host_ops", "syncs", "bytes", "fp8_flops", "other_flops", "graph_calls", "graph_kernels", "graph_bytes")
+COUNTS = ("ops", "host_ops", "syncs", "bytes", "fp8_flops", "other_flops", "graph_calls", "graph_kernels", "graph_bytes",
+          "int_ops")
+INTEGER = (torch.int32, torch.int64)  # dtypes whose element operations count as int_ops
 OPTIMIZERS = {"compiled": True, "reference": False}  # --optimizer: LowBitAdam's fused= for O1-O3
 RECORDED = RESULTS / "gpt-cuda.json"
 OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"
@@ -101,6 +112,8 @@ OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"
 # graph call more than their counted launches and bytes, 0.45 ms on average; one number
 # for every level and size.
 GRAPH_CALL_S = 0.45e-3
+# The optimizer-only runs (bench/results/optimizer-cuda.json) the integer-op cost is fitted on.
+INT_OP_FIT_MILLIONS = 300
 GPT_1B_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (blocks, batch) the gpt-1b counts are solved from
 
 
@@ -111,15 +124,16 @@ class H100Model:
 
     host time = eager ops * launch_s + host_ops * host_op_s
                 + graph_calls * graph_call_s + graph_kernels * launch_s
-    GPU time  = (eager ops + graph_kernels) * kernel_s + bytes / bandwidth
-                + fp8_flops / fp8_rate + other_flops / bf16_rate
-    with the eager ops, their kernels and bytes scaled by ``compiled_factor`` where the
-    recorded run compiled the code. ``step_seconds`` runs both clocks over a step's
-    stretches between syncs (``StepCounter.stretches``)."""
+    GPU time  = (eager ops + graph_kernels) * kernel_s + (bytes + graph_bytes) / bandwidth
+                + fp8_flops / fp8_rate + other_flops / bf16_rate + int_ops * int_op_s
+    ``step_seconds`` runs both clocks over a step's stretches between syncs
+    (``StepCounter.stretches``); ``phase_seconds`` reads each phase's time off the GPU's
+    clock, as CUDA events recorded between the phases do."""
 
     bandwidth: float = 2.8e12  # B/s: 3.35 TB/s HBM3 peak, ~85 % achievable
-    bf16_rate: float = 0.65 * 989e12  # FLOP/s: dense BF16 peak, ~65 % reached by large GEMMs
-    fp8_rate: float = 0.65 * 1979e12  # FLOP/s: dense FP8 peak, same share
+    # Share of the dense peaks (989 TFLOP/s BF16, 1979 FP8) the GEMMs and attention reach;
+    # fitted once on the recorded BF16 baseline (``calibrate``).
+    gemm_share: float = 0.65
     # Host: Python and torch's dispatch of one operation plus cudaLaunchKernel, eager or
     # from inductor's wrapper; the GPU does not wait for it while it has queued work.
     launch_s: float = 6e-6
@@ -131,56 +145,82 @@ class H100Model:
     # GPU: what a kernel costs beyond its bytes and FLOPs (its start on the device, the
     # ramp-up and tail of its grid), about 2 us back to back on an H100.
     kernel_s: float = 2e-6
-    # The recorded run compiled every block: fusion cuts the launches, kernels and bytes of
-    # the non-GEMM work there. One factor, fitted once so the model gives the recorded BF16 baseline.
-    compiled_factor: float = 1.0
+    # GPU: one integer element operation (the stochastic rounding's 32-bit hash, in int64
+    # words in the compiled update: an H100 has no native int64 multiply); fitted once on
+    # the optimizer-only H100 runs (``fit_int_op_s``).
+    int_op_s: float = 0.0
 
-    def _scale(self, compiled_share: float) -> float:
-        return 1 - compiled_share + compiled_share * self.compiled_factor
+    @property
+    def bf16_rate(self) -> float:
+        """FLOP/s of BF16 GEMMs and attention."""
+        return self.gemm_share * 989e12
 
-    def host_seconds(self, counts: dict[str, float], compiled_share: float) -> float:
-        """Host time of ``counts``; ``compiled_share`` (0-1) of its eager ops ran compiled."""
-        return (self._scale(compiled_share) * counts["ops"] * self.launch_s
-                + counts.get("host_ops", 0) * self.host_op_s
+    @property
+    def fp8_rate(self) -> float:
+        """FLOP/s of FP8 GEMMs."""
+        return self.gemm_share * 1979e12
+
+    def host_seconds(self, counts: dict[str, float]) -> float:
+        """Host time of ``counts``."""
+        return (counts["ops"] * self.launch_s + counts.get("host_ops", 0) * self.host_op_s
                 + counts.get("graph_calls", 0) * self.graph_call_s + counts.get("graph_kernels", 0) * self.launch_s)
 
-    def device_seconds(self, counts: dict[str, float], compiled_share: float) -> float:
-        """GPU time of ``counts``; ``compiled_share`` (0-1) of its eager ops and bytes ran compiled."""
-        scale = self._scale(compiled_share)
-        return (scale * (counts["ops"] * self.kernel_s + counts["bytes"] / self.bandwidth)
-                + counts.get("graph_kernels", 0) * self.kernel_s + counts.get("graph_bytes", 0) / self.bandwidth
-                + counts["fp8_flops"] / self.fp8_rate + counts["other_flops"] / self.bf16_rate)
+    def device_seconds(self, counts: dict[str, float]) -> float:
+        """GPU time of ``counts``."""
+        return ((counts["ops"] + counts.get("graph_kernels", 0)) * self.kernel_s
+                + (counts["bytes"] + counts.get("graph_bytes", 0)) / self.bandwidth
+                + counts["fp8_flops"] / self.fp8_rate + counts["other_flops"] / self.bf16_rate
+                + counts.get("int_ops", 0) * self.int_op_s)
 
-    def step_seconds(self, stretches: list[tuple[dict[str, float], float, bool]]) -> float:
-        """Time of a step from a sync to a sync: ``stretches`` in the order they run, each
-        (counts, compiled share, whether a sync ends it). Within a stretch the GPU runs
-        what the host queued, never before the host queued it: it ends at the later of its
-        own clock plus the stretch's GPU time and the host's clock. A sync joins the clocks
-        (the host waits for the GPU); so does the step's end (the loss read)."""
+    def _clocks(self, stretches: list[Stretch]) -> list[tuple[float, float]]:
+        """(host, GPU) clock before the first stretch and after each. Within a stretch the
+        GPU runs what the host queued, never before the host queued it: it ends at the
+        later of its own clock plus the stretch's GPU time and the host's clock. A sync
+        joins the clocks (the host waits for the GPU); so does the step's end (the loss read)."""
         host = device = 0.0
-        for counts, share, sync in stretches:
+        clocks = [(host, device)]
+        for _, counts, sync in stretches:
             start = host
-            host += self.host_seconds(counts, share)
-            device = max(max(device, start) + self.device_seconds(counts, share), host)
+            host += self.host_seconds(counts)
+            device = max(max(device, start) + self.device_seconds(counts), host)
             if sync:
                 host = device = max(host, device)
+            clocks.append((host, device))
+        return clocks
+
+    def step_seconds(self, stretches: list[Stretch]) -> float:
+        """Time of a step from a sync to a sync: ``stretches`` (phase, counts, whether a sync
+        ends it) in the order they run."""
+        host, device = self._clocks(stretches)[-1]
         return max(host, device)
 
+    def phase_seconds(self, stretches: list[Stretch], phases: tuple[str, ...]) -> float:
+        """GPU-clock time from the start of the first of ``phases`` to the end of the last,
+        as two CUDA events recorded there measure it: an event completes when the host has
+        recorded it and the GPU has finished the work queued before it."""
+        clocks = self._clocks(stretches)
+        inside = [i for i, (phase, _, _) in enumerate(stretches) if phase in phases]
+        (start_host, start_device), (end_host, end_device) = clocks[inside[0]], clocks[inside[-1] + 1]
+        return max(end_host, end_device) - max(start_host, start_device)
 
-def step_stretches(result: dict[str, Any]) -> list[tuple[dict[str, float], float, bool]]:
+
+Stretch = tuple[str, dict[str, float], bool]  # (phase, counts, whether a sync ends it)
+
+
+def step_stretches(result: dict[str, Any]) -> list[Stretch]:
     """A level's stretches between syncs in the order they run, for ``H100Model.step_seconds``:
     each phase's ``stretches`` where counted (all but the last end with a sync), else the
     phase as one stretch that ends with a sync if it made one."""
-    out = []
+    out: list[Stretch] = []
     for phase in PHASES:
-        share = result["compiled_share"][phase]
         stretches = result.get("stretches", {}).get(phase)
         if stretches is None:
             row = result["phases"][phase]
-            out.append((row, share, row["syncs"] > 0))
+            out.append((phase, row, row["syncs"] > 0))
         else:
-            out.extend((counts, share, i < len(stretches) - 1) for i, counts in enumerate(stretches))
+            out.extend((phase, counts, i < len(stretches) - 1) for i, counts in enumerate(stretches))
     return out
+
 
 
 def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[int, int]:
@@ -272,12 +312,14 @@ class StepCounter(TorchDispatchMode):
                         row[key] += counts[key]
         return {name: rows[name] for name in sorted(rows, key=_order)}
 
+    def _graph_row(self) -> str | None:
+        # A compiled graph in the optimizer is its update, whichever amp8 function calls it.
+        return "optimizer: update" if self.current == "optimizer" else None
+
     def _count_graph_call(self, call: GraphCall) -> None:
         if not self.current:
             return
-        # A compiled graph in the optimizer is its update, whichever amp8 function calls it.
-        self._count("optimizer: update" if self.current == "optimizer" else None, graph_calls=1,
-                    graph_kernels=call.kernels, graph_bytes=call.read_bytes + call.written_bytes)
+        self._count(self._graph_row(), graph_calls=1, graph_kernels=call.kernels, graph_bytes=call.kernel_bytes)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -291,10 +333,16 @@ class StepCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.current or self._graphs.inside:
+        if not self.current:
             return out
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self._graphs.inside:  # an extern kernel (GEMM) or fallback of a compiled graph: its bytes and FLOPs
+            unique = {id(t): t for t in inputs + outputs if type(t) in (torch.Tensor, torch.nn.Parameter)}
+            fp8, other = _flops(func, args, kwargs, out)
+            self._count(self._graph_row(), graph_bytes=sum(t.nbytes for t in unique.values()), fp8_flops=fp8,
+                        other_flops=other)
+            return out
         on_host = bool(inputs) and all(t in self._host for t in inputs)
         if func in SYNC:
             if not on_host:  # a read of a GPU value: the host waits for the work that made it
@@ -314,7 +362,9 @@ class StepCounter(TorchDispatchMode):
             return out
         tensors = [t for t in inputs + outputs if type(t) in (torch.Tensor, torch.nn.Parameter)]
         fp8, other = _flops(func, args, kwargs, out)
-        self._count(name, ops=1, bytes=sum(t.nbytes for t in tensors), fp8_flops=fp8, other_flops=other)
+        integer = sum(t.numel() for t in outputs if t.dtype in INTEGER)
+        self._count(name, ops=1, bytes=sum(t.nbytes for t in tensors), fp8_flops=fp8, other_flops=other,
+                    int_ops=integer)
         return out
 
 
@@ -371,11 +421,39 @@ def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tu
     return seconds
 
 
+def add_update_int_ops(optimizer: LowBitAdam, rows: dict[str, dict[str, float]],
+                       stretches: dict[str, list[dict[str, float]]]) -> None:
+    """Add to ``rows`` and the optimizer's last stretch (where its update runs, after the
+    finite check's sync) the integer element operations of ``optimizer``'s compiled update,
+    which no dispatch mode sees: counted on one more step of the same update run eagerly
+    (``fused=False``: the same function, uncompiled), less those the compiled step ran eagerly.
+    The eager step hashes in int32 where the compiled graph works in int64 words: the same
+    operations per element."""
+    compiled = rows["optimizer"]["int_ops"]
+    optimizer.fused = False
+    try:
+        counter = StepCounter(host_scalars(optimizer))
+        with counter, counter.phase("optimizer"):
+            optimizer.step()
+    finally:
+        optimizer.fused = True
+    extra = counter.totals()["optimizer"]["int_ops"] - compiled
+    for row in (rows["optimizer"], rows.setdefault("optimizer: update", dict.fromkeys(COUNTS, 0)),
+                stretches["optimizer"][-1]):
+        row["int_ops"] += extra
+
+
 def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_selection: str,
-            optimizer_step: str) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, float]]]]:
+            optimizer_step: str, blocks: str = "eager") -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, float]]]]:
     """Counts and host ms per phase (and per part of the optimizer) of one step at ``level``,
-    and each phase's counts between syncs (``StepCounter.stretches``)."""
+    and each phase's counts between syncs (``StepCounter.stretches``). ``blocks``
+    "compiled" compiles each transformer block as bench/gpt.py does (``block.compile()``):
+    their forward and backward are then counted as graph calls."""
+    torch._dynamo.reset()  # compile afresh for this model: static shapes, no recompile limit reached
     model, optimizer = build(level, config, layer_selection, optimizer_step)
+    if blocks == "compiled":
+        for block in model.blocks:
+            block.compile()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), generator=generator)
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -384,10 +462,13 @@ def profile(level: str, config: GPTConfig, batch_size: int, steps: int, layer_se
     counter = StepCounter(host_scalars(optimizer))
     run_step(model, optimizer, batch, counter)
     rows = counter.totals()
+    stretches = {name: counter.stretches.get(name, [dict.fromkeys(COUNTS, 0)]) for name in PHASES}
+    if isinstance(optimizer, LowBitAdam) and optimizer.fused:
+        add_update_int_ops(optimizer, rows, stretches)
     for name in PHASES:
         if times:
             rows[name]["cpu_ms"] = 1e3 * statistics.median(t[name] for t in times)
-    return rows, {name: counter.stretches.get(name, [dict.fromkeys(COUNTS, 0)]) for name in PHASES}
+    return rows, stretches
 
 
 def _order(name: str) -> tuple[int, bool]:
@@ -405,63 +486,51 @@ def solve_bilinear(points: dict[tuple[int, int], float], blocks: int, batch: int
     return a + b * blocks + c * batch + d * blocks * batch
 
 
-def profile_extrapolated(level: str, config: GPTConfig, batch_size: int,
-                         layer_selection: str, optimizer_step: str) -> dict[str, Any]:
+def profile_extrapolated(level: str, config: GPTConfig, batch_size: int, layer_selection: str,
+                         optimizer_step: str, blocks: str) -> dict[str, Any]:
     """gpt-1b-sized counts from four small (blocks, batch) runs: ``phases`` and
-    ``stretches`` as ``profile`` gives them, and ``block_share``, each phase's share of ops
-    and bytes that lies in the blocks (compiled in the recorded run)."""
+    ``stretches`` as ``profile`` gives them."""
     runs, stretch_runs = {}, {}
-    for blocks, batch in GPT_1B_POINTS:  # host time is not bilinear enough to extrapolate: counts only
-        runs[blocks, batch], stretch_runs[blocks, batch] = profile(
-            level, dataclasses.replace(config, n_layer=blocks), batch, 0, layer_selection, optimizer_step)
+    for n_layer, batch in GPT_1B_POINTS:  # host time is not bilinear enough to extrapolate: counts only
+        runs[n_layer, batch], stretch_runs[n_layer, batch] = profile(
+            level, dataclasses.replace(config, n_layer=n_layer), batch, 0, layer_selection, optimizer_step, blocks)
     stretches = {
         name: [{key: round(solve_bilinear({p: stretch_runs[p][name][i][key] for p in GPT_1B_POINTS},
                                           config.n_layer, batch_size)) for key in COUNTS}
                for i in range(len(stretch_runs[1, 1][name]))]
         for name in PHASES
     }
-    result: dict[str, dict[str, float]] = {}
-    block_share: dict[str, float] = {}
-    for name in runs[1, 1]:
-        row = {key: solve_bilinear({p: runs[p].get(name, {}).get(key, 0.0) for p in GPT_1B_POINTS},
-                                   config.n_layer, batch_size) for key in runs[1, 1][name]}
-        result[name] = {key: round(value) for key, value in row.items()}
-        if name in PHASES:
-            one_block = {key: solve_bilinear({p: runs[p][name][key] for p in GPT_1B_POINTS}, 1, batch_size)
-                         - solve_bilinear({p: runs[p][name][key] for p in GPT_1B_POINTS}, 0, batch_size)
-                         for key in ("ops", "bytes")}
-            cost = row["ops"] * H100Model.launch_s + row["bytes"] / H100Model.bandwidth
-            block_cost = config.n_layer * (one_block["ops"] * H100Model.launch_s + one_block["bytes"] / H100Model.bandwidth)
-            block_share[name] = block_cost / cost if cost else 0.0
-    return {"phases": result, "stretches": stretches, "block_share": block_share}
+    result = {name: {key: round(solve_bilinear({p: runs[p].get(name, {}).get(key, 0.0) for p in GPT_1B_POINTS},
+                                               config.n_layer, batch_size)) for key in runs[1, 1][name]}
+              for name in runs[1, 1]}
+    return {"phases": result, "stretches": stretches}
 
 
-def compiled_shares(block_share: dict[str, float]) -> dict[str, float]:
-    """Share of each phase's eager ops and bytes that ran compiled in the recorded run: the
-    blocks in forward and backward; none of the optimizer's (torch's fused AdamW is one
-    kernel already, and amp8's compiled graphs are counted as graph calls)."""
-    return {"forward": block_share["forward"], "backward": block_share["backward"], "optimizer": 0.0}
-
-
-def calibrate(baseline: dict[str, Any], measured_ms: float) -> H100Model:
-    """The model whose ``compiled_factor`` makes the baseline's (a level's result: phases,
-    stretches, compiled shares) modeled step ``measured_ms``; the step time grows with the
-    factor, so bisection finds it."""
-    stretches = step_stretches(baseline)
-    floor = H100Model(compiled_factor=0.0).step_seconds(stretches)
-    if floor > measured_ms / 1e3:
-        raise ValueError(f"measured_ms={measured_ms} is below the {1e3 * floor:.1f} ms the baseline takes with its "
-                         "compiled work free (compiled_factor=0): check that the counts and the recorded run match")
-    low, high = 0.0, 1.0
-    while H100Model(compiled_factor=high).step_seconds(stretches) < measured_ms / 1e3 and high < 1e3:
-        high *= 2
+def _bisect(error: Callable[[float], float], low: float, high: float) -> float:
+    """The root of ``error``, which rises with its argument, between ``low`` and ``high``."""
     for _ in range(60):
         middle = (low + high) / 2
-        if H100Model(compiled_factor=middle).step_seconds(stretches) < measured_ms / 1e3:
+        if error(middle) < 0:
             low = middle
         else:
             high = middle
-    return H100Model(compiled_factor=(low + high) / 2)
+    return (low + high) / 2
+
+
+def calibrate(baseline: dict[str, Any], measured_ms: float, model: H100Model | None = None) -> H100Model:
+    """``model`` with the ``gemm_share`` that makes the baseline's (a level's result:
+    phases, stretches) modeled step ``measured_ms``; the step time falls as the share
+    rises, so bisection finds it."""
+    model = model or H100Model()
+    stretches = step_stretches(baseline)
+
+    def step_ms(share: float) -> float:
+        return 1e3 * dataclasses.replace(model, gemm_share=share).step_seconds(stretches)
+
+    if step_ms(1.0) > measured_ms:
+        raise ValueError(f"measured_ms={measured_ms} is below the {step_ms(1.0):.1f} ms the baseline takes with its "
+                         "GEMMs at the dense peak (gemm_share=1): check that the counts and the recorded run match")
+    return dataclasses.replace(model, gemm_share=_bisect(lambda share: measured_ms - step_ms(share), 1e-3, 1.0))
 
 
 def compiled_row(recorded: dict[str, Any], run: str) -> dict[str, Any]:
@@ -471,20 +540,27 @@ def compiled_row(recorded: dict[str, Any], run: str) -> dict[str, Any]:
     return row.get("compiled", row)
 
 
+RECORDED_RUNS = {"O0": "baseline", "O1": "amp8 O1", "O2": "amp8 O2", "O3": "amp8 O3"}
+# Timed quantities of a bench/gpt.py record: (name there, the phases it spans, or none for the step)
+TIMED = (("step_ms", ()), ("forward_backward_ms", ("forward", "backward")), ("optimizer_ms", ("optimizer",)))
+
+
 def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, Any]) -> dict[str, Any]:
-    """Modeled gpt-1b ms per level against the recorded step times, with each phase's
+    """Modeled gpt-1b ms per level against the recorded ones: the step, forward+backward
+    and the optimizer (on the GPU's clock, as the recorded CUDA events), with each phase's
     host and GPU time."""
-    names = {"O0": "baseline", "O1": "amp8 O1", "O2": "amp8 O2"}
     out = {}
     for level, result in results.items():
-        shares = result["compiled_share"]
-        phases = {p: {"host_ms": 1e3 * model.host_seconds(result["phases"][p], shares[p]),
-                      "gpu_ms": 1e3 * model.device_seconds(result["phases"][p], shares[p])} for p in PHASES}
-        row: dict[str, Any] = {"modeled_ms": 1e3 * model.step_seconds(step_stretches(result)), "phases_ms": phases}
-        run = compiled_row(recorded, names.get(level, ""))
-        if "step_ms" in run:
-            row["recorded_ms"] = run["step_ms"]
-            row["error_pct"] = 100 * (row["modeled_ms"] / run["step_ms"] - 1)
+        stretches = step_stretches(result)
+        run = compiled_row(recorded, RECORDED_RUNS[level])
+        row: dict[str, Any] = {"phases_ms": {p: {"host_ms": 1e3 * model.host_seconds(result["phases"][p]),
+                                                 "gpu_ms": 1e3 * model.device_seconds(result["phases"][p])}
+                                             for p in PHASES}}
+        for name, phases in TIMED:
+            modeled = 1e3 * (model.phase_seconds(stretches, phases) if phases else model.step_seconds(stretches))
+            row[name] = {"modeled": modeled}
+            if name in run:
+                row[name].update(recorded=run[name], error_pct=100 * (modeled / run[name] - 1))
         out[level] = row
     return out
 
@@ -495,7 +571,8 @@ OPTIMIZER_WIDTH = 1024  # the layer width of bench/optimizer.py's recorded H100 
 def optimizer_counts(level: str, layers: int) -> list[dict[str, float]]:
     """Counts of one compiled ``LowBitAdam`` step at ``level`` over ``layers`` square FP8
     layers with gradients in place, set up as bench/optimizer.py times it: one per stretch
-    between syncs (``StepCounter.stretches``)."""
+    between syncs (``StepCounter.stretches``), the update's integer operations included
+    (``add_update_int_ops``)."""
     torch.manual_seed(0)
     model = square_layers(layers * OPTIMIZER_WIDTH**2 / 1e6, OPTIMIZER_WIDTH, torch.device("cpu"))
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level,
@@ -506,52 +583,84 @@ def optimizer_counts(level: str, layers: int) -> list[dict[str, float]]:
     counter = StepCounter(host_scalars(fused))
     with counter, counter.phase("optimizer"):
         fused.step()
-    return counter.stretches["optimizer"]
+    stretches = {"optimizer": counter.stretches["optimizer"]}
+    add_update_int_ops(fused, counter.totals(), stretches)
+    return stretches["optimizer"]
 
 
 def optimizer_check_counts(recorded: dict[str, Any]) -> list[dict[str, Any]]:
     """The counts of the compiled optimizer step at each size of bench/optimizer.py's H100
-    runs (``recorded``), from counts at one and two layers, linear in the layers."""
+    runs (``recorded``), from counts at two and three layers, linear in the layers (at one
+    layer the dynamic-shape graph specializes on sizes of 1 and differs)."""
     counts: dict[tuple[str, int], list[dict[str, float]]] = {}
     rows = []
     for run in recorded["step_time"]:
         level = run["level"]
-        for layers in (1, 2):
+        for layers in (2, 3):
             if (level, layers) not in counts:
                 counts[level, layers] = optimizer_counts(level, layers)
         layers = max(1, round(run["millions"] * 1_000_000 / OPTIMIZER_WIDTH**2))  # as square_layers
-        stretches = [{key: one[key] + (layers - 1) * (two[key] - one[key]) for key in COUNTS}
-                     for one, two in zip(counts[level, 1], counts[level, 2], strict=True)]
+        stretches = [{key: two[key] + (layers - 2) * (three[key] - two[key]) for key in COUNTS}
+                     for two, three in zip(counts[level, 2], counts[level, 3], strict=True)]
         rows.append({"millions": run["millions"], "level": level, "layers": layers,
                      "recorded_ms": run["amp8_fused_ms"], "stretches": stretches})
     return rows
 
 
 def optimizer_check(model: H100Model, counted: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The modeled compiled optimizer step against bench/optimizer.py's H100 timings
-    (``amp8_fused_ms``) for the counts of ``optimizer_check_counts``."""
+    """The modeled compiled optimizer step (wall clock, sync to sync) against
+    bench/optimizer.py's H100 timings (``amp8_fused_ms``) for the counts of ``optimizer_check_counts``."""
     rows = []
     for run in counted:
         total = {key: sum(stretch[key] for stretch in run["stretches"]) for key in COUNTS}
         last = len(run["stretches"]) - 1
-        modeled = 1e3 * model.step_seconds([(counts, 0.0, i < last) for i, counts in enumerate(run["stretches"])])
+        modeled = 1e3 * model.step_seconds([("optimizer", counts, i < last) for i, counts in enumerate(run["stretches"])])
         rows.append({**run, "graph_calls": total["graph_calls"], "graph_kernels": total["graph_kernels"],
-                     "graph_gb": total["graph_bytes"] / 1e9, "eager_ops": total["ops"],
+                     "graph_gb": total["graph_bytes"] / 1e9, "eager_ops": total["ops"], "int_ops": total["int_ops"],
                      "modeled_ms": modeled, "error_pct": 100 * (modeled / run["recorded_ms"] - 1)})
     return rows
+
+
+def fit_int_op_s(model: H100Model, counted: list[dict[str, Any]]) -> H100Model:
+    """``model`` with the ``int_op_s`` that makes the modeled optimizer steps of ``counted``
+    (``optimizer_check_counts``) match their recorded times in the mean of their relative
+    errors; the modeled time rises with the cost, so bisection finds it."""
+    def mean_error(cost: float) -> float:
+        rows = optimizer_check(dataclasses.replace(model, int_op_s=cost), counted)
+        return statistics.fmean(row["error_pct"] for row in rows)
+
+    if mean_error(0.0) >= 0:
+        raise ValueError("the optimizer steps of the counts are modeled no faster than recorded with free integer "
+                         "operations (int_op_s=0): nothing to fit; check the counts and the recorded runs")
+    return dataclasses.replace(model, int_op_s=_bisect(mean_error, 0.0, 1e-9))
 
 
 def print_table(level: str, phases: dict[str, dict[str, float]], modeled: dict[str, dict[str, float]],
                 title: str) -> None:
     """One level's phases as a rich table, with each row's modeled host and GPU ms."""
     table = Table(title=f"{title}: {level}")
-    for column in ("phase", "ops", "syncs", "MB moved", "GFLOP fp8", "GFLOP other", "CPU ms", "H100 host ms", "H100 GPU ms"):
+    for column in ("phase", "ops", "graph kernels", "syncs", "MB moved", "GFLOP fp8", "GFLOP other", "G int ops",
+                   "CPU ms", "H100 host ms", "H100 GPU ms"):
         table.add_column(column, justify="right")
     for name, row in phases.items():
         cpu = f"{row['cpu_ms']:.1f}" if "cpu_ms" in row else ""
-        table.add_row(name, f"{row['ops']:,.0f}", f"{row['syncs']:,.0f}", f"{row['bytes'] / 1e6:,.1f}",
-                      f"{row['fp8_flops'] / 1e9:,.1f}", f"{row['other_flops'] / 1e9:,.1f}", cpu,
+        table.add_row(name, f"{row['ops']:,.0f}", f"{row['graph_kernels']:,.0f}", f"{row['syncs']:,.0f}",
+                      f"{(row['bytes'] + row['graph_bytes']) / 1e6:,.1f}", f"{row['fp8_flops'] / 1e9:,.1f}",
+                      f"{row['other_flops'] / 1e9:,.1f}", f"{row['int_ops'] / 1e9:,.2f}", cpu,
                       f"{modeled[name]['host_ms']:.2f}", f"{modeled[name]['gpu_ms']:.2f}")
+    default_console().print(table)
+
+
+def print_predictions(predicted: dict[str, Any]) -> None:
+    """Modeled against recorded ms per level: step, forward+backward, optimizer."""
+    table = Table(title="gpt-1b on the H100: modeled / recorded ms (error)")
+    table.add_column("level")
+    for name, _ in TIMED:
+        table.add_column(name.removesuffix("_ms").replace("_", "+"), justify="right")
+    for level, row in predicted.items():
+        cells = [f"{row[name]['modeled']:.1f} / {row[name]['recorded']:.1f} ({row[name]['error_pct']:+.0f} %)"
+                 if "recorded" in row[name] else f"{row[name]['modeled']:.1f}" for name, _ in TIMED]
+        table.add_row(level, *cells)
     default_console().print(table)
 
 
@@ -566,6 +675,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="amp8's CUDA speed rule (default for gpt-1b, as recorded) or every layer")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="compiled",
                         help="amp8's optimizer step: compiled (fused=True, as on CUDA) or the eager reference")
+    parser.add_argument("--blocks", choices=("compiled", "eager"), default=None,
+                        help="transformer blocks compiled as bench/gpt.py does (default for gpt-1b, as recorded) "
+                             "or eager")
     parser.add_argument("--counts", type=Path, default=None,
                         help="model the counts of this earlier JSON of the same preset instead of profiling")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
@@ -573,6 +685,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     big = args.preset == "gpt-1b"
     args.batch_size = args.batch_size or 8
     args.layer_selection = args.layer_selection or ("cuda" if big else "all")
+    args.blocks = args.blocks or ("compiled" if big else "eager")
     if args.batch_size < 1 or args.steps < 0:
         parser.error(f"--batch-size={args.batch_size} and --steps={args.steps}: use >= 1 and >= 0")
     return args
@@ -584,56 +697,57 @@ def main(argv: list[str] | None = None) -> Path:
     config = PRESETS[args.preset]
     big = args.preset == "gpt-1b"
     results: dict[str, Any] = {}
-    counted = json.loads(args.counts.read_text())["levels"] if args.counts else {}
+    earlier = json.loads(args.counts.read_text()) if args.counts else {}
     for level in args.levels:
-        if level in counted:  # the counts of an earlier run, modeled anew
-            block_share = counted[level].get("block_share", counted[level]["compiled_share"])
-            shares = compiled_shares(block_share) if big else dict.fromkeys(PHASES, 0.0)
-            results[level] = {"phases": counted[level]["phases"], "compiled_share": shares, "block_share": block_share}
-            if "stretches" in counted[level]:
-                results[level]["stretches"] = counted[level]["stretches"]
+        if level in earlier.get("levels", {}):  # the counts of an earlier run, modeled anew
+            results[level] = {key: earlier["levels"][level][key] for key in ("phases", "stretches")}
         elif big:
-            result = profile_extrapolated(level, config, args.batch_size, args.layer_selection, args.optimizer)
-            results[level] = {**result, "compiled_share": compiled_shares(result["block_share"])}
+            results[level] = profile_extrapolated(level, config, args.batch_size, args.layer_selection,
+                                                  args.optimizer, args.blocks)
         else:
-            phases, stretches = profile(level, config, args.batch_size, args.steps, args.layer_selection, args.optimizer)
-            results[level] = {"phases": phases, "stretches": stretches, "compiled_share": dict.fromkeys(PHASES, 0.0)}
+            phases, stretches = profile(level, config, args.batch_size, args.steps, args.layer_selection,
+                                        args.optimizer, args.blocks)
+            results[level] = {"phases": phases, "stretches": stretches}
         print(f"{level} done", flush=True)
     model = H100Model()
     payload: dict[str, Any] = {
         "command": "python bench/step_profile.py" + (f" --preset {args.preset}" if args.preset != "small" else ""),
         "preset": args.preset, "config": dataclasses.asdict(config), "batch_size": args.batch_size,
         "steps": 0 if big else args.steps, "layer_selection": args.layer_selection, "autocast": "bfloat16",
+        "blocks": {"compiled": "each transformer block compiled (block.compile()), counted as graph calls",
+                   "eager": "eager, every operation counted"}[args.blocks],
         "amp8_optimizer": {"compiled": "LowBitAdam(fused=True): compiled graphs counted per call, as on CUDA",
                            "reference": "reference step (fused=False), every operation eager"}[args.optimizer],
-        "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors",
+        "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors; "
+                      "graph_bytes: the tensor arguments of each generated kernel and extern call",
     }
+    calibrated = []
+    if big and args.optimizer == "compiled":
+        saved = earlier.get("optimizer_check", [])
+        if not saved or not all("int_ops" in row["stretches"][-1] for row in saved):
+            saved = optimizer_check_counts(json.loads(OPTIMIZER_RECORDED.read_text()))
+        model = fit_int_op_s(model, [row for row in saved if row["millions"] == INT_OP_FIT_MILLIONS])
+        calibrated.append(f"int_op_s, on the {INT_OP_FIT_MILLIONS}M optimizer-only runs O1-O3")
+        payload["optimizer_check"] = optimizer_check(model, saved)
     if big:
         recorded = json.loads(RECORDED.read_text())
         if "O0" in results and recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
-            model = calibrate(results["O0"], compiled_row(recorded, "baseline")["step_ms"])
+            model = calibrate(results["O0"], compiled_row(recorded, "baseline")["step_ms"], model)
+            calibrated.append("gemm_share, on the O0 (BF16) baseline's step")
             payload["predictions"] = predictions(results, model, recorded)
-        if args.optimizer == "compiled":
-            saved = json.loads(args.counts.read_text()).get("optimizer_check", []) if args.counts else []
-            if not all("stretches" in row for row in saved) or not saved:
-                saved = optimizer_check_counts(json.loads(OPTIMIZER_RECORDED.read_text()))
-            payload["optimizer_check"] = optimizer_check(model, saved)
         payload["solved_from"] = [{"n_layer": l, "batch_size": b} for l, b in GPT_1B_POINTS]
-    payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": "compiled_factor, on the O0 baseline" if big else "not calibrated (eager)"}
+    payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": calibrated or "not calibrated"}
     for level, result in results.items():
-        shares = {name: result["compiled_share"][name.split(":")[0]] for name in result["phases"]}
-        modeled = {name: {"host_ms": 1e3 * model.host_seconds(row, shares[name]),
-                          "gpu_ms": 1e3 * model.device_seconds(row, shares[name])}
+        modeled = {name: {"host_ms": 1e3 * model.host_seconds(row), "gpu_ms": 1e3 * model.device_seconds(row)}
                    for name, row in result["phases"].items()}
         result["modeled_h100_ms"] = {**modeled, "step": 1e3 * model.step_seconds(step_stretches(result))}
         print_table(level, result["phases"], modeled, f"GPT {args.preset} training step, batch {args.batch_size}")
     if "predictions" in payload:
-        for level, row in payload["predictions"].items():
-            recorded_text = f", recorded {row['recorded_ms']:.1f} ms ({row['error_pct']:+.0f} %)" if "recorded_ms" in row else ""
-            print(f"{level}: modeled {row['modeled_ms']:.1f} ms{recorded_text}")
+        print_predictions(payload["predictions"])
     for row in payload.get("optimizer_check", []):
-        print(f"optimizer {row['level']} {row['millions']}M: {row['graph_calls']:.0f} graph calls, modeled "
-              f"{row['modeled_ms']:.1f} ms, recorded {row['recorded_ms']:.1f} ms ({row['error_pct']:+.0f} %)")
+        print(f"optimizer {row['level']} {row['millions']}M: {row['graph_calls']:.0f} graph calls, "
+              f"{row['int_ops'] / 1e9:.1f} G integer ops, modeled {row['modeled_ms']:.1f} ms, "
+              f"recorded {row['recorded_ms']:.1f} ms ({row['error_pct']:+.0f} %)")
     payload["levels"] = results
     name = "step_profile" if big else f"step_profile-{args.preset}"  # the gpt-1b record is the one kept
     path = write_result(name, torch.device("cpu"), payload, args.out)
