@@ -155,10 +155,14 @@ class H100Model:
         """FLOP/s of BF16 GEMMs and attention."""
         return self.gemm_share * 989e12
 
+    # FP8 GEMMs' rate over BF16's: 2 at the peaks; ``measured_fp8_speedup`` reads what an
+    # H100 gave (bench/results/linear-cuda.json).
+    fp8_speedup: float = 1979 / 989
+
     @property
     def fp8_rate(self) -> float:
         """FLOP/s of FP8 GEMMs."""
-        return self.gemm_share * 1979e12
+        return self.fp8_speedup * self.bf16_rate
 
     def host_seconds(self, counts: dict[str, float]) -> float:
         """Host time of ``counts``."""
@@ -517,6 +521,18 @@ def _bisect(error: Callable[[float], float], low: float, high: float) -> float:
     return (low + high) / 2
 
 
+LINEAR_RECORDED = RESULTS / "linear-cuda.json"
+
+
+def measured_fp8_speedup(record: dict[str, Any]) -> float:
+    """FP8 over BF16 GEMM rate from a bench/linear.py CUDA record: ``Fp8Linear`` compiled
+    against ``nn.Linear`` compiled, forward + backward, at the shape with the most FLOPs.
+    Its casts are in the FP8 time, so this is a lower bound of the GEMMs' own ratio."""
+    row = max(record["rows"], key=lambda row: row["m"] * row["k"] * row["n"])
+    variants = row["variants"]
+    return variants["nn.Linear compiled"]["ms"] / variants["Fp8Linear compiled"]["ms"]
+
+
 def calibrate(baseline: dict[str, Any], measured_ms: float, model: H100Model | None = None) -> H100Model:
     """``model`` with the ``gemm_share`` that makes the baseline's (a level's result:
     phases, stretches) modeled step ``measured_ms``; the step time falls as the share
@@ -709,7 +725,7 @@ def main(argv: list[str] | None = None) -> Path:
                                         args.optimizer, args.blocks)
             results[level] = {"phases": phases, "stretches": stretches}
         print(f"{level} done", flush=True)
-    model = H100Model()
+    model = H100Model(fp8_speedup=measured_fp8_speedup(json.loads(LINEAR_RECORDED.read_text())))
     payload: dict[str, Any] = {
         "command": "python bench/step_profile.py" + (f" --preset {args.preset}" if args.preset != "small" else ""),
         "preset": args.preset, "config": dataclasses.asdict(config), "batch_size": args.batch_size,
@@ -721,7 +737,7 @@ def main(argv: list[str] | None = None) -> Path:
         "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors; "
                       "graph_bytes: the tensor arguments of each generated kernel and extern call",
     }
-    calibrated = []
+    calibrated = [f"fp8_speedup, measured: Fp8Linear over nn.Linear, compiled, in {LINEAR_RECORDED.name}"]
     if big and args.optimizer == "compiled":
         saved = earlier.get("optimizer_check", [])
         if not saved or not all("int_ops" in row["stretches"][-1] for row in saved):

@@ -704,6 +704,16 @@ def test_step_profile_fits_the_integer_op_cost(cost_ns: float) -> None:
     assert all(abs(row["error_pct"]) < 1e-3 for row in step_profile.optimizer_check(fitted, counted))
 
 
+def test_step_profile_reads_the_fp8_speedup_at_the_largest_shape() -> None:
+    record = {"rows": [
+        {"m": 1024, "k": 1024, "n": 1024, "variants": {"nn.Linear compiled": {"ms": 1.0}, "Fp8Linear compiled": {"ms": 4.0}}},
+        {"m": 8192, "k": 8192, "n": 8192, "variants": {"nn.Linear compiled": {"ms": 5.0}, "Fp8Linear compiled": {"ms": 4.0}}},
+    ]}
+    assert step_profile.measured_fp8_speedup(record) == 1.25
+    model = step_profile.H100Model(fp8_speedup=1.25)
+    assert model.fp8_rate == pytest.approx(1.25 * model.bf16_rate)
+
+
 optimizer_host = load_bench("optimizer_host")
 
 
