@@ -81,22 +81,23 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats:
     return statistics.median(times)
 
 
-def time_alternately(first: Callable[[], Any], second: Callable[[], Any], device: torch.device, warmup: int,
-                     repeats: int) -> tuple[float, float]:
-    """Median wall times of ``first()`` and ``second()`` in seconds, each called in turn
-    ``repeats`` times after ``warmup`` untimed calls of both: whatever else the machine does
-    meanwhile slows both alike, so their ratio holds where either time alone would drift."""
-    for _ in range(warmup):
-        first()
-        second()
-    synchronize(device)
+def time_alternately(first: Callable[[], Any], second: Callable[[], Any], device: torch.device, repeats: int,
+                     rounds: int = 3) -> tuple[float, float]:
+    """Median wall times of ``first()`` and ``second()`` in seconds, timed in turns:
+    ``rounds`` times, one untimed call then ``repeats`` timed calls of ``first``, then the
+    same of ``second``. Whatever else the machine does meanwhile slows both alike, so their
+    ratio holds where either time alone would drift; within a turn each runs warm, with
+    its own data in the caches, as it would alone."""
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
+    for _ in range(rounds):
         for fn, spent in zip((first, second), times):
-            start = time.perf_counter()
             fn()
             synchronize(device)
-            spent.append(time.perf_counter() - start)
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                synchronize(device)
+                spent.append(time.perf_counter() - start)
     return statistics.median(times[0]), statistics.median(times[1])
 
 

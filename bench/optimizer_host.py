@@ -9,8 +9,8 @@ alike. Each row times ``optimizer.step()`` (gradients in place, median of repeat
 thread) for torch's ``AdamW(fused=True)`` over an FP32 copy of the same parameters and for
 ``LowBitAdam`` at each level: its default step (update groups over flat buffers, eager)
 and the compiled group step (``fused=True``, compiled outside the timing, where a C++
-compiler is found), each called in turn with torch's step so that their ratio
-(``*_vs_torch``) is measured side by side, and each tensor on its own (``grouped=False``,
+compiler is found), each timed in turns with torch's step (a few warm steps of one, then of
+the other, three times over) so that their ratio (``*_vs_torch``) holds on a busy machine, and each tensor on its own (``grouped=False``,
 the reference; a few steps, against the first torch time). It also counts the aten operations one step dispatches (a dispatch mode; a
 compiled graph counts as one call): what a GPU would launch, and what must not grow with
 the number of parameters. Results go to bench/results/optimizer_host-<device>.json.
@@ -117,7 +117,7 @@ def row(layers: int, repeats: int, compiled: bool) -> dict[str, Any]:
                 ms = 1e3 * time_call(optimizer.step, device, 1, max(1, repeats // 10))
                 torch_ms = result["torch_fused_adamw_ms"]
             else:  # timed in turn with torch's step, so the ratio holds on a busy machine
-                torch_s, amp8_s = time_alternately(torch_adamw.step, optimizer.step, device, 2, repeats)
+                torch_s, amp8_s = time_alternately(torch_adamw.step, optimizer.step, device, max(1, repeats // 3))
                 ms, torch_ms = 1e3 * amp8_s, 1e3 * torch_s
             result[f"{level}_{name}_ms"] = ms
             result[f"{level}_{name}_vs_torch"] = ms / torch_ms

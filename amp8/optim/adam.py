@@ -40,7 +40,7 @@ from amp8.optim.group_step import adam_group_step
 from amp8.optim.gradients import GradientAverage
 from amp8.optim.state import MOMENTS
 from amp8.optim.stored_state import StoredState
-from amp8.optim.update_groups import UpdatePlan, build_groups
+from amp8.optim.update_groups import StepInputs, UpdatePlan, build_groups
 from amp8.optim.support import (
     REMOVED_ATTRIBUTES, check_hyperparameters, check_options, check_removed_options, check_state_precision,
     check_supported, torch_groups,
@@ -377,15 +377,18 @@ class LowBitAdam(torch.optim.Optimizer):
         self._stepped = True
         self.synchronize()
         plan = self._plan_for_step()
-        nonfinite = not bool(scaling.all_finite(plan.gradients()))
-        if self._average is not None:
-            nonfinite = self._average.any_rank(nonfinite)
-        if not nonfinite:
-            self._update_all(plan)
-            if self.sharded:
-                self.stored.store_sharded_weights(self.state, self._sharded_average().max_over_ranks)
-        else:
-            self.skipped_steps += 1
+        try:
+            nonfinite = not bool(scaling.all_finite(plan.gradients()))
+            if self._average is not None:
+                nonfinite = self._average.any_rank(nonfinite)
+            if not nonfinite:
+                self._update_all(plan)
+                if self.sharded:
+                    self.stored.store_sharded_weights(self.state, self._sharded_average().max_over_ranks)
+            else:
+                self.skipped_steps += 1
+        finally:
+            plan.end_step()
         if self._average is not None:
             self._average.end_round()
         return loss
@@ -393,19 +396,19 @@ class LowBitAdam(torch.optim.Optimizer):
     def _plan_for_step(self) -> UpdatePlan:
         """This step's plan (``amp8.optim.update_groups``), built again where the last one
         no longer fits, with the gradients of its update groups copied into their buffers."""
-        signature, updates = self._signature()
+        inputs = self._step_inputs()
         plan = self._plan
-        if plan is None or plan.signature != signature or not plan.gather(updates):
+        if plan is None or not plan.fits(inputs) or not plan.gather(inputs):
             # The new groups copy from the old ones' views; what the old ones still hold
             # then gets memory of its own.
-            old, plan = plan, self._build_plan(signature, updates)
+            old, plan = plan, self._build_plan(inputs)
             if old is not None:
                 old.release()
             self._plan = plan
-            if not plan.gather(updates):
+            if not plan.gather(inputs):
                 raise RuntimeError("amp8: an update group does not hold the tensors it was just built from")
         plan.other_grads = [
-            update[0][0] if (update := updates[position]) is not None else self.gradient(param)
+            grad[0] if (grad := inputs.grads[position]) is not None else self.gradient(param)
             for _, param, position in plan.alone
         ] + [param.grad for params in plan.plain.values() for param in params]
         return plan
@@ -436,40 +439,38 @@ class LowBitAdam(torch.optim.Optimizer):
             )
         self.stored.rounding_counter = first_draw + plan.total_draws
 
-    def _signature(self) -> tuple[list[tuple[int, str]], list[tuple[Any, dict[str, Any]] | None]]:
-        """What each parameter's update is this step (``(id, kind)`` in order: "skip",
-        "plain", "sharded" or "update") and, in the same order, the stored gradient and
-        state of each "update" one (None for the others). A parameter trainable since the
-        optimizer was built gets its state here."""
-        signature: list[tuple[int, str]] = []
-        updates: list[tuple[Any, dict[str, Any]] | None] = []
+    def _step_inputs(self) -> StepInputs:
+        """What each parameter's update is this step, with the stored gradient and state
+        of each "update" one (``StepInputs``). A parameter trainable since the optimizer
+        was built gets its state here."""
+        inputs = StepInputs([], [], [], [])
+        params, kinds, grads, states_now = inputs.params, inputs.kinds, inputs.grads, inputs.states
         states, weights, shard_optimizer = self.state, self.weights, self.level.shard_optimizer
         for group in self.param_groups:
             for param in group["params"]:
                 param_state = states.get(param)
-                update = None
-                if not param_state:
-                    if not param.requires_grad:
-                        signature.append((id(param), "skip"))  # frozen: no state, no update
-                        updates.append(None)
-                        continue
-                    # Frozen when this optimizer was built, trainable since: its state
-                    # starts now (at O3 its master from the FP8 weight).
-                    param_state = states[param]
-                    self.stored.init(param, param_state, None)
-                handle = weights.get(param)
-                if handle is not None and handle.sharded and shard_optimizer:
-                    kind = "sharded" if self.gradient(param) is not None else "skip"
-                elif handle is None and takes_plain_step(param, param_state):
-                    kind = "plain"
+                grad = None
+                if not param_state and not param.requires_grad:
+                    kind = "skip"  # frozen: no state, no update
                 else:
-                    grad = stored_grad(param, handle)
-                    kind = "skip" if grad is None else "update"
-                    if grad is not None:
-                        update = (grad, param_state)
-                signature.append((id(param), kind))
-                updates.append(update)
-        return signature, updates
+                    if not param_state:
+                        # Frozen when this optimizer was built, trainable since: its state
+                        # starts now (at O3 its master from the FP8 weight).
+                        param_state = states[param]
+                        self.stored.init(param, param_state, None)
+                    handle = weights.get(param)
+                    if handle is not None and handle.sharded and shard_optimizer:
+                        kind = "sharded" if self.gradient(param) is not None else "skip"
+                    elif handle is None and takes_plain_step(param, param_state):
+                        kind = "plain"
+                    else:
+                        grad = stored_grad(param, handle)
+                        kind = "skip" if grad is None else "update"
+                params.append(param)
+                kinds.append(kind)
+                grads.append(grad)
+                states_now.append(param_state if grad is not None else None)
+        return inputs
 
     def _params_in_order(self) -> list[tuple[int, nn.Parameter]]:
         """``(param group index, param)`` of every parameter, in order."""
@@ -481,15 +482,16 @@ class LowBitAdam(torch.optim.Optimizer):
             self._plan.release()
             self._plan = None
 
-    def _build_plan(self, signature: list[tuple[int, str]], updates: list[Any]) -> UpdatePlan:
-        """Sort the parameters by ``signature`` into update groups, the plain step and
-        their own updates, and number their noise draws in the reference step's order."""
+    def _build_plan(self, inputs: StepInputs) -> UpdatePlan:
+        """Sort the parameters by their kinds in ``inputs`` into update groups, the plain
+        step and their own updates, and number their noise draws in the reference step's
+        order."""
         params = self._params_in_order()
         draws_stochastically = state_storage.rounds_stochastically(MOMENTS[0], self.level.exp_avg)
         draws: dict[nn.Parameter, int] = {}
         plain: dict[tuple[int, torch.device], list[nn.Parameter]] = {}
         candidates, alone = [], []
-        for position, ((index, param), (_, kind)) in enumerate(zip(params, signature)):
+        for position, ((index, param), kind) in enumerate(zip(params, inputs.kinds)):
             if kind == "plain":
                 plain.setdefault((index, param.device), []).append(param)
                 continue
@@ -500,13 +502,13 @@ class LowBitAdam(torch.optim.Optimizer):
             if kind == "update" and self.grouped:
                 candidates.append((
                     index, param, self.weights.get(param), self.state[param], self.param_groups[index],
-                    draws.get(param, 0), updates[position][0], position,
+                    draws.get(param, 0), inputs.grads[position], position,
                 ))
             else:
                 alone.append((index, param, position))
         groups, ungrouped = build_groups(candidates)
         alone = sorted(alone + ungrouped, key=lambda entry: entry[2])
-        return UpdatePlan(signature, groups, alone, plain, draws, len(draws))
+        return UpdatePlan(inputs.params, inputs.kinds, groups, alone, plain, draws, len(draws))
 
     def _runs_fused(self, param: nn.Parameter) -> bool:
         """Whether ``param``'s update takes the fused step (see ``fused`` in the class

@@ -40,7 +40,6 @@ TENSOR_ROW_WIDTH = 256
 many elements; smaller ones take the power of two that holds them): what a tensor's last
 row may leave unused (zero padding)."""
 
-_SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 GroupStep = Callable[[fused.UpdateSpec, GroupTensors, fused.Coefficients, int, Any], None]
@@ -172,6 +171,15 @@ class UpdateGroup:
         for member, piece in zip(self.members, self._scale_pieces):
             member.handle.place_scale(piece)  # type: ignore[union-attr]
         self._index()
+        # Buffers that hold copies for one step only (the gradients; a plain group's
+        # weights): their memory is there from ``gather`` to ``end_step``, not between
+        # steps, so the group keeps no second copy of what the model holds.
+        self._step_buffers = [self.tensors.grad] + ([self.tensors.weight] if spec.weight is fused.WeightKind.PLAIN else [])
+        self._step_bytes = [buffer.untyped_storage().nbytes() for buffer in self._step_buffers]
+        # Where a tensor's last row has padding, fresh memory is zeroed: the padding of every
+        # buffer stays zero (the per-tensor amaxes read it).
+        self._padded = sum(member.rows for member in self.members) * width != sum(self._numels)
+        self.end_step()
 
     # -- layout ------------------------------------------------------------------------
     def _view(self, buffer: torch.Tensor, member: Member, like: torch.Tensor) -> torch.Tensor:
@@ -251,7 +259,7 @@ class UpdateGroup:
         self._view_keys = [key for member in members for key in member.views]
         self._view_tensors = [view for member in members for view in member.views.values()]
         self._params = [member.param for member in members]
-        self._shapes = [member.param.shape for member in members]
+        self._numels = [member.param.numel() for member in members]
         self._grad_scale_counts = [member.grad_scales for member in members]
         self._placed_weights = [member.weight_view for member in members if member.weight_view is not None]
         handles = [member.handle for member in members if member.handle is not None]
@@ -259,17 +267,31 @@ class UpdateGroup:
         self._scale_slots = [handle.scale_slot() for handle in self._handles]
         self._drop_caches = [handle.cache_dropper() for handle in self._handles]
 
-    def gather(self, updates: list[tuple[Any, dict[str, Any]] | None]) -> bool:
+    def _hold_step_buffers(self) -> None:
+        """Give the step buffers their memory (zeroed where tensors leave padding)."""
+        for buffer, nbytes in zip(self._step_buffers, self._step_bytes):
+            storage = buffer.untyped_storage()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+                if self._padded:
+                    buffer.zero_()
+
+    def end_step(self) -> None:
+        """Free the step buffers' memory until the next ``gather`` (their views stay)."""
+        for buffer in self._step_buffers:
+            buffer.untyped_storage().resize_(0)
+
+    def gather(self, inputs: StepInputs) -> bool:
         """Copy this step's gradients (and plain weights) into the buffers, from
-        ``updates`` (each parameter's stored gradient and its state, by its position among
-        the optimizer's parameters). False, with nothing changed, where a member's state,
+        ``inputs`` (each parameter's stored gradient and state, by its position among the
+        optimizer's parameters). False, with nothing changed, where a member's state,
         weight, scales or gradient is no longer what the group was built on."""
-        if self._last_position >= len(updates):
+        if self._last_position >= len(inputs.kinds):
             return False
-        picked = list(map(updates.__getitem__, self._positions))
-        if any(map(operator.is_, picked, repeat(None))):
+        states = list(map(inputs.states.__getitem__, self._positions))
+        grads = list(map(inputs.grads.__getitem__, self._positions))
+        if any(map(operator.is_, grads, repeat(None))):
             return False
-        grads, states = zip(*picked)
         if not all(map(operator.is_, states, self._states)):
             return False
         if not all(map(operator.is_, map(dict.get, self._view_owners, self._view_keys), self._view_tensors)):
@@ -286,7 +308,7 @@ class UpdateGroup:
         ):
             return False
         datas, grad_scales, _ = zip(*grads)
-        if list(map(_SHAPE, datas)) != self._shapes:
+        if list(map(torch.Tensor.numel, datas)) != self._numels:  # (a shape is the param's, or copy_ fails)
             return False
         spec = self.key.spec
         if spec.grad.dtype is None:
@@ -296,6 +318,7 @@ class UpdateGroup:
                 or set(map(_DTYPE, grad_scales)) != {torch.float32} \
                 or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
             return False
+        self._hold_step_buffers()
         torch._foreach_copy_(self._grad_views, datas)
         tensors = self.tensors
         if tensors.grad_scale is not None:
@@ -381,11 +404,25 @@ def build_groups(
 
 
 @dataclass
-class UpdatePlan:
-    """Which path each parameter's update takes, valid while ``signature`` (each
-    parameter's ``(id, kind)`` in order) holds and the groups hold their members' tensors."""
+class StepInputs:
+    """What each parameter's update is this step, in the optimizer's order: its kind
+    ("skip", "plain", "sharded" or "update") and, for an "update", its stored gradient
+    ``(data, scales, block size)`` and its state (None for the others). Parallel lists,
+    so that a step makes no Python object per parameter beyond what it reads."""
 
-    signature: list[tuple[int, str]]
+    params: list[nn.Parameter]
+    kinds: list[str]
+    grads: list[tuple[torch.Tensor, torch.Tensor | None, int] | None]
+    states: list[dict[str, Any] | None]
+
+
+@dataclass
+class UpdatePlan:
+    """Which path each parameter's update takes, valid while the parameters and their
+    kinds are those it was built for and the groups hold their members' tensors."""
+
+    params: list[nn.Parameter]
+    kinds: list[str]
     groups: list[UpdateGroup]
     alone: list[tuple[int, nn.Parameter, int]]  # (param group index, param, position): their own update
     plain: dict[tuple[int, torch.device], list[nn.Parameter]]  # torch's fused Adam (amp8.optim.plain_step)
@@ -393,14 +430,38 @@ class UpdatePlan:
     total_draws: int
     other_grads: list[torch.Tensor] = field(default_factory=list)  # this step's gradients outside the groups
 
+    def fits(self, inputs: StepInputs) -> bool:
+        """Whether this plan was built for ``inputs``' parameters and kinds."""
+        return (self.kinds == inputs.kinds and len(self.params) == len(inputs.params)
+                and all(map(operator.is_, self.params, inputs.params)))
+
     def gradients(self) -> list[torch.Tensor]:
         """This step's gradients as stored, for the finiteness check: each group's
         gradient buffer (after ``gather``) and the gradients outside the groups."""
         return [group.tensors.grad for group in self.groups] + self.other_grads
 
-    def gather(self, updates: list[tuple[Any, dict[str, Any]] | None]) -> bool:
-        """Every group's ``gather`` of this step's ``updates``; False where one no longer fits."""
-        return all(group.gather(updates) for group in self.groups)
+    def _hold_step_buffers(self) -> None:
+        """Give the step buffers their memory (zeroed where tensors leave padding)."""
+        for buffer, nbytes in zip(self._step_buffers, self._step_bytes):
+            storage = buffer.untyped_storage()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+                if self._padded:
+                    buffer.zero_()
+
+    def end_step(self) -> None:
+        """Free the step buffers' memory until the next ``gather`` (their views stay)."""
+        for buffer in self._step_buffers:
+            buffer.untyped_storage().resize_(0)
+
+    def gather(self, inputs: StepInputs) -> bool:
+        """Every group's ``gather`` of this step's ``inputs``; False where one no longer fits."""
+        return all(group.gather(inputs) for group in self.groups)
+
+    def end_step(self) -> None:
+        """Free every group's step buffers (see ``UpdateGroup.end_step``)."""
+        for group in self.groups:
+            group.end_step()
 
     def release(self) -> None:
         """Give the members of every group their own memory back (see ``UpdateGroup.release``)."""

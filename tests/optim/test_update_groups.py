@@ -199,7 +199,8 @@ def test_groups_are_rebuilt_when_what_they_hold_changes(level: str) -> None:
 
 def test_moments_and_weights_live_in_the_group_buffers() -> None:
     """Each parameter's moments and its stored FP16 weight are views into its group's
-    buffers, in rows of the group's width; the padding of a tensor's last row stays zero."""
+    buffers, in rows of the group's width; the padding of a tensor's last row stays zero;
+    between steps the group holds no copy of the gradients or plain weights."""
     model, _ = amp8.initialize(_model(2), None, "O2", amp8.Recipe())
     optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), amp8.LEVELS["O2"])
     _train([model], [optimizer], steps=2)
@@ -213,6 +214,9 @@ def test_moments_and_weights_live_in_the_group_buffers() -> None:
                 assert member.handle.stored_scale._base is group.tensors.weight_scale
         used = sum(member.param.numel() for member in group.members)
         assert int(group.tensors.exp_avg.float().ne(0).sum()) <= used
+        # The copies of the gradients (and of plain weights) are held for a step only.
+        copies = [group.tensors.grad] + ([group.tensors.weight] if group.key.spec.weight is fused.WeightKind.PLAIN else [])
+        assert all(copy.untyped_storage().nbytes() == 0 for copy in copies)
         rows = group.tensors.exp_avg.shape[0]
         assert rows == sum(-(-member.param.numel() // group.key.width) for member in group.members)
 
