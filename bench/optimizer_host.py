@@ -9,11 +9,12 @@ alike. Each row times ``optimizer.step()`` (gradients in place, median of repeat
 thread) for torch's ``AdamW(fused=True)`` over an FP32 copy of the same parameters and for
 ``LowBitAdam`` at each level: its default step (update groups over flat buffers, eager)
 and the compiled group step (``fused=True``, compiled outside the timing, where a C++
-compiler is found), each timed in turns with torch's step (a few warm steps of one, then of
-the other, three times over) so that their ratio (``*_vs_torch``) holds on a busy machine, and each tensor on its own (``grouped=False``,
-the reference; a few steps, against the first torch time). It also counts the aten operations one step dispatches (a dispatch mode; a
-compiled graph counts as one call): what a GPU would launch, and what must not grow with
-the number of parameters. Results go to bench/results/optimizer_host-<device>.json.
+compiler is found), each timed in turns with torch's step (a few warm steps of one, then
+of the other, three times over) so that their ratio (``*_vs_torch``) holds on a busy
+machine; and each tensor on its own (``grouped=False``, the reference; a few steps,
+against torch's first time). It also counts the aten operations one step dispatches (a
+dispatch mode; a compiled graph counts as one call): what a GPU would launch, and what
+must not grow with the number of parameters. Results go to bench/results/optimizer_host-<device>.json.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ simple H100 model that turns the counts into milliseconds.
 Each level builds amp8's byte-level GPT (amp8/tools/experiments/gpt.py) from the same
 seeded weights and runs under BF16 autocast, as bench/gpt.py runs on CUDA, with each
 transformer block compiled as there (``--blocks compiled``, the default for gpt-1b) or
-eagerly (``--blocks eager``, the default otherwise): O0 is the baseline (torch AdamW, fused where the CPU has it, else foreach), O1-O3 are
+eagerly (``--blocks eager``, the default otherwise): O0 is the baseline (torch AdamW,
+fused where the CPU has it, else foreach), O1-O3 are
 ``amp8.initialize`` with amp8's optimizer step compiled as on CUDA (``--optimizer
 compiled``, ``LowBitAdam(fused=True)``) or its eager reference (``--optimizer reference``,
 every operation of the update visible). One warm-up step, then ``--steps`` plain steps give the host

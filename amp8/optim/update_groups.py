@@ -13,8 +13,10 @@ tensor operations per group, whatever the number of parameters, and the Python w
 parameter is a few passes over lists.
 
 Anything that replaces a view (``load_state_dict``, a model moved with ``.to()``, a
-layer's scales re-stored at another shape, a parameter that has no gradient this step) is found by the next step, which builds the
-groups again from the tensors in place.
+layer's scales re-stored at another shape, a parameter that has no gradient this step)
+is found by the next step, which builds the groups again from the tensors in place.
+The copy of the gradients (and of a plain group's weights) holds memory during a step
+only.
 """
 
 from __future__ import annotations
@@ -174,7 +176,9 @@ class UpdateGroup:
         # Buffers that hold copies for one step only (the gradients; a plain group's
         # weights): their memory is there from ``gather`` to ``end_step``, not between
         # steps, so the group keeps no second copy of what the model holds.
-        self._step_buffers = [self.tensors.grad] + ([self.tensors.weight] if spec.weight is fused.WeightKind.PLAIN else [])
+        self._step_buffers = [self.tensors.grad]
+        if spec.weight is fused.WeightKind.PLAIN:
+            self._step_buffers.append(self.tensors.weight)
         self._step_bytes = [buffer.untyped_storage().nbytes() for buffer in self._step_buffers]
         # Where a tensor's last row has padding, fresh memory is zeroed: the padding of every
         # buffer stays zero (the per-tensor amaxes read it).
