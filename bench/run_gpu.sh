@@ -14,7 +14,7 @@
 # Steps (limit in seconds on the GPU; steps 1-4 add up to 580, what an H100 took on
 # 2026-11-26 with a little to spare):
 #   1 cuda-tests 150  the CUDA-only tests (pytest -m cuda); their output in OUT/cuda-tests.log
-#   2 optimizer  120  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 300M, then 1B
+#   2 optimizer  120  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 1B, then 300M
 #                     parameters of 1024 x 1024 layers
 #   3 gpt        170  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
 #                     compiled then eager, the optimizer timed apart
@@ -79,7 +79,7 @@ if [ "$mode" = gpu ]; then
     python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 64
     device=cuda
     tests=(-m cuda -n 12 -v --tb=short --continue-on-collection-errors tests)  # -v: each result named as it ends
-    optimizer=(--sizes 300 1000 --widths 1024 --repeats 3)
+    optimizer=(--sizes 1000 300 --widths 1024 --repeats 3)  # the targets' size first
     gpt=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5)
     llama=(--preset llama3-8b-layers --batch-size 1 --warmup 2 --steps 5 --modes compiled)
     linear=(--warmup 5 --repeats 20)
