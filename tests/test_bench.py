@@ -232,6 +232,34 @@ def test_optimizer_writes_each_row_with_its_compile_seconds(tmp_path: Path) -> N
     assert row["fused_ratio"] == pytest.approx(row["amp8_fused_ms"] / row["torch_adamw_ms"]), row
 
 
+linear_kernels = load_bench("linear_kernels")
+
+
+def test_linear_kernels_least_counts_each_operand_once() -> None:
+    m, k, n = 2, 3, 5
+    least = linear_kernels.least(m, k, n, input_bytes=2)
+    # forward: x read (12 B) and written twice in FP8 (12), x8 and W8 read (6 + 15), y written (20)
+    assert least["forward"] == {"kernels": 2, "bytes": 12 + 12 + 6 + 15 + 20}
+    # backward: dy read (20) and written twice (20), dgrad reads dy8 and W8 (10 + 15) and writes dx (12),
+    # wgrad reads x8 and dy8 (6 + 10) and writes dW in FP8 (15)
+    assert least["backward"] == {"kernels": 3, "bytes": 20 + 20 + 10 + 15 + 12 + 6 + 10 + 15}
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_linear_kernels_counts_eager_and_compiled_layers(tmp_path: Path) -> None:
+    path = linear_kernels.main(["--shape", "16", "32", "32", "--levels", "O2", "--recipes", "tensorwise",
+                                "--out", str(tmp_path)])
+    record = json.loads(path.read_text())
+    assert path == tmp_path / "linear_kernels-cpu.json" and record["benchmark"] == "linear_kernels"
+    eager, compiled = record["rows"]
+    assert (eager["mode"], compiled["mode"]) == ("eager", "compiled")
+    for phase in ("forward", "backward"):
+        assert eager[phase]["graph_calls"] == 0 and compiled[phase]["graph_calls"] >= 1, phase
+        assert eager[phase]["kernels"] > compiled[phase]["kernels"] >= record["least"][phase]["kernels"], phase
+        assert eager[phase]["fp8_flops"] == compiled[phase]["fp8_flops"] > 0, phase
+
+
 optimizer_kernels = load_bench("optimizer_kernels")
 
 

@@ -1,0 +1,125 @@
+"""Kernels and bytes of one ``Fp8Linear`` forward + backward, eager and compiled, against
+the least a layer must do.
+
+    python bench/linear_kernels.py                          # 256 x 1024 x 1024, both recipes, O1 and O2
+    python bench/linear_kernels.py --shape 64 256 512 --recipes rowwise --levels O2
+
+The layer is warmed up by one step (its weight cast is cached, as in training), then one
+forward and one backward under ``bench/step_profile.py``'s counter, BF16 autocast as
+on CUDA: eagerly, every aten operation that runs a kernel counts one; compiled
+(``torch.compile`` of the layer), each graph counts the GPU kernels its generated code
+stands for, with the bytes of their arguments. The least a layer must do:
+- kernels: forward, one cast of the input and the GEMM (2); backward, one cast of the
+  output gradient (the bias gradient summed in the same pass), the data-gradient and the
+  weight-gradient GEMMs (3), each cast writing the transposed copy the other GEMM reads
+  in the same pass;
+- bytes: each operand read once at its input precision and written once in FP8 (the
+  input and the output gradient, and their transposed copies), the GEMMs' FP8 operands
+  read once each, and the output, input gradient and weight gradient written once.
+Results go to ``--out``/linear_kernels-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+from torch import nn
+
+import amp8
+from amp8.monitor.console import default_console
+from common import RESULTS, reset_compiler, write_result
+from step_profile import StepCounter
+
+LEVELS = ("O1", "O2")
+RECIPES = ("tensorwise", "rowwise")
+MODES = ("eager", "compiled")
+PHASES = ("forward", "backward")
+
+
+def least(m: int, k: int, n: int, input_bytes: int) -> dict[str, dict[str, int]]:
+    """The least kernels and bytes of one FP8 linear forward and backward (see the
+    module docstring): inputs of ``input_bytes`` per element, FP8 casts of one byte, the
+    weight's FP8 cast cached, the weight gradient written in FP8."""
+    forward = (m * k * input_bytes + 2 * m * k  # the input read, its FP8 copy and transposed copy written
+               + m * k + k * n + m * n * input_bytes)  # the GEMM: FP8 operands read, the output written
+    backward = (m * n * input_bytes + 2 * m * n  # the output gradient read, its two FP8 copies written
+                + m * n + k * n + m * k * input_bytes  # data gradient: FP8 operands read, written
+                + m * k + m * n + k * n)  # weight gradient: FP8 operands read, written in FP8
+    return {"forward": {"kernels": 2, "bytes": forward}, "backward": {"kernels": 3, "bytes": backward}}
+
+
+def count(level: str, recipe: str, mode: str, shape: tuple[int, int, int]) -> dict[str, dict[str, float]]:
+    """One warmed-up forward + backward of an ``Fp8Linear`` of ``shape`` (M, K, N): per
+    phase, kernels (eager operations plus compiled graphs' kernels) and bytes."""
+    reset_compiler()
+    m, k, n = shape
+    torch.manual_seed(0)
+    layer, _ = amp8.initialize(nn.Sequential(nn.Linear(k, n)), None, level, amp8.Recipe.preset(recipe),
+                               layer_selection="all")
+    run = torch.compile(layer) if mode == "compiled" else layer
+    x = torch.randn(m, k, requires_grad=True)
+    grad = torch.randn(m, n)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+        out.backward(grad.to(out.dtype))
+
+    step()  # compiles, and caches the weight's cast
+    counter = StepCounter()
+    with counter:
+        with counter.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+        with counter.phase("backward"):
+            out.backward(grad.to(out.dtype))
+    totals = counter.totals()
+    return {phase: {"kernels": totals[phase]["ops"] + totals[phase]["graph_kernels"],
+                    "graph_calls": totals[phase]["graph_calls"],
+                    "bytes": totals[phase]["bytes"] + totals[phase]["graph_bytes"],
+                    "fp8_flops": totals[phase]["fp8_flops"]} for phase in PHASES}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Count every level, recipe and mode; print the table and write the JSON; its path."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", type=int, nargs=3, default=[256, 1024, 1024], metavar=("M", "K", "N"))
+    parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    shape = tuple(args.shape)
+    minimum = least(*shape, input_bytes=2)  # BF16 under autocast
+    rows = []
+    table = Table(title=f"Fp8Linear {shape[0]} x {shape[1]} x {shape[2]}, forward / backward: kernels, MB "
+                        f"(least: {minimum['forward']['kernels']} / {minimum['backward']['kernels']} kernels, "
+                        f"{minimum['forward']['bytes'] / 1e6:.2f} / {minimum['backward']['bytes'] / 1e6:.2f} MB)")
+    for column in ("level", "recipe", "mode", "kernels", "graph calls", "MB", "x least MB"):
+        table.add_column(column, justify="right")
+    for level in args.levels:
+        for recipe in args.recipes:
+            for mode in args.modes:
+                counted = count(level, recipe, mode, shape)
+                rows.append({"level": level, "recipe": recipe, "mode": mode, **counted})
+                table.add_row(level, recipe, mode,
+                              " / ".join(f"{counted[p]['kernels']:.0f}" for p in PHASES),
+                              " / ".join(f"{counted[p]['graph_calls']:.0f}" for p in PHASES),
+                              " / ".join(f"{counted[p]['bytes'] / 1e6:.2f}" for p in PHASES),
+                              " / ".join(f"{counted[p]['bytes'] / minimum[p]['bytes']:.1f}" for p in PHASES))
+    default_console().print(table)
+    return write_result("linear_kernels", torch.device("cpu"), {
+        "command": "python bench/linear_kernels.py " + " ".join(argv or []), "threads": 1,
+        "shape": {"m": shape[0], "k": shape[1], "n": shape[2]}, "autocast": "bfloat16", "least": minimum,
+        "counted_as": "kernels: eager aten operations that run a kernel plus compiled graphs' GPU kernels; bytes: "
+                      "nbytes in + out of each eager operation plus the arguments of each generated kernel",
+        "rows": rows,
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()
