@@ -20,7 +20,9 @@
 #                     compiled then eager, the optimizer timed apart
 #   4 llama      140  the same step, compiled, on four layers of Llama-3-8B's shapes
 #   5 linear      70  Fp8Linear at the three headline shapes, in what is left of --budget
-#   6 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
+#   6 kernels     60  the optimizer step's kernels by name at 300M parameters, O1-O3 and
+#                     torch's fused AdamW, in what is left of --budget
+#   7 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
 #                     --budget (default 580 s); cut short, it is not a failure
 # Every benchmark rewrites its JSON after each row, so a step cut short keeps what it
 # measured; the whole output goes to OUT/run_gpu.log too. torchao's rows run where
@@ -29,7 +31,7 @@
 # collected: they need an FP8 GPU), to try the whole script before a GPU run.
 #
 # Exit status: 0 when every step passed; else the sum of the failed steps' bits (1
-# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear; a step that runs out of time
+# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear, 32 kernels; a step that runs out of time
 # fails); 64 for bad arguments or no CUDA device.
 set -u
 
@@ -83,6 +85,7 @@ if [ "$mode" = gpu ]; then
     gpt=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5)
     llama=(--preset llama3-8b-layers --batch-size 1 --warmup 2 --steps 5 --modes compiled)
     linear=(--warmup 5 --repeats 20)
+    kernels=(--millions 300)
     sweep=(--sweep --warmup 3 --repeats 10)
 else
     echo "CPU check: every step with --device cpu at tiny sizes; the numbers check the script, not FP8's speed"
@@ -93,6 +96,7 @@ else
     gpt=(--preset tiny --batch-size 2 --warmup 1 --steps 1)
     llama=(--preset llama-tiny --batch-size 2 --warmup 1 --steps 1 --modes compiled)
     linear=(--shapes 64,128,64 --warmup 1 --repeats 1)
+    kernels=(--millions 1 --width 256 --levels O1 --warmup 1 --steps 1)
     sweep=(--sweep --shapes 64,128,64 --sweep-m 64 --grid 64 128 --warmup 0 --repeats 1 --no-compile)
     if [ "$quick" = 1 ]; then
         echo "quick: the models run eagerly, the optimizer at O1 alone, the tests are not collected"
@@ -144,6 +148,7 @@ step 2 optimizer 120 - python bench/optimizer.py --device $device "${optimizer[@
 step 4 gpt 170 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
 step 8 llama 140 - python bench/gpt.py --device $device "${llama[@]}" --out "$out"
 step 16 linear 70 - python bench/linear.py --device $device "${linear[@]}" --out "$out"
+step 32 kernels 60 - python bench/optimizer_kernels.py --device $device "${kernels[@]}" --out "$out"
 step 0 sweep "$budget" - python bench/linear.py --device $device "${sweep[@]}" --out "$out"
 
 echo "== all steps: $((SECONDS - start_all)) s; results in $out"
