@@ -266,8 +266,7 @@ class UpdateGroup:
         self._numels = [member.param.numel() for member in members]
         self._grad_scale_counts = [member.grad_scales for member in members]
         self._placed_weights = [member.weight_view for member in members if member.weight_view is not None]
-        handles = [member.handle for member in members if member.handle is not None]
-        self._handles = handles if self.key.spec.weight is not fused.WeightKind.PLAIN else []
+        self._handles = [member.handle for member in members if member.handle is not None]  # none in a plain group
         self._scale_slots = [handle.scale_slot() for handle in self._handles]
         self._drop_caches = [handle.cache_dropper() for handle in self._handles]
 
@@ -443,20 +442,6 @@ class UpdatePlan:
         """This step's gradients as stored, for the finiteness check: each group's
         gradient buffer (after ``gather``) and the gradients outside the groups."""
         return [group.tensors.grad for group in self.groups] + self.other_grads
-
-    def _hold_step_buffers(self) -> None:
-        """Give the step buffers their memory (zeroed where tensors leave padding)."""
-        for buffer, nbytes in zip(self._step_buffers, self._step_bytes):
-            storage = buffer.untyped_storage()
-            if storage.nbytes() != nbytes:
-                storage.resize_(nbytes)
-                if self._padded:
-                    buffer.zero_()
-
-    def end_step(self) -> None:
-        """Free the step buffers' memory until the next ``gather`` (their views stay)."""
-        for buffer in self._step_buffers:
-            buffer.untyped_storage().resize_(0)
 
     def gather(self, inputs: StepInputs) -> bool:
         """Every group's ``gather`` of this step's ``inputs``; False where one no longer fits."""
