@@ -21,7 +21,7 @@ from amp8.nn.adapters import adopt_lora_layers, check_lora_layers
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.gemm_share import GemmShare
-from amp8.nn.linear import Fp8Linear
+from amp8.nn.linear import Fp8Linear, set_compiled_casts
 from amp8.nn.selection import LayerSelection, resolve_selection
 from amp8.nn.stored_module import StoredWeightModule
 from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_experts, swap_linear_layers
@@ -100,6 +100,7 @@ def initialize(
     process_group: dist.ProcessGroup | None = None,
     layer_selection: LayerSelection = "auto",
     controller: Controller | None = None,
+    compiled_casts: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``.
 
@@ -131,6 +132,10 @@ def initialize(
             ``amp8.nn.selection.SpeedRule``.
         controller: an ``amp8.Controller`` that watches the FP8 layers' casts and moves
             layers to finer scales or high precision (docs/controller.md).
+        compiled_casts: the FP8 layers' casts outside ``torch.compile`` run as amp8's
+            compiled kernels (True: eager speed without compiling the model) or as
+            eager operations (False); the same bits either way
+            (``amp8.nn.set_compiled_casts``, docs/speed.md).
 
     Returns:
         ``(model, optimizer)``: the same model with its layers swapped, and the
@@ -149,6 +154,8 @@ def initialize(
     if controller is not None:
         _check_controller(controller, optimizer)
     model, optimizer = _initialize(model, optimizer, opt_level, recipe, module_filter, process_group, layer_selection)
+    if compiled_casts:
+        set_compiled_casts(model, True)
     if controller is not None:
         controller.attach(model, optimizer, _decision_group(model, process_group))  # type: ignore[arg-type]
     return model, optimizer

@@ -7,7 +7,8 @@ the least a layer must do.
 The layer is warmed up by one step (its weight cast is cached, as in training), then one
 forward and one backward under ``bench/step_profile.py``'s counter, BF16 autocast as
 on CUDA: eagerly, every aten operation that runs a kernel counts one; compiled
-(``torch.compile`` of the layer), each graph counts the GPU kernels its generated code
+(``torch.compile`` of the layer, or amp8's own compiled casts in an eager layer), each
+graph counts the GPU kernels its generated code
 stands for, with the bytes of their arguments. The least a layer must do:
 - kernels: forward, one cast of the input and the GEMM (2); backward, one cast of the
   output gradient (the bias gradient summed in the same pass), the data-gradient and the
@@ -16,12 +17,14 @@ stands for, with the bytes of their arguments. The least a layer must do:
 - bytes: each operand read once at its input precision and written once in FP8 (the
   input and the output gradient, and their transposed copies), the GEMMs' FP8 operands
   read once each, and the output, input gradient and weight gradient written once.
-Results go to ``--out``/linear_kernels-<device>.json.
+The first step's time (the compiling, from a fresh compiler state but inductor's own
+cache on disk) is recorded too. Results go to ``--out``/linear_kernels-<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,10 @@ from step_profile import StepCounter
 
 LEVELS = ("O1", "O2")
 RECIPES = ("tensorwise", "rowwise")
-MODES = ("eager", "compiled")
+MODES = ("eager-ops", "eager", "compiled")
+"""eager-ops: the casts as eager operations (``set_compiled_casts(False)``, the CPU's
+default); eager: the casts as amp8's compiled kernels, the rest eager (CUDA's default,
+forced here); compiled: ``torch.compile`` of the layer."""
 PHASES = ("forward", "backward")
 
 
@@ -52,14 +58,18 @@ def least(m: int, k: int, n: int, input_bytes: int) -> dict[str, dict[str, int]]
     return {"forward": {"kernels": 2, "bytes": forward}, "backward": {"kernels": 3, "bytes": backward}}
 
 
-def count(level: str, recipe: str, mode: str, shape: tuple[int, int, int]) -> dict[str, dict[str, float]]:
+def count(level: str, recipe: str, mode: str, shape: tuple[int, int, int]) -> dict[str, Any]:
     """One warmed-up forward + backward of an ``Fp8Linear`` of ``shape`` (M, K, N): per
-    phase, kernels (eager operations plus compiled graphs' kernels) and bytes."""
+    phase, kernels (eager operations plus compiled graphs' kernels) and bytes; and
+    ``first_step_s``."""
     reset_compiler()
     m, k, n = shape
     torch.manual_seed(0)
     layer, _ = amp8.initialize(nn.Sequential(nn.Linear(k, n)), None, level, amp8.Recipe.preset(recipe),
                                layer_selection="all")
+    for module in layer.modules():
+        if isinstance(module, amp8.nn.Fp8Linear):
+            module.set_compiled_casts(mode == "eager")
     run = torch.compile(layer) if mode == "compiled" else layer
     x = torch.randn(m, k, requires_grad=True)
     grad = torch.randn(m, n)
@@ -69,18 +79,28 @@ def count(level: str, recipe: str, mode: str, shape: tuple[int, int, int]) -> di
             out = run(x)
         out.backward(grad.to(out.dtype))
 
+    started = time.perf_counter()
     step()  # compiles, and caches the weight's cast
+    first_step_s = time.perf_counter() - started
+    # As in training: gradients set to None after the step, so none is accumulated into.
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
     counter = StepCounter()
     with counter:
         with counter.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
             out = run(x)
+        out_grad = grad.to(out.dtype)
         with counter.phase("backward"):
-            out.backward(grad.to(out.dtype))
+            out.backward(out_grad)
     totals = counter.totals()
-    return {phase: {"kernels": totals[phase]["ops"] + totals[phase]["graph_kernels"],
-                    "graph_calls": totals[phase]["graph_calls"],
-                    "bytes": totals[phase]["bytes"] + totals[phase]["graph_bytes"],
-                    "fp8_flops": totals[phase]["fp8_flops"]} for phase in PHASES}
+    counted: dict[str, Any] = {
+        phase: {"kernels": totals[phase]["ops"] + totals[phase]["graph_kernels"],
+                "graph_calls": totals[phase]["graph_calls"],
+                "bytes": totals[phase]["bytes"] + totals[phase]["graph_bytes"],
+                "fp8_flops": totals[phase]["fp8_flops"]} for phase in PHASES
+    }
+    counted["first_step_s"] = first_step_s  # compiling included, in a fresh compiler state
+    return counted
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -99,7 +119,7 @@ def main(argv: list[str] | None = None) -> Path:
     table = Table(title=f"Fp8Linear {shape[0]} x {shape[1]} x {shape[2]}, forward / backward: kernels, MB "
                         f"(least: {minimum['forward']['kernels']} / {minimum['backward']['kernels']} kernels, "
                         f"{minimum['forward']['bytes'] / 1e6:.2f} / {minimum['backward']['bytes'] / 1e6:.2f} MB)")
-    for column in ("level", "recipe", "mode", "kernels", "graph calls", "MB", "x least MB"):
+    for column in ("level", "recipe", "mode", "kernels", "graph calls", "MB", "x least MB", "first step s"):
         table.add_column(column, justify="right")
     for level in args.levels:
         for recipe in args.recipes:
@@ -110,7 +130,8 @@ def main(argv: list[str] | None = None) -> Path:
                               " / ".join(f"{counted[p]['kernels']:.0f}" for p in PHASES),
                               " / ".join(f"{counted[p]['graph_calls']:.0f}" for p in PHASES),
                               " / ".join(f"{counted[p]['bytes'] / 1e6:.2f}" for p in PHASES),
-                              " / ".join(f"{counted[p]['bytes'] / minimum[p]['bytes']:.1f}" for p in PHASES))
+                              " / ".join(f"{counted[p]['bytes'] / minimum[p]['bytes']:.1f}" for p in PHASES),
+                              f"{counted['first_step_s']:.2f}")
     default_console().print(table)
     return write_result("linear_kernels", torch.device("cpu"), {
         "command": "python bench/linear_kernels.py " + " ".join(argv or []), "threads": 1,

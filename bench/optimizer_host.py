@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp8
 from amp8.monitor.console import default_console
 from amp8.optim import LowBitAdam
-from amp8.optim.fused import cpp_compiler_found
+from amp8._compiled import cpp_compiler_found
 from common import RESULTS, time_alternately, time_call, write_result
 from compiled_graphs import GraphCalls
 

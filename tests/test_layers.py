@@ -17,6 +17,7 @@ PACKAGE = ROOT / "amp8"
 
 LAYERS: dict[str, int] = {
     "amp8._compat": 0,
+    "amp8._compiled": 0,
     "amp8._version": 0,
     "amp8.config": 0,
     "amp8.quant": 1,

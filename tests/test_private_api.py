@@ -52,6 +52,11 @@ ALLOWED: dict[str, str] = {
         "Read only on that error's path; torch has no public way to ask"
     ),
     # -- beyond the scope: torch features amp8 builds on ---------------------------------------
+    "torch._dynamo": (
+        "the two errors torch.compile(fullgraph=True) raises where it cannot compile a function for "
+        "the arguments it got (exc.Unsupported, exc.FailOnRecompileLimitHit): amp8's compiled casts "
+        "catch them and run the cast eagerly (amp8/_compiled.py); torch exports no public name for them"
+    ),
     **{
         f"torch._foreach_{op}": (
             "torch's multi-tensor kernels, one launch over a list of tensors: the step counts of plain "

@@ -5,7 +5,7 @@ from amp8.nn.adapters import adapter_modules, register_lora
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import ExpertsLayout
-from amp8.nn.linear import Fp8Linear
+from amp8.nn.linear import Fp8Linear, set_compiled_casts
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
 from amp8.nn.stored_module import StoredWeightModule
 from amp8.nn.swap import (
@@ -36,6 +36,7 @@ __all__ = [
     "embedding_reason",
     "high_precision_reason",
     "register_lora",
+    "set_compiled_casts",
     "shared_weight_names",
     "swap_embeddings",
     "swap_experts",

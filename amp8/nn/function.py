@@ -14,10 +14,11 @@ import torch
 
 from amp8.config.gemms import Gemm
 from amp8.config.recipe import ActivationFormat, Granularity, Recipe
-from amp8.nn.quantizer import LinearQuantizers
+from amp8.nn.quantizer import LinearQuantizers, Quantizer
 from amp8.ops.gemm import fp8_gemm
 from amp8.quant.health import GemmOperand
-from amp8.quant.scale_layout import GEMM_ALIGNMENT
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, is_column_major, pad_rows
+from amp8.tensor.block_scaled import BlockScaledTensor
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.weight_grad import GradLayout, WeightGrad, WeightGradInFlight
 
@@ -122,17 +123,6 @@ class LinearGemmConfig:
         return self.watched(GemmOperand.DGRAD_GRAD_OUTPUT)
 
 
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Append zero rows to a matrix (FP8 or not) so its row count is a multiple of
-    ``multiple``."""
-    missing = -x.shape[0] % multiple
-    if missing == 0:
-        return x
-    # FP8 tensors are concatenated as their bytes (a zero byte is +0.0 in both formats).
-    raw = x.view(torch.uint8) if x.element_size() == 1 and x.dtype.is_floating_point else x
-    return torch.cat([raw, raw.new_zeros(missing, x.shape[1])]).view(x.dtype)
-
-
 def _column_major(x: torch.Tensor) -> torch.Tensor:
     """The same matrix laid out column-major (a transposed contiguous copy, transposed)."""
     return x.t().contiguous().t()
@@ -169,13 +159,20 @@ class _Fp8LinearFunction(torch.autograd.Function):
         config: LinearGemmConfig,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, config.in_features)  # (M, K)
-        x8 = None
+        # Under one scale per tensor the forward's cast serves wgrad too: it writes the
+        # transposed copy wgrad reads in the same pass, and that copy is what is saved
+        # (unpadded: wgrad pads an M that is not a multiple of GEMM_ALIGNMENT).
+        fp8_wgrad_input = ctx.needs_input_grad[1] and not config.high_wgrad and config.tensorwise
+        x8 = x8_columns = None
+        if not config.high_fprop or fp8_wgrad_input:
+            cast = quantizers.input.cast_layouts(
+                x2, record=True, update_history=config.update_history, watch=config.input_operands,
+                columns=fp8_wgrad_input,
+            )
+            x8, x8_columns = cast.rows, cast.columns
         if config.high_fprop:
             y = (x2.float() @ w_stored.dequantize().t()).to(config.out_dtype)  # type: ignore[union-attr]
         else:
-            x8 = quantizers.input.cast(
-                x2, record=True, update_history=config.update_history, watch=config.input_operands
-            )
             y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, Gemm.FPROP)  # type: ignore[union-attr]
         # A fresh tensor of the output's shape, not a view (torch refuses to change a view
         # made inside a Function in place: ``y += residual``; FSDP2 warns of views).
@@ -185,7 +182,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # The input for wgrad goes through save_for_backward, so saved-tensor hooks see
         # (and count) it: its FP8 data and scales, or the high-precision rows.
         ctx.x8_block_size = None
-        if config.high_wgrad or not (config.tensorwise or config.fp8_saved_input):
+        if x8_columns is not None:
+            ctx.save_for_backward(x8_columns.data, x8_columns.scale)
+            ctx.x8_block_size = 0
+        elif config.high_wgrad or not (config.tensorwise or config.fp8_saved_input):
             ctx.save_for_backward(x2)
         else:
             if x8 is None:
@@ -210,11 +210,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
         quantizers: LinearQuantizers = ctx.quantizers
         needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
         g2 = grad_output.reshape(-1, config.out_features)  # (M, N)
-        g8 = None
-        if (needs_x and not config.high_dgrad) or (needs_w and not config.high_wgrad and config.tensorwise):
-            g8 = quantizers.grad_output.cast(
-                g2, record=True, update_history=config.update_history, watch=config.grad_output_operands
+        g8 = g8_columns = None
+        fp8_wgrad_grad = needs_w and not config.high_wgrad and config.tensorwise
+        if (needs_x and not config.high_dgrad) or fp8_wgrad_grad:
+            # One read of the output gradient: its FP8 rows for dgrad and the transposed
+            # copy for wgrad (one scale per tensor).
+            cast = quantizers.grad_output.cast_layouts(
+                g2, record=True, update_history=config.update_history, watch=config.grad_output_operands,
+                columns=fp8_wgrad_grad, padded=fp8_wgrad_grad,
             )
+            g8, g8_columns = cast.rows, cast.columns
         elif config.watch_health:
             quantizers.grad_output.watch(g2, 1, config.grad_output_operands)
 
@@ -234,7 +239,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if needs_w:
             saved = ctx.saved_tensors
             wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(*saved, ctx.x8_block_size)
-            grad_w = _weight_grad(wgrad_input, g2, g8, quantizers, config)
+            grad_w = _weight_grad(wgrad_input, g2, g8_columns, quantizers, config)
         grad_b = g2.float().sum(0).to(ctx.bias_dtype) if needs_b else None
         if not _graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
             ctx.w8_dgrad = ctx.w_stored = None
@@ -243,7 +248,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if config.weight_transposed:  # the Parameter holds W^T: its gradient is (K, N)
                 grad_w = grad_w.t().contiguous()
             if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
-                grad_w = ctx.grad_class.from_float(grad_w, config.grad_layout, ctx.weight_dtype)
+                grad_w = ctx.grad_class.from_float(
+                    grad_w, config.grad_layout, ctx.weight_dtype, compiled=quantizers.grad_output.compiled
+                )
             else:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear's
                 grad_w = grad_w.to(ctx.weight_dtype)
         return (grad_x, grad_w, grad_b, *unused)
@@ -271,8 +278,8 @@ def _weight_grad(
     if config.high_wgrad:
         if config.watch_health and not config.tensorwise:  # tensorwise: watched with the first casts
             # The casts the FP8 path below would make, padded alike.
-            quantizers.grad_output.watch(_pad_rows(g2, GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
-            quantizers.input.watch(_pad_rows(_real(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
+            quantizers.grad_output.watch(pad_rows(g2, GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
+            quantizers.input.watch(pad_rows(_real(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
         return g2.float().t() @ _real(wgrad_input)
     g_t, x_rows, outliers = wgrad_operands(wgrad_input, g2, g8, quantizers, config)
     grad_w = fp8_gemm(g_t, x_rows, torch.float32, Gemm.WGRAD)
@@ -293,32 +300,46 @@ def wgrad_operands(
         wgrad_input: the forward's FP8 input (M, K) where it was kept, else the
             high-precision input.
         g2: the (M, N) output gradient.
-        g8: its tensorwise FP8 cast (tensorwise recipes), else None.
+        g8: its tensorwise FP8 cast (tensorwise recipes), else None; row-major, or
+            padded and column-major as ``padded_columns`` gives it.
         quantizers: the casts of each role.
         config: the GEMMs' config (``config.high_wgrad`` False).
 
     Returns:
-        ``(g_t, x_rows, outliers)``: the (N, M') output gradient, row-major, and the
+        ``(g_t, x_columns, outliers)``: the (N, M') output gradient, row-major, and the
         (M', K) input, column-major, with M' = M padded with zero rows to a multiple of
         ``GEMM_ALIGNMENT``; scales along M except under one scale per tensor.
     """
     outliers = None
     if config.tensorwise:
-        x8: ScaledTensor = wgrad_input  # type: ignore[assignment]
-        g_rows = g8.with_data(_pad_rows(g8.data, GEMM_ALIGNMENT))  # type: ignore[union-attr]
-        x_rows = x8.with_data(_pad_rows(x8.data, GEMM_ALIGNMENT))
+        g_columns = padded_columns(g8)  # type: ignore[arg-type]
+        x_columns = padded_columns(wgrad_input)  # type: ignore[arg-type]
     else:  # scales along the token dim M, which wgrad contracts
         x2 = _real(wgrad_input)  # the forward's FP8 input is re-cast from its values
         if config.wgrad_outlier_share:
             outliers, x2, g2 = split_outlier_tokens(x2, g2, config.wgrad_outlier_share)
-        g_rows = quantizers.grad_output.cast(
-            _pad_rows(g2, GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_GRAD_OUTPUT)
-        )
-        x_rows = quantizers.input.cast(
-            _pad_rows(x2, GEMM_ALIGNMENT), 0, watch=config.watched(GemmOperand.WGRAD_INPUT)
-        )
-    g_t = g_rows.t()  # (N, M)
-    return g_t.with_data(g_t.data.contiguous()), x_rows.with_data(_column_major(x_rows.data)), outliers
+        g_columns = _padded_columns_cast(quantizers.grad_output, g2, config.watched(GemmOperand.WGRAD_GRAD_OUTPUT))
+        x_columns = _padded_columns_cast(quantizers.input, x2, config.watched(GemmOperand.WGRAD_INPUT))
+    return g_columns.t(), x_columns, outliers
+
+
+def padded_columns(x8: ScaledTensor) -> ScaledTensor:
+    """The (M, K) FP8 operand ``x8`` with zero rows appended to a multiple of
+    ``GEMM_ALIGNMENT``, column-major: as a cast with ``columns`` writes it for an aligned
+    M (then returned as it is), else copied so."""
+    data = x8.data
+    if data.shape[0] % GEMM_ALIGNMENT == 0 and is_column_major(data):
+        return x8
+    return x8.with_data(_column_major(pad_rows(data, GEMM_ALIGNMENT)))
+
+
+def _padded_columns_cast(quantizer: Quantizer, x2: torch.Tensor, watch: tuple[GemmOperand, ...]) -> ScaledTensor | BlockScaledTensor:
+    """``x2`` padded with zero rows to a multiple of ``GEMM_ALIGNMENT``, cast with scales
+    along its rows (the tokens wgrad contracts), column-major."""
+    if quantizer.rule.microscaled:
+        cast = quantizer.cast(pad_rows(x2, GEMM_ALIGNMENT), 0, watch=watch)
+        return cast.with_data(_column_major(cast.data))
+    return quantizer.cast_layouts(x2, 0, watch=watch, rows=False, columns=True, padded=True).columns  # type: ignore[return-value]
 
 
 OUTLIER_ROW_RATIO = 2.0**8

@@ -121,6 +121,7 @@ class Fp8Linear(StoredWeightModule):
         self.register_buffer("health", new_health(device), persistent=False)
         self.register_buffer("gemm_precision", torch.zeros(4, dtype=torch.int64, device=device))
         self.watch_health = False
+        self.compiled_casts = False  # see ``set_compiled_casts``
         self.gemm_moves: list[Any] = []  # the ``amp8.monitor.controller.Move``s of this layer
         self.gemm_recipe = recipe
         if recipe.wgrad_hadamard:
@@ -237,8 +238,16 @@ class Fp8Linear(StoredWeightModule):
             self.gemm_precision.copy_(torch.tensor([GRANULARITY_LADDER.index(self.gemm_recipe.granularity), *high]))
         self.quantizers = LinearQuantizers.build(
             self.gemm_recipe, self.scale, self.amax_history, self.health,
-            rotation=getattr(self, "hadamard", None),
+            rotation=getattr(self, "hadamard", None), compiled=self.compiled_casts,
         )
+
+    def set_compiled_casts(self, compiled: bool) -> None:
+        """Run the layer's casts outside ``torch.compile`` (the input, weight, output
+        gradient and weight gradient) as amp8's compiled kernels (True) or as eager
+        operations (False, the default); see ``amp8.nn.cast_kernels``. The bits are the
+        same."""
+        self.compiled_casts = compiled
+        self._bind_quantizers()
 
     def set_gemm_precision(
         self, granularity: Granularity | str, high_precision: tuple[bool, bool, bool], outlier_split: bool = False
@@ -505,3 +514,13 @@ def _loaded_gemm_recipe(
         stacklevel=4,
     )
     return None
+
+
+def set_compiled_casts(model: nn.Module, compiled: bool) -> int:
+    """``Fp8Linear.set_compiled_casts(compiled)`` on every ``Fp8Linear`` in ``model``: its
+    casts outside ``torch.compile`` run as amp8's compiled kernels (True) or as eager
+    operations (False, the default), with the same bits. Returns the layers set."""
+    layers = [module for module in model.modules() if isinstance(module, Fp8Linear)]
+    for layer in layers:
+        layer.set_compiled_casts(compiled)
+    return len(layers)

@@ -33,7 +33,7 @@ from amp8.config.validation import removed_name
 from amp8.optim import checkpoint
 from amp8.optim import fused as fused_step
 from amp8.optim import state as state_storage
-from amp8.optim.fused import cpp_compiler_found
+from amp8._compiled import cpp_compiler_found
 from amp8.optim.plain_step import plain_adam_step, takes_plain_step
 from amp8.optim.fused_update import fused_update, stored_grad
 from amp8.optim.group_step import adam_group_step

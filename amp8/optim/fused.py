@@ -17,15 +17,13 @@ dynamic shapes, so parameters of different shapes share it.
 
 from __future__ import annotations
 
-import os
-import shutil
-import types
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
+from amp8._compiled import compile_privately
 from amp8.optim.bound import held_to_bound, ratio_bound
 from amp8.optim.state import FIRST_MOMENT_STREAM
 from amp8.quant import noise, scaling
@@ -274,12 +272,6 @@ def adam_tensor_step(
 # would skip the rounding that stochastic rounding brackets.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
-def cpp_compiler_found() -> bool:
-    """Whether a C++ compiler is on the PATH (``$CXX``, g++, clang++ or c++): what
-    torch.compile needs to compile the step for the CPU."""
-    names = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
-    return any(name and shutil.which(name) for name in names)
-
 
 class FusedAdam:
     """``function(spec, ...)`` compiled once per ``UpdateSpec`` (``torch.compile``, full
@@ -306,13 +298,8 @@ class FusedAdam:
 
         if not self.compile:
             return step
-        # torch.compile keeps its graphs, and its limit of recompiles, per code object;
-        # a private copy of the code gives every spec of every optimizer its own, so
-        # one optimizer's graphs never push another's past that limit (and back to eager).
-        private = types.FunctionType(
-            step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__
-        )
-        return torch.compile(private, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+        # Every spec of every optimizer keeps its own graphs and recompile limit.
+        return compile_privately(step, COMPILE_OPTIONS)
 
     @property
     def specs(self) -> tuple[UpdateSpec, ...]:

@@ -58,3 +58,16 @@ def unswizzle(swizzled: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     tiles = raw.view(row_tiles, column_tiles, 32, _GROUPS, TILE_COLUMNS).permute(0, 3, 2, 1, 4)
     plain = tiles.reshape(row_tiles * TILE_ROWS, column_tiles * TILE_COLUMNS)
     return plain[:rows, :columns].contiguous().view(swizzled.dtype)
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Append zero rows to a matrix (FP8 or not) so its row count is a multiple of
+    ``multiple``."""
+    missing = -x.shape[0] % multiple
+    # Compiled, the zero rows (maybe none) are appended whatever the row count, so one
+    # graph with symbolic sizes serves aligned and unaligned counts alike.
+    if not torch.compiler.is_compiling() and missing == 0:
+        return x
+    # FP8 tensors are concatenated as their bytes (a zero byte is +0.0 in both formats).
+    raw = x.view(torch.uint8) if x.element_size() == 1 and x.dtype.is_floating_point else x
+    return torch.nn.functional.pad(raw, (0, 0, 0, missing)).view(x.dtype)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from amp8._compiled import call_compiled
+
 from amp8.config.recipe import Recipe
 from amp8.quant import scaling
 from amp8.tensor.scaled import ScaledTensor
@@ -75,6 +77,12 @@ class GradLayout:
         return scaling.tile_amax(torch.zeros(shape, device="meta"), self.tile).shape
 
 
+def _quantized_parts(layout: GradLayout, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layout.quantize(value)`` as (data, scales)."""
+    fp8 = layout.quantize(value)
+    return fp8.data, fp8.scale
+
+
 class WeightGrad(WeightGradDispatch):
     """The FP8 gradient of an FP8 layer's real weight, as that weight's ``.grad``.
 
@@ -97,9 +105,13 @@ class WeightGrad(WeightGradDispatch):
         self._data, self._scale, self.grad_layout = fp8.data, fp8.scale, layout
 
     @classmethod
-    def from_float(cls, value: torch.Tensor, layout: GradLayout, dtype: torch.dtype) -> "WeightGrad":
-        """The float gradient ``value`` stored at ``layout``, reporting ``dtype``."""
-        return cls(layout.quantize(value), dtype, layout)
+    def from_float(cls, value: torch.Tensor, layout: GradLayout, dtype: torch.dtype,
+                   compiled: bool = False) -> "WeightGrad":
+        """The float gradient ``value`` stored at ``layout``, reporting ``dtype``; the
+        quantization runs as compiled kernels as ``compiled`` says
+        (``amp8._compiled.runs_compiled``), with the same bits."""
+        data, scale = call_compiled(_quantized_parts, layout, value, compiled=compiled)
+        return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], layout: GradLayout, dtype: torch.dtype,

@@ -1,0 +1,167 @@
+"""One FP8 cast of a GEMM operand as one function, run as compiled kernels in eager code.
+
+``scaled_cast`` does all of a (not microscaled) cast: the amax, the scale, the record of
+both in the layer's buffers, the FP8 data in the layouts the GEMMs read (the operand's
+own, and the transposed copy for the other GEMM, written in the same pass), its health
+signals. Inside the user's
+``torch.compile`` it is traced like any other code; outside it, ``run_cast`` runs it
+compiled (``torch.compile``, full graph, dynamic shapes), so a model the user does not
+compile still gets its casts as a few fused kernels instead of a dozen eager operations
+each. One compiled function per ``CastSpec`` (the static settings) serves every layer
+and shape, from a bounded cache (``amp8._compiled.compiled_for``); without a compiler for
+the device the cast runs eagerly, with the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from amp8._compiled import call_compiled
+from amp8.config.recipe import Granularity, Scaling
+from amp8.nn.cast_rule import CastRule
+from amp8.quant import scaling
+from amp8.quant.health import GemmOperand, cast_health, record_health
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, pad_rows
+
+@dataclass(frozen=True)
+class CastSpec:
+    """The static settings of one cast: all but its tensors, so one compiled function
+    per spec serves every layer and shape.
+
+    Attributes:
+        rule: the role's ``CastRule`` (not microscaled).
+        row: the role's row in the layer's ``scale`` and ``amax_history`` buffers.
+        contract_dim: the dim of the 2-D input the GEMM contracts.
+        record: the scale (the smallest, for finer granularities) goes to the role's row
+            of ``scale``; with ``update_history`` too, the amax to its history.
+        update_history: see ``record``.
+        watch: the health rows the cast's signals go to (``amp8.quant.health``).
+        rows: give the FP8 data in the input's own layout (row-major).
+        columns: give the FP8 data column-major: the transposed operand of the
+            weight-gradient GEMM, written in the same pass. With ``rows``, one scale per
+            tensor serves both layouts.
+        padded: the column-major copy has zero rows appended to a multiple of
+            ``GEMM_ALIGNMENT``, as the GEMM takes it. Without ``rows`` the cast scales
+            (and watches) the padded input, whose zero rows change no amax.
+    """
+
+    rule: CastRule
+    row: int
+    contract_dim: int = 1
+    record: bool = False
+    update_history: bool = False
+    watch: tuple[GemmOperand, ...] = ()
+    rows: bool = True
+    columns: bool = False
+    padded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rule.microscaled:
+            raise ValueError("a CastSpec takes FP8 casts with scales; microscaled casts have their own path")
+        if not (self.rows or self.columns):
+            raise ValueError("a CastSpec gives no data: ask for rows, columns or both")
+        if self.padded and not self.columns:
+            raise ValueError("a CastSpec pads its column-major copy only: ask for columns too")
+        if self.rows and self.columns and self.rule.granularity is not Granularity.TENSORWISE:
+            raise ValueError(
+                "one cast serves both layouts only with one scale per tensor; cast the padded "
+                "columns separately for finer granularities"
+            )
+
+
+class CastOutputs(NamedTuple):
+    """What ``scaled_cast`` gives: the FP8 data in each layout asked for (else None) and
+    the scales (see ``Quantizer.next_scale``)."""
+
+    rows: torch.Tensor | None
+    columns: torch.Tensor | None
+    scale: torch.Tensor
+
+
+def unit_scale(rule: CastRule, amaxes: torch.Tensor, previous: torch.Tensor | None,
+               history: torch.Tensor | None) -> torch.Tensor:
+    """Scaling.NONE: every scale is 1."""
+    return torch.ones_like(amaxes)
+
+
+def current_scale(rule: CastRule, amaxes: torch.Tensor, previous: torch.Tensor | None,
+                  history: torch.Tensor | None) -> torch.Tensor:
+    """Scaling.CURRENT: the scales of the tensor's own amaxes."""
+    return rule.scale_from_amax(amaxes, previous)
+
+
+def delayed_scale(rule: CastRule, amaxes: torch.Tensor, previous: torch.Tensor | None,
+                  history: torch.Tensor | None) -> torch.Tensor:
+    """Scaling.DELAYED: the scale of the amax history's reduction, or of the tensor's own
+    amaxes while the history is still empty."""
+    fresh = current_scale(rule, amaxes, previous, history)
+    delayed = rule.scale_from_amax(scaling.history_amax(history, rule.amax_algo), previous)  # type: ignore[arg-type]
+    return torch.where(history.amax() > 0, delayed, fresh)  # type: ignore[union-attr]
+
+
+ScaleRule = Callable[[CastRule, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
+SCALE_RULES: dict[Scaling, ScaleRule] = {
+    Scaling.NONE: unit_scale,
+    Scaling.CURRENT: current_scale,
+    Scaling.DELAYED: delayed_scale,
+}
+"""How each scaling kind picks a scale from a tensor's tile amaxes, the previous scale
+and the amax history."""
+
+
+def tile_scales(
+    rule: CastRule, x: torch.Tensor, contract_dim: int, scales: torch.Tensor | None,
+    histories: torch.Tensor | None, row: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, amax)`` of a cast of the 2-D ``x`` under ``rule`` (see
+    ``Quantizer.next_scale``), reading the role's ``row`` of the layer's buffers."""
+    tile = rule.tile(tuple(x.shape), contract_dim)
+    amaxes = scaling.tile_amax(x, tile)
+    previous = scales[row] if tile is None and scales is not None else None
+    history = histories[row] if histories is not None else None
+    return SCALE_RULES[rule.scaling](rule, amaxes, previous, history), amaxes.amax()
+
+
+def record_scale(
+    scales: torch.Tensor, histories: torch.Tensor, row: int, scale: torch.Tensor, current_amax: torch.Tensor,
+    update_history: bool,
+) -> None:
+    """Write a cast's scale (the smallest of ``scale``) to ``row`` of ``scales`` and, with
+    ``update_history``, its amax (0 where not finite) to that row of ``histories``."""
+    with torch.no_grad():
+        scales[row] = scale.amin()
+        if update_history:
+            finite_amax = torch.where(torch.isfinite(current_amax), current_amax, 0.0)
+            histories[row] = scaling.push_history(histories[row], finite_amax)
+
+
+def scaled_cast(
+    spec: CastSpec, x: torch.Tensor, scales: torch.Tensor | None, histories: torch.Tensor | None,
+    health: torch.Tensor | None,
+) -> CastOutputs:
+    """The cast of the 2-D ``x`` that ``spec`` describes (see ``CastSpec``), writing the
+    layer's ``scales``, ``histories`` and ``health`` buffers in place as it says."""
+    source = pad_rows(x, GEMM_ALIGNMENT) if spec.padded and not spec.rows else x
+    scale, current_amax = tile_scales(spec.rule, source, spec.contract_dim, scales, histories, spec.row)
+    if spec.record and x.numel() > 0:  # an empty batch says nothing about the range
+        record_scale(scales, histories, spec.row, scale, current_amax, spec.update_history)  # type: ignore[arg-type]
+    full_scale = scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size)
+    data = scaling.quantize(source, full_scale, spec.rule.dtype)
+    if spec.watch:
+        record_health(health, spec.watch, cast_health(source, full_scale, data))  # type: ignore[arg-type]
+    columns = None
+    if spec.columns:
+        columns = (pad_rows(data, GEMM_ALIGNMENT) if spec.padded else data).t().contiguous().t()
+    return CastOutputs(data if spec.rows else None, columns, scale)
+
+
+def run_cast(
+    spec: CastSpec, x: torch.Tensor, scales: torch.Tensor | None, histories: torch.Tensor | None,
+    health: torch.Tensor | None, compiled: bool = False,
+) -> CastOutputs:
+    """``scaled_cast(spec, ...)``, as compiled kernels where
+    ``amp8._compiled.runs_compiled(x, compiled)``."""
+    return call_compiled(scaled_cast, spec, x, scales, histories, health, compiled=compiled)

@@ -1,0 +1,224 @@
+"""amp8's casts run as compiled kernels in eager code (``amp8.nn.cast_kernels``): the same
+bits as the eager operations, a few kernels per layer, no recompiles as shapes vary, and
+eager operations where no compiler serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp8
+from amp8 import _compiled
+from amp8.config.formats import FP8_DTYPES
+from amp8.nn import Fp8Linear
+from amp8.nn.cast_kernels import CastSpec, run_cast
+from amp8.nn.cast_rule import CastRule, TensorRole
+from amp8.quant.health import GemmOperand, new_health
+from tests.conftest import load_bench
+
+pytestmark = pytest.mark.compile
+
+RECIPES = {
+    "tensorwise": amp8.Recipe(),
+    "rowwise": amp8.Recipe.preset("rowwise"),
+    "block": amp8.Recipe(granularity="block", block_size=32),
+    "delayed": amp8.Recipe(scaling="delayed", amax_history_len=4),
+    "power-of-2": amp8.Recipe(power_of_2_scales=True, margin=1),
+}
+
+
+def _assert_same(a: tuple, b: tuple) -> None:
+    """The same tensors, FP8 ones byte for byte (a NaN's sign bit aside, which no GEMM
+    reads), in the same layout."""
+    for left, right in zip(a, b):
+        if left is None or right is None:
+            assert left is None and right is None
+            continue
+        assert left.stride() == right.stride()
+        if left.dtype in FP8_DTYPES:
+            nan = left.float().isnan()
+            assert torch.equal(nan, right.float().isnan())
+            left, right = left.view(torch.uint8)[~nan], right.view(torch.uint8)[~nan]
+        torch.testing.assert_close(left, right, rtol=0, atol=0, equal_nan=True)
+
+
+def _spec(recipe: amp8.Recipe, role: TensorRole, **settings: object) -> CastSpec:
+    return CastSpec(CastRule.for_role(recipe, role), role.value, **settings)  # type: ignore[arg-type]
+
+
+LAYOUTS = {  # CastSpec settings: a forward input, an output gradient, a wgrad re-cast
+    "rows": dict(record=True, update_history=True, watch=(GemmOperand.FPROP_INPUT,)),
+    "rows+columns": dict(record=True, update_history=True, columns=True),
+    "padded columns": dict(contract_dim=0, rows=False, columns=True, padded=True,
+                           watch=(GemmOperand.WGRAD_INPUT,)),
+}
+
+
+# One cast serves both layouts only with one scale per tensor (CastSpec refuses others).
+CASTS = [(recipe, layout) for recipe in RECIPES for layout in LAYOUTS
+         if layout != "rows+columns" or recipe not in ("rowwise", "block")]
+
+
+@pytest.mark.parametrize("rows", [48, 37])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("recipe, layout", CASTS)
+def test_compiled_cast_is_the_eager_cast_bit_for_bit(recipe: str, layout: str, dtype: torch.dtype, rows: int) -> None:
+    role = TensorRole.GRAD_OUTPUT if layout == "rows+columns" else TensorRole.INPUT
+    spec = _spec(RECIPES[recipe], role, **LAYOUTS[layout])
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 96) * torch.logspace(-3, 3, 96)).to(dtype)
+    x[0, 0] = float("nan") if recipe == "power-of-2" else x[0, 0]  # a NaN stays NaN, the scale unharmed
+    first = (torch.rand(3) + 0.5, torch.rand(3, RECIPES[recipe].history_len), new_health())
+    buffers = [first, tuple(b.clone() for b in first)]
+    results = [run_cast(spec, x, *buffers[i], compiled=compiled) for i, compiled in enumerate((False, True))]
+    _assert_same(tuple(results[0]), tuple(results[1]))
+    _assert_same(buffers[0], buffers[1])
+    if spec.columns:
+        columns = results[1].columns
+        assert columns.t().is_contiguous()  # column-major
+        assert columns.shape[0] == (-(-rows // 16) * 16 if spec.padded else rows)
+
+
+def test_cast_spec_refuses_what_one_cast_cannot_give() -> None:
+    rowwise = CastRule.for_role(RECIPES["rowwise"], TensorRole.INPUT)
+    with pytest.raises(ValueError, match="one scale per tensor"):
+        CastSpec(rowwise, 0, columns=True)
+    with pytest.raises(ValueError, match="gives no data"):
+        CastSpec(rowwise, 0, rows=False)
+    with pytest.raises(ValueError, match="ask for columns too"):
+        CastSpec(rowwise, 0, padded=True)
+    with pytest.raises(ValueError, match="microscaled"):
+        CastSpec(CastRule.for_role(amp8.Recipe.preset("mxfp8"), TensorRole.INPUT), 0)
+
+
+def _layers(recipe: amp8.Recipe, level: str, compiled: bool, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48), nn.GELU(), nn.Linear(48, 32))
+    model, _ = amp8.initialize(model, None, level, recipe, layer_selection="all")
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.set_compiled_casts(compiled)
+    return model
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_layers_with_compiled_casts_train_as_eager_ones_bit_for_bit(recipe: str, level: str) -> None:
+    runs = []
+    for compiled in (False, True):
+        model = _layers(RECIPES[recipe], level, compiled)
+        grads = []
+        for step, rows in enumerate((32, 24, 40)):
+            torch.manual_seed(100 + step)
+            x = torch.randn(rows, 64, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().pow(2).mean().backward()
+            grads += [out.detach(), x.grad]
+            for name, parameter in model.named_parameters():
+                grad = parameter.grad
+                grads.append(grad.dequantize() if hasattr(grad, "dequantize") else grad)
+                parameter.grad = None
+        runs.append((grads, [b.clone() for b in model.buffers()]))
+    for left, right in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        torch.testing.assert_close(left, right, rtol=0, atol=0, equal_nan=True)
+
+
+def test_twenty_steps_of_three_layer_shapes_compile_nothing_after_the_first() -> None:
+    model = _layers(amp8.Recipe(), "O2", compiled=True)
+    graphs = []
+    for rows in (32, 48, 24, 40, 17) * 4:  # batches aligned to 16 rows and not
+        x = torch.randn(rows, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * 19
+
+
+class _FP8Producers(TorchDispatchMode):
+    """Records the eager operations that convert to FP8: an FP8 output from inputs none
+    of which is FP8 (compiled graphs run inside as one call: an infra mode lets them run
+    compiled)."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8_writes: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if isinstance(out, torch.Tensor) and out.dtype in FP8_DTYPES and not any(a.dtype in FP8_DTYPES for a in inputs):
+            self.fp8_writes.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_eager_layer_casts_only_in_compiled_kernels(recipe: str) -> None:
+    layer = _layers(RECIPES[recipe], "O2", compiled=True)[0]
+    x = torch.randn(32, 64, requires_grad=True)
+    layer(x).sum().backward()  # compiles
+    layer.zero_grad(set_to_none=True)
+    with _FP8Producers() as producers:
+        layer(x).sum().backward()
+    assert producers.fp8_writes == []
+    with _FP8Producers() as producers:  # the eager operations, for contrast
+        layer.set_compiled_casts(False)
+        layer(x).sum().backward()
+    assert len(producers.fp8_writes) >= 3
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_eager_layer_runs_about_the_kernels_of_a_compiled_one(recipe: str) -> None:
+    bench = load_bench("linear_kernels")
+    shape = (64, 128, 256)
+    eager = bench.count("O2", recipe, "eager", shape)
+    compiled = bench.count("O2", recipe, "compiled", shape)
+    eager_ops = bench.count("O2", recipe, "eager-ops", shape)
+    for phase in ("forward", "backward"):
+        # Eager runs amp8's cast graphs and the GEMMs, plus what a compiled layer fuses
+        # into its graph: the GEMM scales' reciprocals (two a GEMM), the weight's
+        # column-major copy for dgrad, the bias and its gradient.
+        assert eager[phase]["kernels"] <= compiled[phase]["kernels"] + 8
+        assert eager[phase]["kernels"] * 2 < eager_ops[phase]["kernels"]
+        assert eager[phase]["bytes"] < eager_ops[phase]["bytes"] / 2
+    assert eager["forward"]["graph_calls"] == 1
+
+
+def test_casts_run_eagerly_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compiled, "compiler_found", lambda device_type: False)
+    spec = _spec(amp8.Recipe(), TensorRole.INPUT, record=False)
+    before = counters["stats"]["unique_graphs"]
+    out = run_cast(spec, torch.randn(16, 32), None, None, None, compiled=True)
+    assert out.rows is not None and counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.parametrize("compiled, tensor, expected", [
+    (True, "plain", True),
+    (False, "plain", False),  # the default
+    (True, "parameter", False),  # a subclass (a DTensor, a Parameter) stays eager
+    (True, "empty", False),  # nothing to gain
+])
+def test_which_casts_run_compiled(compiled: bool, tensor: str, expected: bool) -> None:
+    x = torch.randn(0 if tensor == "empty" else 4, 16)
+    x = nn.Parameter(x) if tensor == "parameter" else x
+    assert _compiled.runs_compiled(x, compiled) is (expected and _compiled.compiler_found("cpu"))
+
+
+def test_a_cast_torch_cannot_compile_runs_eagerly_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> object:
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit reached")
+
+    monkeypatch.setattr(_compiled, "compiled_for", lambda function, spec, variant: refuse)
+    spec = _spec(amp8.Recipe(), TensorRole.INPUT)
+    x = torch.randn(16, 32)
+    with pytest.warns(RuntimeWarning, match="runs it eagerly"):
+        out = run_cast(spec, x, None, None, None, compiled=True)
+    assert torch.equal(out.rows.view(torch.uint8), run_cast(spec, x, None, None, None).rows.view(torch.uint8))
