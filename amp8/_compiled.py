@@ -12,6 +12,7 @@ import warnings
 from typing import Any, Callable, Hashable
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def compile_privately(function: Callable[..., Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:
@@ -64,11 +65,12 @@ def compiled_for(function: Callable[..., Any], spec: Hashable, variant: Hashable
 
 def runs_compiled(x: torch.Tensor, compiled: bool) -> bool:
     """Whether work on ``x`` that may run compiled does: asked to, outside any compiled
-    region, for a plain tensor that is not empty (not a subclass such as a DTensor) on a
-    device a compiler is found for."""
+    region and any torch dispatch mode (a FLOP counter, say: torch.compile runs nothing
+    under one), for a plain tensor that is not empty (not a subclass such as a DTensor)
+    on a device a compiler is found for."""
     return (
         compiled and type(x) is torch.Tensor and x.numel() > 0 and not torch.compiler.is_compiling()
-        and compiler_found(x.device.type)
+        and not is_in_torch_dispatch_mode(include_infra_modes=False) and compiler_found(x.device.type)
     )
 
 
@@ -76,13 +78,14 @@ def call_compiled(function: Callable[..., Any], spec: Hashable, x: torch.Tensor,
                   compiled: bool = False) -> Any:
     """``function(spec, x, *args)``, as compiled kernels where ``runs_compiled(x, compiled)``
     (the same bits either way), else eagerly; eagerly too, with a warning, where torch
-    cannot compile it for these arguments (it then changed nothing)."""
+    cannot compile it for these arguments or its compiler fails (it then ran nothing)."""
     if not runs_compiled(x, compiled):
         return function(spec, x, *args)
     variant = (x.dtype, tuple(arg is None for arg in args), torch.is_grad_enabled())
     try:
         return compiled_for(function, spec, variant)(x, *args)
-    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit) as error:
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit,
+            torch._dynamo.exc.BackendCompilerFailed) as error:
         warnings.warn(
             f"amp8 could not compile {function.__name__} for {spec} and runs it eagerly, with the same "
             f"bits ({type(error).__name__}: {str(error).splitlines()[0]}); pass compiled_casts=False to "

@@ -60,7 +60,10 @@ from common import (
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Config = Union[GPTConfig, LlamaSpec]
-RUNS = ("baseline", "torchao", "torchao rowwise", "amp8 O1", "amp8 O2", "amp8 O3")
+RUNS = ("baseline", "torchao", "torchao rowwise", "amp8 O1", "amp8 O2", "amp8 O3",
+        "amp8 O1 compiled casts", "amp8 O2 compiled casts")
+"""The "compiled casts" runs are amp8 with ``compiled_casts=True``: eager, they run the FP8
+casts as amp8's compiled kernels; compiled, they are the run without it, so skipped."""
 MODES = ("compiled", "eager")
 LLAMA_PRESETS = {
     "llama3-8b-layers": LlamaSpec(n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, intermediate=14336,
@@ -108,7 +111,8 @@ def build(run: str, config: Config, device: torch.device,
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), **fast)
     if run.startswith("amp8"):
-        model, optimizer = amp8.initialize(model, optimizer, run.split()[-1])
+        model, optimizer = amp8.initialize(model, optimizer, run.split()[1],
+                                           compiled_casts=run.endswith("compiled casts"))
     elif run.startswith("torchao"):
         if to_torchao is None:
             raise RuntimeError("torchao is not available")
@@ -284,6 +288,8 @@ def main(argv: list[str] | None = None) -> Path:
         for run in args.runs:
             if run.startswith("torchao") and to_torchao is None:
                 row = {"skipped": torchao_status}
+            elif run.endswith("compiled casts") and mode == "compiled":
+                row = {"skipped": "under torch.compile the casts are compiled with the model: the run without it"}
             else:
                 row = run_one(run, mode, config, batches, args.warmup, device, args.compile_scope, to_torchao)
             results.setdefault(run, {})[mode] = row

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark set in one command, most important first. Steps 1-4 are the
-# essentials, about 9.5 minutes on an H100 (most of it compiling); each step runs in its
+# essentials, about 10 minutes on an H100 (most of it compiling); each step runs in its
 # own process under its own time limit, so one slow step cannot eat the rest.
 #
 #     bash bench/run_gpu.sh                          # JSON into bench/results/
@@ -11,19 +11,20 @@
 #     bash bench/run_gpu.sh --cpu-check --quick /tmp/check   # no compiling but O1's optimizer
 #                                                    # step, tests not collected (about 30 s)
 #
-# Steps (limit in seconds on the GPU; steps 1-4 add up to 580, what an H100 took on
-# 2026-11-26 with a little to spare):
+# Steps (limit in seconds on the GPU; steps 1-4 add up to 600):
 #   1 cuda-tests 150  the CUDA-only tests (pytest -m cuda); their output in OUT/cuda-tests.log
-#   2 optimizer  120  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 1B, then 300M
-#                     parameters of 1024 x 1024 layers
-#   3 gpt        170  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
-#                     compiled then eager, the optimizer timed apart
-#   4 llama      140  the same step, compiled, on four layers of Llama-3-8B's shapes
-#   5 linear      70  Fp8Linear at the three headline shapes, in what is left of --budget
+#   2 linear      90  Fp8Linear at the three headline shapes: eager, eager with amp8's
+#                     compiled casts, compiled, rowwise, torchao, against nn.Linear
+#   3 gpt        210  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
+#                     compiled then eager (amp8 O1/O2 eager with compiled casts too), the
+#                     optimizer timed apart
+#   4 llama      150  the same step, compiled, on four layers of Llama-3-8B's shapes
+#   5 optimizer  120  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 1B, then 300M
+#                     parameters of 1024 x 1024 layers, in what is left of --budget
 #   6 kernels     60  the optimizer step's kernels by name at 300M parameters, O1-O3 and
 #                     torch's fused AdamW, in what is left of --budget
 #   7 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
-#                     --budget (default 580 s); cut short, it is not a failure
+#                     --budget (default 600 s); cut short, it is not a failure
 # Every benchmark rewrites its JSON after each row, so a step cut short keeps what it
 # measured; the whole output goes to OUT/run_gpu.log too. torchao's rows run where
 # torchao imports and are recorded as skipped elsewhere.
@@ -65,7 +66,7 @@ if [ "$mode" = cpu ]; then
 else
     scale=1
 fi
-budget=${budget:-$((580 * scale))}
+budget=${budget:-$((600 * scale))}
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${out:-$repo/bench/results}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
@@ -144,10 +145,10 @@ if [ ${#tests[@]} -gt 0 ]; then
 else
     echo "== cuda-tests: skipped (--quick)"
 fi
+step 16 linear 90 - python bench/linear.py --device $device "${linear[@]}" --out "$out"
+step 4 gpt 210 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
+step 8 llama 150 - python bench/gpt.py --device $device "${llama[@]}" --out "$out"
 step 2 optimizer 120 - python bench/optimizer.py --device $device "${optimizer[@]}" --fused-only --no-memory --out "$out"
-step 4 gpt 170 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
-step 8 llama 140 - python bench/gpt.py --device $device "${llama[@]}" --out "$out"
-step 16 linear 70 - python bench/linear.py --device $device "${linear[@]}" --out "$out"
 step 32 kernels 60 - python bench/optimizer_kernels.py --device $device "${kernels[@]}" --out "$out"
 step 0 sweep "$budget" - python bench/linear.py --device $device "${sweep[@]}" --out "$out"
 

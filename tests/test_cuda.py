@@ -32,14 +32,15 @@ STEPS = 4
 CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64, tie_head=False)
 
 
-def _train(device: str, level: str, recipe: Recipe,
-           compile: bool = False) -> tuple[list[float], nn.Module, torch.optim.Optimizer]:
+def _train(device: str, level: str, recipe: Recipe, compile: bool = False,
+           compiled_casts: bool = False) -> tuple[list[float], nn.Module, torch.optim.Optimizer]:
     """``STEPS`` AdamW steps of the untied GPT on one batch on ``device``; the losses, model
     and optimizer."""
     torch.manual_seed(0)
     model = CONFIG.build().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, optimizer = amp8.initialize(model, optimizer, opt_level=level, recipe=recipe, layer_selection="all")
+    model, optimizer = amp8.initialize(model, optimizer, opt_level=level, recipe=recipe, layer_selection="all",
+                                       compiled_casts=compiled_casts)
     step_model = torch.compile(model) if compile else model
     batch = torch.randint(0, CONFIG.vocab_size, (8, CONFIG.block_size + 1), generator=torch.Generator().manual_seed(1))
     batch = batch.to(device)  # one batch every step: the loss must fall
@@ -51,6 +52,20 @@ def _train(device: str, level: str, recipe: Recipe,
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, model, optimizer
+
+
+@cuda_fp8
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe_name", ("tensorwise", "rowwise", "deepseek"))
+@pytest.mark.parametrize("level", ("O1", "O2"))
+def test_compiled_casts_on_cuda_train_as_eager_casts_bit_for_bit(level: str, recipe_name: str) -> None:
+    recipe = Recipe.preset(recipe_name)
+    losses, model, _ = _train("cuda", level, recipe)
+    cast_losses, cast_model, _ = _train("cuda", level, recipe, compiled_casts=True)
+    assert cast_losses == losses
+    cast_state = cast_model.state_dict()
+    for key, value in model.state_dict().items():
+        assert_bitwise_equal(cast_state[key], value)
 
 
 @cuda_fp8

@@ -52,10 +52,17 @@ ALLOWED: dict[str, str] = {
         "Read only on that error's path; torch has no public way to ask"
     ),
     # -- beyond the scope: torch features amp8 builds on ---------------------------------------
+    "torch.utils._python_dispatch": (
+        "is_in_torch_dispatch_mode: whether a torch dispatch mode (a FLOP counter, a tracer) is active, "
+        "under which torch.compile(fullgraph=True) runs nothing and raises; amp8's compiled casts then "
+        "run eagerly (amp8/_compiled.py). torch.compile itself asks the same function; torch has no "
+        "public one"
+    ),
     "torch._dynamo": (
-        "the two errors torch.compile(fullgraph=True) raises where it cannot compile a function for "
-        "the arguments it got (exc.Unsupported, exc.FailOnRecompileLimitHit): amp8's compiled casts "
-        "catch them and run the cast eagerly (amp8/_compiled.py); torch exports no public name for them"
+        "the errors torch.compile(fullgraph=True) raises where it cannot compile a function for the "
+        "arguments it got or its backend fails (exc.Unsupported, exc.FailOnRecompileLimitHit, "
+        "exc.BackendCompilerFailed): amp8's compiled casts catch them and run the cast eagerly "
+        "(amp8/_compiled.py); torch exports no public name for them"
     ),
     **{
         f"torch._foreach_{op}": (

@@ -73,12 +73,13 @@ class CastSpec:
 
 
 class CastOutputs(NamedTuple):
-    """What ``scaled_cast`` gives: the FP8 data in each layout asked for (else None) and
-    the scales (see ``Quantizer.next_scale``)."""
+    """What ``scaled_cast`` gives: the FP8 data in each layout asked for (else None), the
+    scales (see ``Quantizer.next_scale``) and their reciprocals (what a GEMM is handed)."""
 
     rows: torch.Tensor | None
     columns: torch.Tensor | None
     scale: torch.Tensor
+    inverse: torch.Tensor
 
 
 def unit_scale(rule: CastRule, amaxes: torch.Tensor, previous: torch.Tensor | None,
@@ -155,7 +156,7 @@ def scaled_cast(
     columns = None
     if spec.columns:
         columns = (pad_rows(data, GEMM_ALIGNMENT) if spec.padded else data).t().contiguous().t()
-    return CastOutputs(data if spec.rows else None, columns, scale)
+    return CastOutputs(data if spec.rows else None, columns, scale, scale.reciprocal())
 
 
 def run_cast(

@@ -173,11 +173,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if config.high_fprop:
             y = (x2.float() @ w_stored.dequantize().t()).to(config.out_dtype)  # type: ignore[union-attr]
         else:
-            y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, Gemm.FPROP)  # type: ignore[union-attr]
+            # The bias joins the GEMM: added to its float32 product, rounded once.
+            y = fp8_gemm(x8.with_data(x8.data.contiguous()), w8.t(), config.out_dtype, Gemm.FPROP,  # type: ignore[union-attr]
+                         None if bias is None else bias.to(config.out_dtype))
         # A fresh tensor of the output's shape, not a view (torch refuses to change a view
         # made inside a Function in place: ``y += residual``; FSDP2 warns of views).
         y = torch.ops.aten._unsafe_view(y, (*x.shape[:-1], config.out_features))
-        if bias is not None:  # the sum is a new tensor, not a view (FSDP2 warns of views)
+        if bias is not None and config.high_fprop:  # a new tensor, not a view (FSDP2 warns of views)
             y = y + bias.to(config.out_dtype)
         # The input for wgrad goes through save_for_backward, so saved-tensor hooks see
         # (and count) it: its FP8 data and scales, or the high-precision rows.
@@ -240,7 +242,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             saved = ctx.saved_tensors
             wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(*saved, ctx.x8_block_size)
             grad_w = _weight_grad(wgrad_input, g2, g8_columns, quantizers, config)
-        grad_b = g2.float().sum(0).to(ctx.bias_dtype) if needs_b else None
+        grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if needs_b else None  # no float32 copy of g2
         if not _graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
             ctx.w8_dgrad = ctx.w_stored = None
         unused = (None,) * 5  # w8, w8_dgrad, w_stored, quantizers, config

@@ -140,8 +140,8 @@ class Quantizer:
         out = run_cast(spec, x, self.scales, self.histories, self.health, self.compiled)
         block_size = self.rule.scale_block_size
         return OperandCast(
-            None if out.rows is None else ScaledTensor(out.rows, out.scale, block_size),
-            None if out.columns is None else ScaledTensor(out.columns, out.scale, block_size),
+            None if out.rows is None else ScaledTensor(out.rows, out.scale, block_size, out.inverse),
+            None if out.columns is None else ScaledTensor(out.columns, out.scale, block_size, out.inverse),
         )
 
     def watch(self, x: torch.Tensor, contract_dim: int, operands: tuple[GemmOperand, ...]) -> None:

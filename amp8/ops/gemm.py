@@ -96,6 +96,9 @@ def fp8_mm(
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
     role: Gemm,
+    inverse_a: torch.Tensor | None = None,
+    inverse_b: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a * scale_a_inverse) @ (b * scale_b_inverse)`` computed by ``torch._scaled_mm``.
 
@@ -106,18 +109,26 @@ def fp8_mm(
             to the GEMM.
         out_dtype: float32, bfloat16 or float16.
         role: which GEMM this is; fast accumulation is used for FPROP only.
+        inverse_a, inverse_b: ``1 / scale_a`` and ``1 / scale_b`` where a cast computed
+            them already (``ScaledTensor.inverse``; tensorwise scales); else computed here.
+        bias: (N,) in ``out_dtype``, added in the GEMM's epilogue (tensorwise scales).
     """
     check_operands(a, b, scale_a, scale_b, out_dtype)
     if a.numel() == 0 or b.numel() == 0:  # an empty batch: no kernel takes every empty shape
-        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+        out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+        return out if bias is None else out + bias
     rowwise = scale_a.numel() > 1 or scale_b.numel() > 1  # M = 1 gives a (1, 1) rowwise scale_a
+    inverse_a = scale_a.reciprocal() if inverse_a is None else inverse_a
+    inverse_b = scale_b.reciprocal() if inverse_b is None else inverse_b
     if rowwise and not _compat.native_rowwise_scaled_mm(a.device):
-        return emulated_scaled_mm(a, b, scale_a.reciprocal(), scale_b.reciprocal(), out_dtype)
+        out = emulated_scaled_mm(a, b, inverse_a, inverse_b, out_dtype)
+        return out if bias is None else out + bias
     return torch._scaled_mm(
         a,
         b,
-        scale_a=scale_a.reciprocal(),
-        scale_b=scale_b.reciprocal(),
+        scale_a=inverse_a,
+        scale_b=inverse_b,
+        bias=bias,
         out_dtype=out_dtype,
         use_fast_accum=role is Gemm.FPROP,
     )
@@ -194,8 +205,10 @@ def fp8_mm_blockwise(
     return out.to(out_dtype)
 
 
-def fp8_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype, role: Gemm) -> torch.Tensor:
-    """``a @ b`` for scaled FP8 operands at any granularity (see the module docstring).
+def fp8_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype, role: Gemm,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (``+ bias``) for scaled FP8 operands at any granularity (see the module
+    docstring).
 
     Args:
         a: (M, K), data row-major; scale (), (M, 1) or (M or ceil(M / block), ceil(K / block)).
@@ -204,20 +217,28 @@ def fp8_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype, role: Gem
             look rowwise (one K-block), so that path never depends on the shapes.
         out_dtype: float32, bfloat16 or float16.
         role: which GEMM this is.
+        bias: (N,) in ``out_dtype``, added to the float32 product before it is rounded
+            to ``out_dtype`` (in the GEMM's epilogue under one scale per tensor; after
+            it, rounded once more, otherwise).
 
     Raises:
         ValueError: operands that break the CUDA contract, or scales that do not pair up
             along K.
     """
-    if isinstance(a, BlockScaledTensor) or isinstance(b, BlockScaledTensor):
+    microscaled = isinstance(a, BlockScaledTensor) or isinstance(b, BlockScaledTensor)
+    if bias is not None and (microscaled or a.scale.dim() > 0 or b.scale.dim() > 0):
+        return fp8_gemm(a, b, out_dtype, role) + bias
+    if microscaled:
         return microscaled_gemm(a, b, out_dtype, role)  # type: ignore[arg-type]
     (m, k), n = a.shape, b.shape[1]
     scale_a, scale_b = a.scale, b.scale
     if scale_a.dim() == 0 and scale_b.dim() == 0:
-        return fp8_mm(a.data, b.data, scale_a, scale_b, out_dtype, role)
+        return fp8_mm(a.data, b.data, scale_a, scale_b, out_dtype, role, a.inverse, b.inverse, bias)
     blockwise = a.block_size > 0 or b.block_size > 0
     if not blockwise and tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
         gemm_dtype = out_dtype if out_dtype in _ROWWISE_OUT_DTYPES else torch.bfloat16
+        # The reciprocals are taken here: a transposed (N, 1) view of the cast's (1, N)
+        # scales has the strides _scaled_mm refuses, and its own output has them right.
         return fp8_mm(a.data, b.data, scale_a, scale_b, gemm_dtype, role).to(out_dtype)
     if scale_a.dim() != 2 or scale_b.dim() != 2 or scale_a.shape[1] != scale_b.shape[0]:
         raise ValueError(

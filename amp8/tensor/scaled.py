@@ -26,6 +26,9 @@ class ScaledTensor:
     data: torch.Tensor
     scale: torch.Tensor
     block_size: int = 0
+    inverse: torch.Tensor | None = None
+    """``1 / scale``, what a GEMM is handed, where the cast computed it alongside (None:
+    the GEMM computes it)."""
 
     @classmethod
     def from_float(
@@ -52,13 +55,13 @@ class ScaledTensor:
 
     def t(self) -> "ScaledTensor":
         """The transposed matrix, with its scales transposed alongside."""
-        scale = self.scale.t() if self.scale.dim() == 2 else self.scale
-        return ScaledTensor(self.data.t(), scale, self.block_size)
+        scale, inverse = (t.t() if t is not None and t.dim() == 2 else t for t in (self.scale, self.inverse))
+        return ScaledTensor(self.data.t(), scale, self.block_size, inverse)  # type: ignore[arg-type]
 
     def with_data(self, data: torch.Tensor) -> "ScaledTensor":
         """``data`` with this tensor's scales: the same values in another memory layout
         (or, under one scale per tensor, with zero rows appended)."""
-        return ScaledTensor(data, self.scale, self.block_size)
+        return ScaledTensor(data, self.scale, self.block_size, self.inverse)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -212,8 +212,18 @@ def test_which_casts_run_compiled(compiled: bool, tensor: str, expected: bool) -
     assert _compiled.runs_compiled(x, compiled) is (expected and _compiled.compiler_found("cpu"))
 
 
-def test_a_cast_torch_cannot_compile_runs_eagerly_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+class _BackendFailed(torch._dynamo.exc.BackendCompilerFailed):
+    """Inductor's failure (its constructor's arguments differ between torch versions)."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+
+
+@pytest.mark.parametrize("refusal", ["recompile limit", "backend failed"])
+def test_a_cast_torch_cannot_compile_runs_eagerly_with_a_warning(monkeypatch: pytest.MonkeyPatch, refusal: str) -> None:
     def refuse(*args: object) -> object:
+        if refusal == "backend failed":
+            raise _BackendFailed("no triton")
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit reached")
 
     monkeypatch.setattr(_compiled, "compiled_for", lambda function, spec, variant: refuse)
@@ -221,4 +231,21 @@ def test_a_cast_torch_cannot_compile_runs_eagerly_with_a_warning(monkeypatch: py
     x = torch.randn(16, 32)
     with pytest.warns(RuntimeWarning, match="runs it eagerly"):
         out = run_cast(spec, x, None, None, None, compiled=True)
+    assert torch.equal(out.rows.view(torch.uint8), run_cast(spec, x, None, None, None).rows.view(torch.uint8))
+
+
+class _Watching(TorchDispatchMode):
+    """A plain (not infra) dispatch mode, as a FLOP counter or a tracer is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def test_casts_run_eagerly_under_a_torch_dispatch_mode() -> None:
+    spec = _spec(amp8.Recipe(), TensorRole.INPUT)
+    x = torch.randn(16, 32)
+    assert _compiled.runs_compiled(x, True) is _compiled.compiler_found("cpu")
+    with _Watching():
+        assert not _compiled.runs_compiled(x, True)
+        out = run_cast(spec, x, None, None, None, compiled=True)  # torch.compile would refuse here
     assert torch.equal(out.rows.view(torch.uint8), run_cast(spec, x, None, None, None).rows.view(torch.uint8))
