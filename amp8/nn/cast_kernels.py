@@ -61,15 +61,21 @@ class CastSpec:
     def __post_init__(self) -> None:
         if self.rule.microscaled:
             raise ValueError("a CastSpec takes FP8 casts with scales; microscaled casts have their own path")
-        if not (self.rows or self.columns):
-            raise ValueError("a CastSpec gives no data: ask for rows, columns or both")
-        if self.padded and not self.columns:
-            raise ValueError("a CastSpec pads its column-major copy only: ask for columns too")
-        if self.rows and self.columns and self.rule.granularity is not Granularity.TENSORWISE:
-            raise ValueError(
-                "one cast serves both layouts only with one scale per tensor; cast the padded "
-                "columns separately for finer granularities"
-            )
+        check_layouts(self.rows, self.columns, self.padded, self.rule.granularity is Granularity.TENSORWISE)
+
+
+def check_layouts(rows: bool, columns: bool, padded: bool, one_scale: bool) -> None:
+    """Raise ``ValueError`` unless one cast can give these layouts (see ``CastSpec``):
+    rows and columns together only with ``one_scale`` per tensor."""
+    if not (rows or columns):
+        raise ValueError("a cast that gives no data: ask for rows, columns or both")
+    if padded and not columns:
+        raise ValueError("a cast pads its column-major copy only: ask for columns too")
+    if rows and columns and not one_scale:
+        raise ValueError(
+            "one cast serves both layouts only with one scale per tensor; cast the padded "
+            "columns separately for finer granularities"
+        )
 
 
 class CastOutputs(NamedTuple):

@@ -338,9 +338,6 @@ def padded_columns(x8: ScaledTensor) -> ScaledTensor:
 def _padded_columns_cast(quantizer: Quantizer, x2: torch.Tensor, watch: tuple[GemmOperand, ...]) -> ScaledTensor | BlockScaledTensor:
     """``x2`` padded with zero rows to a multiple of ``GEMM_ALIGNMENT``, cast with scales
     along its rows (the tokens wgrad contracts), column-major."""
-    if quantizer.rule.microscaled:
-        cast = quantizer.cast(pad_rows(x2, GEMM_ALIGNMENT), 0, watch=watch)
-        return cast.with_data(_column_major(cast.data))
     return quantizer.cast_layouts(x2, 0, watch=watch, rows=False, columns=True, padded=True).columns  # type: ignore[return-value]
 
 

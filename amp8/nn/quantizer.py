@@ -14,10 +14,11 @@ from typing import NamedTuple
 import torch
 
 from amp8.config.recipe import Recipe, Scaling
-from amp8.nn.cast_kernels import CastSpec, record_scale, run_cast, tile_scales
+from amp8.nn.cast_kernels import CastSpec, check_layouts, record_scale, run_cast, tile_scales
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.quant import hadamard, scaling
 from amp8.quant.health import GemmOperand, block_cast_health, record_health
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, pad_rows
 from amp8.tensor import block_scaled as microscaling
 from amp8.tensor.block_scaled import BlockScaledTensor
 from amp8.tensor.scaled import ScaledTensor
@@ -96,18 +97,6 @@ class Quantizer:
         history, both in place; an empty ``x`` records nothing. The cast's health signals
         go to the rows of ``health`` named by ``watch`` (see ``amp8.quant.health``).
         """
-        if self.rule.microscaled:
-            source = self._block_source(x, contract_dim)
-            cast = self._block_cast(source, contract_dim)
-            if record and x.numel() > 0:
-                if self.scales is None or self.histories is None:
-                    raise ValueError("this Quantizer has no scale buffers to record into; cast with record=False")
-                decode = cast.decode_scales()
-                record_scale(self.scales, self.histories, self.row, decode.amax().reciprocal(), scaling.amax(x),
-                             update_history)
-            if watch:
-                self._record_health(watch, block_cast_health(source, cast))
-            return cast
         return self.cast_layouts(x, contract_dim, record=record, update_history=update_history, watch=watch).rows  # type: ignore[return-value]
 
     def cast_layouts(
@@ -124,17 +113,17 @@ class Quantizer:
     ) -> OperandCast:
         """``cast``, with the FP8 data in the layouts the GEMMs read, from one read of
         ``x`` (see ``amp8.nn.cast_kernels.CastSpec``), run as compiled kernels where
-        ``compiled`` says (``amp8.nn.cast_kernels.run_cast``). A microscaled cast gives
-        its rows only."""
-        if self.rule.microscaled:
-            if columns or not rows:
-                raise ValueError("a microscaled cast gives its rows only; cast the padded rows with cast()")
-            cast = self.cast(x, contract_dim, record=record, update_history=update_history, watch=watch)
-            return OperandCast(cast, None)
-        if record and (self.scales is None or self.histories is None):
+        ``compiled`` says (``amp8.nn.cast_kernels.run_cast``). A microscaled cast runs
+        eagerly and gives one layout, rows or columns."""
+        if record and x.numel() > 0 and (self.scales is None or self.histories is None):
             raise ValueError("this Quantizer has no scale buffers to record into; cast with record=False")
         if watch and self.health is None:
             raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
+        if self.rule.microscaled:
+            check_layouts(rows, columns, padded, one_scale=False)
+            cast = self._microscaled_cast(pad_rows(x, GEMM_ALIGNMENT) if padded else x, contract_dim, record,
+                                          update_history, watch)
+            return OperandCast(cast if rows else None, cast.with_data(cast.data.t().contiguous().t()) if columns else None)
         spec = CastSpec(self.rule, self.row, contract_dim, record, record and update_history, watch,
                         rows, columns, padded)
         out = run_cast(spec, x, self.scales, self.histories, self.health, self.compiled)
@@ -144,16 +133,25 @@ class Quantizer:
             None if out.columns is None else ScaledTensor(out.columns, out.scale, block_size, out.inverse),
         )
 
+    def _microscaled_cast(
+        self, x: torch.Tensor, contract_dim: int, record: bool, update_history: bool, watch: tuple[GemmOperand, ...]
+    ) -> BlockScaledTensor:
+        """The microscaled cast of ``x`` (rotated for wgrad, see ``rotation``), recording
+        and watching as ``cast_layouts`` says."""
+        source = self._block_source(x, contract_dim)
+        cast = self._block_cast(source, contract_dim)
+        if record and x.numel() > 0:
+            record_scale(self.scales, self.histories, self.row, cast.decode_scales().amax().reciprocal(),  # type: ignore[arg-type]
+                         scaling.amax(x), update_history)
+        if watch:
+            record_health(self.health, watch, block_cast_health(source, cast))  # type: ignore[arg-type]
+        return cast
+
     def watch(self, x: torch.Tensor, contract_dim: int, operands: tuple[GemmOperand, ...]) -> None:
         """Write the health signals of the cast ``x`` would get into the rows of
         ``operands``, and nothing else: a GEMM that runs in high precision is still
         watched, so its layer knows when FP8 would serve it again."""
         self.cast(x, contract_dim, watch=operands)
-
-    def _record_health(self, operands: tuple[GemmOperand, ...], signals: torch.Tensor) -> None:
-        if self.health is None:
-            raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
-        record_health(self.health, operands, signals)
 
     def _block_source(self, x: torch.Tensor, contract_dim: int) -> torch.Tensor:
         """What a microscaled cast of ``x`` quantizes: ``x`` rotated for wgrad (see

@@ -68,6 +68,6 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     # graph with symbolic sizes serves aligned and unaligned counts alike.
     if not torch.compiler.is_compiling() and missing == 0:
         return x
-    # FP8 tensors are concatenated as their bytes (a zero byte is +0.0 in both formats).
+    # FP8 tensors are padded as their bytes (a zero byte is +0.0 in both formats).
     raw = x.view(torch.uint8) if x.element_size() == 1 and x.dtype.is_floating_point else x
     return torch.nn.functional.pad(raw, (0, 0, 0, missing)).view(x.dtype)

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from amp8._compiled import call_compiled
-
 from amp8.config.recipe import Recipe
 from amp8.quant import scaling
 from amp8.tensor.scaled import ScaledTensor
