@@ -18,10 +18,11 @@ from amp8.distributed.reduction import GradientReduction
 from amp8.monitor.controller import Controller
 from amp8.nn.activations import attach_activation_storage
 from amp8.nn.adapters import adopt_lora_layers, check_lora_layers
+from amp8.nn.compiled_casts import set_compiled_casts
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.gemm_share import GemmShare
-from amp8.nn.linear import Fp8Linear, set_compiled_casts
+from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import LayerSelection, resolve_selection
 from amp8.nn.stored_module import StoredWeightModule
 from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_experts, swap_linear_layers

@@ -99,7 +99,10 @@ OPTIMIZER_PARTS = {
     "plain_adam_step": "plain step",
 }
 # Operations that launch no kernel: allocations and metadata (views are found by schema).
-NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default}
+NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default,
+             aten._unsafe_view.default}  # a view its schema does not mark as one
+# Operations that overwrite their first argument without reading it: it counts as written only.
+OVERWRITE = {aten.copy_.default, aten.fill_.Scalar, aten.zero_.default}
 SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 COUNTS = ("ops", "host_ops", "syncs", "bytes", "fp8_flops", "other_flops", "graph_calls", "graph_kernels", "graph_bytes",
           "int_ops")
@@ -365,7 +368,8 @@ class StepCounter(TorchDispatchMode):
         if on_host:  # arithmetic on CPU scalars: host time, no kernel
             self._count(name, host_ops=1)
             return out
-        tensors = [t for t in inputs + outputs if type(t) in (torch.Tensor, torch.nn.Parameter)]
+        read = inputs[1:] if func in OVERWRITE else inputs
+        tensors = [t for t in read + outputs if type(t) in (torch.Tensor, torch.nn.Parameter)]
         fp8, other = _flops(func, args, kwargs, out)
         integer = sum(t.numel() for t in outputs if t.dtype in INTEGER)
         self._count(name, ops=1, bytes=sum(t.nbytes for t in tensors), fp8_flops=fp8, other_flops=other,

@@ -2,10 +2,11 @@
 
 from amp8.config.validation import removed_name
 from amp8.nn.adapters import adapter_modules, register_lora
+from amp8.nn.compiled_casts import set_compiled_casts
 from amp8.nn.embedding import LowBitEmbedding
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import ExpertsLayout
-from amp8.nn.linear import Fp8Linear, set_compiled_casts
+from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
 from amp8.nn.stored_module import StoredWeightModule
 from amp8.nn.swap import (

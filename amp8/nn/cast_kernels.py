@@ -24,7 +24,7 @@ from amp8.config.recipe import Granularity, Scaling
 from amp8.nn.cast_rule import CastRule
 from amp8.quant import scaling
 from amp8.quant.health import GemmOperand, cast_health, record_health
-from amp8.quant.scale_layout import GEMM_ALIGNMENT, pad_rows
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, pad_rows
 
 @dataclass(frozen=True)
 class CastSpec:
@@ -151,18 +151,22 @@ def scaled_cast(
 ) -> CastOutputs:
     """The cast of the 2-D ``x`` that ``spec`` describes (see ``CastSpec``), writing the
     layer's ``scales``, ``histories`` and ``health`` buffers in place as it says."""
-    source = pad_rows(x, GEMM_ALIGNMENT) if spec.padded and not spec.rows else x
+    padded = pad_rows(x, GEMM_ALIGNMENT) if spec.padded else x
+    source = x if spec.rows else padded  # what is scaled and watched
     scale, current_amax = tile_scales(spec.rule, source, spec.contract_dim, scales, histories, spec.row)
     if spec.record and x.numel() > 0:  # an empty batch says nothing about the range
         record_scale(scales, histories, spec.row, scale, current_amax, spec.update_history)  # type: ignore[arg-type]
-    full_scale = scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size)
-    data = scaling.quantize(source, full_scale, spec.rule.dtype)
+    # Both layouts come from one FP8 pass over the (padded) rows, so a compiled cast
+    # writes them in one loop; the rows are the unpadded head (rows and columns share
+    # one scale per tensor, so the scale broadcasts over the padding).
+    data = scaling.quantize(padded, scaling.expand_scale(scale, tuple(padded.shape), spec.rule.scale_block_size),
+                            spec.rule.dtype)
+    rows = data[: x.shape[0]] if spec.rows and spec.padded else data
     if spec.watch:
-        record_health(health, spec.watch, cast_health(source, full_scale, data))  # type: ignore[arg-type]
-    columns = None
-    if spec.columns:
-        columns = (pad_rows(data, GEMM_ALIGNMENT) if spec.padded else data).t().contiguous().t()
-    return CastOutputs(data if spec.rows else None, columns, scale, scale.reciprocal())
+        full_scale = scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size)
+        record_health(health, spec.watch, cast_health(source, full_scale, rows if spec.rows else data))  # type: ignore[arg-type]
+    columns = column_major(data) if spec.columns else None
+    return CastOutputs(rows if spec.rows else None, columns, scale, scale.reciprocal())
 
 
 def run_cast(

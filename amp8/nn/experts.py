@@ -108,6 +108,7 @@ class Fp8Experts(StoredWeightsModule):
         )
         self._rules = tuple(CastRule.for_role(self.recipe, role) for role in TensorRole)
         self._grad_sinks: dict[str, torch.Tensor] = {}  # see _build_grad_routes
+        self.compiled_casts = False  # see ``set_compiled_casts``
         if self.recipe.wgrad_hadamard:  # seeded: the same matrix on every rank and run
             self.register_buffer("hadamard", random_hadamard().to(gate_up.device), persistent=False)
         # The replaced module, outside the module tree: its activation or gate method
@@ -185,12 +186,20 @@ class Fp8Experts(StoredWeightsModule):
 
         return gate
 
+    def set_compiled_casts(self, compiled: bool) -> None:
+        """Run each expert's casts outside ``torch.compile`` (its tokens, its weights, its
+        output gradient, its FP8 weight gradient) as amp8's compiled kernels (True) or as
+        eager operations (False, the default); see ``amp8.nn.cast_kernels``. The bits
+        are the same."""
+        self.compiled_casts = compiled
+
     def quantizers(self) -> LinearQuantizers:
         """The casts of each tensor role (they record nothing), with the Hadamard
-        rotation of wgrad's operands where the recipe asks for it."""
+        rotation of wgrad's operands where the recipe asks for it, run compiled as
+        ``compiled_casts`` says."""
         rotation = getattr(self, "hadamard", None)
         return LinearQuantizers(*(
-            Quantizer(rule, rotation=None if role is TensorRole.WEIGHT else rotation)
+            Quantizer(rule, rotation=None if role is TensorRole.WEIGHT else rotation, compiled=self.compiled_casts)
             for rule, role in zip(self._rules, TensorRole)
         ))
 

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from amp8.config.gemms import Gemm
-from amp8.nn.function import LinearGemmConfig, _column_major, _graph_retained, wgrad_operands
+from amp8.nn.function import LinearGemmConfig, _graph_retained, wgrad_operands
 from amp8.nn.quantizer import LinearQuantizers, Quantizer
 from amp8.ops.grouped_gemm import (
     ExpertGroups, Operand, expert_matrices, expert_rows, grouped_fp8_gemm, grouped_fp8_wgrad,
 )
+from amp8.quant.scale_layout import column_major
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
 
@@ -125,12 +126,14 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
                 grad_x = expert_rows(groups, k, ctx.x_dtype, g.device,
                                      lambda e: (g[groups.group(e)].float() @ weight[e].float()).to(ctx.x_dtype))
             else:
-                w8 = [None if w is None else w.with_data(_column_major(w.data)) for w in ctx.w8_dgrad]
+                w8 = [None if w is None else w.with_data(column_major(w.data)) for w in ctx.w8_dgrad]
                 grad_x = grouped_fp8_gemm(g8, w8, groups, k, ctx.x_dtype, Gemm.DGRAD)  # type: ignore[arg-type]
         if needs_w:
             grad_w = _weight_grad(saved, g, g8, groups, quantizers, config, ctx.x8_block_size)
             if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
-                grad_w = ctx.grad_class.from_float(grad_w, config.grad_layout, ctx.weight_dtype)  # type: ignore[arg-type]
+                grad_w = ctx.grad_class.from_float(  # type: ignore[arg-type]
+                    grad_w, config.grad_layout, ctx.weight_dtype, compiled=quantizers.grad_output.compiled
+                )
             else:
                 grad_w = grad_w.to(ctx.weight_dtype)
         if not _graph_retained():  # free the FP8 weights now, as autograd frees saved tensors

@@ -15,9 +15,9 @@ import torch
 from amp8.config.gemms import Gemm
 from amp8.config.recipe import ActivationFormat, Granularity, Recipe
 from amp8.nn.quantizer import LinearQuantizers, Quantizer
-from amp8.ops.gemm import fp8_gemm
+from amp8.ops.gemm import fp8_gemm, rounded_dtype
 from amp8.quant.health import GemmOperand
-from amp8.quant.scale_layout import GEMM_ALIGNMENT, is_column_major, pad_rows
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, is_column_major, pad_rows
 from amp8.tensor.block_scaled import BlockScaledTensor
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.weight_grad import GradLayout, WeightGrad, WeightGradInFlight
@@ -123,11 +123,6 @@ class LinearGemmConfig:
         return self.watched(GemmOperand.DGRAD_GRAD_OUTPUT)
 
 
-def _column_major(x: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column-major (a transposed contiguous copy, transposed)."""
-    return x.t().contiguous().t()
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     """Forward and both backward GEMMs of ``Fp8Linear`` (fprop, dgrad, wgrad).
 
@@ -185,7 +180,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # (and count) it: its FP8 data and scales, or the high-precision rows.
         ctx.x8_block_size = None
         if x8_columns is not None:
-            ctx.save_for_backward(x8_columns.data, x8_columns.scale)
+            ctx.save_for_backward(x8_columns.data, x8_columns.scale, x8_columns.inverse)
             ctx.x8_block_size = 0
         elif config.high_wgrad or not (config.tensorwise or config.fp8_saved_input):
             ctx.save_for_backward(x2)
@@ -194,7 +189,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x8 = quantizers.input.cast(
                     x2, record=True, update_history=config.update_history, watch=config.input_operands
                 )
-            ctx.save_for_backward(x8.data, x8.scale)
+            ctx.save_for_backward(x8.data, x8.scale, x8.inverse)
             ctx.x8_block_size = x8.block_size
         if x8 is None and config.watch_health:
             quantizers.input.watch(x2, 1, config.input_operands)
@@ -232,7 +227,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 w8: ScaledTensor = ctx.w8_dgrad
                 grad_x = fp8_gemm(
-                    g8.with_data(g8.data.contiguous()), w8.with_data(_column_major(w8.data)),  # type: ignore[union-attr]
+                    g8.with_data(g8.data.contiguous()), w8.with_data(column_major(w8.data)),  # type: ignore[union-attr]
                     ctx.x_dtype, Gemm.DGRAD,
                 )
             grad_x = grad_x.reshape(ctx.x_shape)
@@ -240,7 +235,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_w = None
         if needs_w:
             saved = ctx.saved_tensors
-            wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(*saved, ctx.x8_block_size)
+            wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(
+                saved[0], saved[1], ctx.x8_block_size, saved[2]
+            )
             grad_w = _weight_grad(wgrad_input, g2, g8_columns, quantizers, config)
         grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if needs_b else None  # no float32 copy of g2
         if not _graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
@@ -273,7 +270,8 @@ def _weight_grad(
     quantizers: LinearQuantizers,
     config: LinearGemmConfig,
 ) -> torch.Tensor:
-    """The float32 (N, K) weight gradient ``g2^T @ x2`` (wgrad), in FP8 unless
+    """The (N, K) weight gradient ``g2^T @ x2`` (wgrad), float32 or the values the FP8
+    GEMM rounded to (``amp8.ops.gemm.rounded_dtype``), from FP8 operands unless
     ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast.
     ``wgrad_input`` is the forward's FP8 input where it was kept (tensorwise, or
     ``config.fp8_saved_input``), else the high-precision input."""
@@ -284,7 +282,8 @@ def _weight_grad(
             quantizers.input.watch(pad_rows(_real(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
         return g2.float().t() @ _real(wgrad_input)
     g_t, x_rows, outliers = wgrad_operands(wgrad_input, g2, g8, quantizers, config)
-    grad_w = fp8_gemm(g_t, x_rows, torch.float32, Gemm.WGRAD)
+    # In the dtype the GEMM rounds to (the values of a float32 result, not converted here).
+    grad_w = fp8_gemm(g_t, x_rows, rounded_dtype(g_t, x_rows, torch.float32), Gemm.WGRAD)
     return grad_w if outliers is None else grad_w + outliers
 
 
@@ -332,7 +331,7 @@ def padded_columns(x8: ScaledTensor) -> ScaledTensor:
     data = x8.data
     if data.shape[0] % GEMM_ALIGNMENT == 0 and is_column_major(data):
         return x8
-    return x8.with_data(_column_major(pad_rows(data, GEMM_ALIGNMENT)))
+    return x8.with_data(column_major(pad_rows(data, GEMM_ALIGNMENT)))
 
 
 def _padded_columns_cast(quantizer: Quantizer, x2: torch.Tensor, watch: tuple[GemmOperand, ...]) -> ScaledTensor | BlockScaledTensor:

@@ -514,13 +514,3 @@ def _loaded_gemm_recipe(
         stacklevel=4,
     )
     return None
-
-
-def set_compiled_casts(model: nn.Module, compiled: bool) -> int:
-    """``Fp8Linear.set_compiled_casts(compiled)`` on every ``Fp8Linear`` in ``model``: its
-    casts outside ``torch.compile`` run as amp8's compiled kernels (True) or as eager
-    operations (False, the default), with the same bits. Returns the layers set."""
-    layers = [module for module in model.modules() if isinstance(module, Fp8Linear)]
-    for layer in layers:
-        layer.set_compiled_casts(compiled)
-    return len(layers)

@@ -18,7 +18,7 @@ from amp8.nn.cast_kernels import CastSpec, check_layouts, record_scale, run_cast
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.quant import hadamard, scaling
 from amp8.quant.health import GemmOperand, block_cast_health, record_health
-from amp8.quant.scale_layout import GEMM_ALIGNMENT, pad_rows
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, pad_rows
 from amp8.tensor import block_scaled as microscaling
 from amp8.tensor.block_scaled import BlockScaledTensor
 from amp8.tensor.scaled import ScaledTensor
@@ -123,7 +123,7 @@ class Quantizer:
             check_layouts(rows, columns, padded, one_scale=False)
             cast = self._microscaled_cast(pad_rows(x, GEMM_ALIGNMENT) if padded else x, contract_dim, record,
                                           update_history, watch)
-            return OperandCast(cast if rows else None, cast.with_data(cast.data.t().contiguous().t()) if columns else None)
+            return OperandCast(cast if rows else None, cast.with_data(column_major(cast.data)) if columns else None)
         spec = CastSpec(self.rule, self.row, contract_dim, record, record and update_history, watch,
                         rows, columns, padded)
         out = run_cast(spec, x, self.scales, self.histories, self.health, self.compiled)

@@ -234,12 +234,10 @@ def fp8_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype, role: Gem
     scale_a, scale_b = a.scale, b.scale
     if scale_a.dim() == 0 and scale_b.dim() == 0:
         return fp8_mm(a.data, b.data, scale_a, scale_b, out_dtype, role, a.inverse, b.inverse, bias)
-    blockwise = a.block_size > 0 or b.block_size > 0
-    if not blockwise and tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
-        gemm_dtype = out_dtype if out_dtype in _ROWWISE_OUT_DTYPES else torch.bfloat16
-        # The reciprocals are taken here: a transposed (N, 1) view of the cast's (1, N)
-        # scales has the strides _scaled_mm refuses, and its own output has them right.
-        return fp8_mm(a.data, b.data, scale_a, scale_b, gemm_dtype, role).to(out_dtype)
+    if _rowwise(a, b):
+        inverse_a, inverse_b = (None if x.inverse is None else _vector_strides(x.inverse) for x in (a, b))
+        return fp8_mm(a.data, b.data, scale_a, scale_b, rounded_dtype(a, b, out_dtype), role, inverse_a,
+                      inverse_b).to(out_dtype)
     if scale_a.dim() != 2 or scale_b.dim() != 2 or scale_a.shape[1] != scale_b.shape[0]:
         raise ValueError(
             f"FP8 GEMM scales {tuple(scale_a.shape)} and {tuple(scale_b.shape)} do not pair up "
@@ -250,6 +248,30 @@ def fp8_gemm(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype, role: Gem
     full_a = scaling.expand_scale(scale_a, (m, scale_a.shape[1]), a.block_size).expand(m, -1)
     full_b = scaling.expand_scale(scale_b, (scale_b.shape[0], n), b.block_size).expand(-1, n)
     return fp8_mm_blockwise(a.data, b.data, full_a, full_b, block_size, out_dtype, role)
+
+
+def _rowwise(a: ScaledTensor, b: ScaledTensor) -> bool:
+    """Whether ``a @ b`` takes one scale per row of ``a`` and per column of ``b``."""
+    return (a.block_size == 0 and b.block_size == 0 and tuple(a.scale.shape) == (a.shape[0], 1)
+            and tuple(b.scale.shape) == (1, b.shape[1]))
+
+
+def rounded_dtype(a: ScaledTensor, b: ScaledTensor, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``fp8_gemm(a, b, out_dtype, ...)`` rounds its product to: ``out_dtype``,
+    or bfloat16 for a float32 result under rowwise scales (which CUDA's kernels cannot
+    write; ``fp8_gemm`` then converts the rounded values to float32). A caller that
+    converts the result again (a weight gradient cast to FP8, say) can ask for this
+    dtype and save that conversion: the values are the same."""
+    if _rowwise(a, b) and out_dtype not in _ROWWISE_OUT_DTYPES:
+        return torch.bfloat16
+    return out_dtype
+
+
+def _vector_strides(scales: torch.Tensor) -> torch.Tensor:
+    """The (M, 1) or (1, N) rowwise ``scales`` with the strides ``torch._scaled_mm``
+    takes, ``(1, 1)`` or ``(N, 1)``: a transposed view of a cast's scales has others,
+    which it refuses."""
+    return scales.reshape(-1).view(scales.shape)
 
 
 def check_fp8_device(device: torch.device) -> None:

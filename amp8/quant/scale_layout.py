@@ -60,6 +60,16 @@ def unswizzle(swizzled: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return plain[:rows, :columns].contiguous().view(swizzled.dtype)
 
 
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """The matrix ``x`` copied column-major: the same values and shape, strides ``(1, rows)``.
+
+    Written as a copy into a tensor of ``x``'s own shape (not ``x.t().contiguous().t()``),
+    so a compiled cast that also writes ``x`` row-major writes both layouts in one loop
+    over the same elements."""
+    out = torch.empty_strided(tuple(x.shape), (1, torch.sym_max(x.shape[0], 1)), dtype=x.dtype, device=x.device)
+    return out.copy_(x)
+
+
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """Append zero rows to a matrix (FP8 or not) so its row count is a multiple of
     ``multiple``."""

@@ -1,10 +1,13 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
 from amp8.config.formats import E4M3, E5M2
 from amp8.config.gemms import Gemm
-from amp8.ops.gemm import check_fp8_device, check_operands, fp8_mm
+from amp8.ops.gemm import check_fp8_device, check_operands, fp8_gemm, fp8_mm, rounded_dtype
 from amp8.quant import scaling
+from amp8.tensor.scaled import ScaledTensor
 from conftest import assert_bitwise_equal, assert_sqnr_at_least, cuda_fp8
 
 SHAPES = [(16, 32, 16), (37, 64, 48), (128, 256, 96)]
@@ -108,3 +111,35 @@ def test_cuda_gemm_matches_cpu(m, k, n) -> None:
     # the largest (measured on an H100: 3e-4 of the largest output at K=32), so the bound
     # is relative to the output's range, not to each element.
     torch.testing.assert_close(gpu.cpu(), cpu, atol=2**-10 * cpu.abs().max().item(), rtol=0)
+
+
+def _rowwise_operands(m: int, k: int, n: int) -> tuple[ScaledTensor, ScaledTensor]:
+    """Rowwise FP8 operands ``a`` (M, K) and ``b`` (K, N), as casts give them (scales
+    and their reciprocals; ``b`` the transpose of an (N, K) cast)."""
+    torch.manual_seed(0)
+    a, w = torch.randn(m, k), torch.randn(n, k)
+    a_scale = scaling.scale_from_amax(a.abs().amax(1, keepdim=True), E4M3)
+    w_scale = scaling.scale_from_amax(w.abs().amax(1, keepdim=True), E4M3)
+    a8 = ScaledTensor(scaling.quantize(a, a_scale, E4M3), a_scale, 0, a_scale.reciprocal())
+    w8 = ScaledTensor(scaling.quantize(w, w_scale, E4M3), w_scale, 0, w_scale.reciprocal())
+    return a8, w8.t()
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(16, 32, 48), (1, 16, 16), (40, 64, 32)])
+def test_a_rowwise_gemm_rounds_to_bf16_and_takes_the_casts_reciprocals(m: int, k: int, n: int) -> None:
+    a8, b8 = _rowwise_operands(m, k, n)
+    assert rounded_dtype(a8, b8, torch.float32) is torch.bfloat16
+    assert rounded_dtype(a8, b8, torch.float16) is torch.float16
+    full = fp8_gemm(a8, b8, torch.float32, Gemm.WGRAD)
+    rounded = fp8_gemm(a8, b8, rounded_dtype(a8, b8, torch.float32), Gemm.WGRAD)
+    assert full.dtype is torch.float32 and rounded.dtype is torch.bfloat16
+    assert_bitwise_equal(full, rounded.float())  # the same values, one conversion fewer
+    # The reciprocals handed over (transposed views included) give what computing them gives.
+    bare = fp8_gemm(replace(a8, inverse=None), replace(b8, inverse=None), torch.bfloat16, Gemm.FPROP)
+    assert_bitwise_equal(fp8_gemm(a8, b8, torch.bfloat16, Gemm.FPROP), bare)
+
+
+def test_a_tensorwise_gemm_rounds_to_the_dtype_asked_for() -> None:
+    a = ScaledTensor(torch.randn(16, 32).to(E4M3), torch.tensor(1.0))
+    b = ScaledTensor(torch.randn(16, 32).to(E4M3), torch.tensor(1.0)).t()
+    assert rounded_dtype(a, b, torch.float32) is torch.float32

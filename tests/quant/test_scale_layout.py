@@ -110,3 +110,15 @@ def test_block_scaled_contract_is_checked_on_the_cpu(case) -> None:
     a, b, sa, sb, out_dtype, message = _contract_case(case)
     with pytest.raises(ValueError, match=message):
         check_block_scaled_operands(a, b, sa, sb, out_dtype)
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (37, 16), (1, 16), (0, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, E4M3])
+def test_column_major_copies_the_values_with_transposed_strides(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    x = torch.randn(shape).to(dtype)
+    copy = scale_layout.column_major(x)
+    assert copy.shape == x.shape and copy.dtype == dtype
+    assert scale_layout.is_column_major(copy)
+    if x.numel():
+        assert copy.stride() == (1, shape[0])
+    assert_bitwise_equal(copy.contiguous(), x)
