@@ -20,7 +20,10 @@ from amp8.config.validation import moved_name
 from amp8.export import export
 from amp8.frontend import initialize
 from amp8.monitor.controller import Controller
+from amp8.monitor.operand_health import watch_operands
 from amp8.monitor.report import report
+from amp8.monitor.report_log import ReportLog
+from amp8.monitor.what_if import what_if
 from amp8.nn.memory import count_saved_bytes
 from amp8.nn.state_dict_form import compact_state_dict
 from amp8.optim.clip import clip_grad_norm_
@@ -75,6 +78,7 @@ __all__ = [
     "ControllerConfig",
     "OptLevel",
     "Recipe",
+    "ReportLog",
     "__version__",
     "clip_grad_norm_",
     "compare",
@@ -83,4 +87,6 @@ __all__ = [
     "export",
     "initialize",
     "report",
+    "watch_operands",
+    "what_if",
 ]

@@ -759,3 +759,12 @@ def test_optimizer_host_counts_a_fixed_number_of_operations(tmp_path: Path) -> N
         assert small[f"{level}_grouped_ops"] == large[f"{level}_grouped_ops"], level
         assert small[f"{level}_per_tensor_ops"] < large[f"{level}_per_tensor_ops"], level
         assert large[f"{level}_grouped_ms"] > 0 and f"{level}_grouped_compiled_ms" not in large
+
+
+# -- bench/report_log.py -----------------------------------------------------------------
+def test_report_log_bench_writes_the_logs_share_of_a_step(tmp_path: Path) -> None:
+    bench = load_bench("report_log")
+    path = bench.main(["--preset", "tiny", "--repeats", "1", "--levels", "O1", "--every", "10", "--out", str(tmp_path)])
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["plain_step_s"] > 0 and row["record_s"] > 0 and row["every"] == 10
+    assert row["share_of_step"] == pytest.approx(bench.share_of_step(row, 10))

@@ -43,6 +43,7 @@ class Signal(IntEnum):
     AMAX = 0
     SATURATED = 1
     UNDERFLOW = 2
+    NOISE = 3  # the cast's error power over the tensor's: its SQNR is -10 log10 of it
 
     @property
     def label(self) -> str:

@@ -3,6 +3,9 @@ precision report (``report``; ``amp8.report`` builds one) and its weight statist
 and the console they print to."""
 
 from amp8.monitor.controller import Controller
+from amp8.monitor.operand_health import watch_operands
 from amp8.monitor.report import PrecisionReport
+from amp8.monitor.report_log import ReportLog
+from amp8.monitor.what_if import WhatIf, what_if
 
-__all__ = ["Controller", "PrecisionReport"]
+__all__ = ["Controller", "PrecisionReport", "ReportLog", "WhatIf", "watch_operands", "what_if"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,11 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import OutputHead
 from amp8.config.validation import check_model_and_optimizer
 from amp8.monitor.console import default_console
+from amp8.monitor.operand_health import operand_health
+from amp8.monitor.report_fold import fold_rows
+from amp8.monitor.report_plot import plot_report
 from amp8.monitor.report_table import human_bytes, print_table
+from amp8.monitor.report_view import print_folded, print_operands
 from amp8.monitor.weight_stats import weight_cast_stats
 from amp8.nn.adapters import adapted_embeddings
 from amp8.nn.experts import Fp8Experts
@@ -239,9 +244,31 @@ class PrecisionReport:
         """``to_dict()`` as a JSON string (``kwargs`` go to ``json.dumps``)."""
         return json.dumps(self.to_dict(), **kwargs)
 
-    def print(self, console: Any = None) -> None:
-        """Print the report as a rich table, with notes and totals below it."""
-        print_table(self, console or default_console())
+    def print(self, console: Any = None, full: bool = False) -> None:
+        """Print the report: the summary, then one row per role with repeated blocks
+        folded (``model.layers.{0..31}.mlp.down_proj.weight``, the spread over blocks),
+        then what needs attention (``amp8.monitor.report_view``). With ``full``, or
+        where no three blocks repeat, one row per tensor, with notes and totals below."""
+        console = console or default_console()
+        if full or len(fold_rows(self.rows)) == len(self.rows):  # nothing to fold: every row as it is
+            print_table(self.rows, self.moves(), self.summary(), self.highlights(), console)
+            print_operands(self.rows, console, fold=False)
+        else:
+            print_folded(self.rows, self.moves(), self.summary(), console, _LOW_BIT_TABLE_NOTE)
+            print_operands(self.rows, console)
+
+    def plot(self, path: str | Path, by: str | None = None) -> Path:
+        """Save the report as a heatmap PNG at ``path``: GEMM layers by block and role,
+        coloured by their casts' worst SQNR (``by="sqnr"``, where operands were watched
+        with ``amp8.watch_operands``) or by the largest share flushed or clipped
+        (``by="health"``); layers kept in high precision and moved by the controller are
+        marked (``amp8.monitor.report_plot``). Returns the path.
+
+        Raises:
+            ModuleNotFoundError: when matplotlib is not installed, saying how to get it.
+            ValueError: an unknown ``by``, or "sqnr" without watched operands.
+        """
+        return plot_report(self.rows, path, by)
 
     def summary(self) -> str:
         """One line: parameters, FP8 share, bytes/param against the FP32-Adam baseline."""
@@ -337,6 +364,7 @@ def report(
             "exp_avg": state_dtype("exp_avg"),
             "exp_avg_sq": state_dtype("exp_avg_sq"),
             **stats,
+            "operands": None if fp8_layer is None else operand_health(fp8_layer),
             "bytes": weight_bytes + grad_bytes + state_bytes,
         })
     skipped = getattr(optimizer, "skipped_steps", None)

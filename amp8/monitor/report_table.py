@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from amp8.monitor.weight_stats import SHORT_DTYPES
-
-if TYPE_CHECKING:
-    from amp8.monitor.report import PrecisionReport
 
 def human_bytes(count: float) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
@@ -47,26 +44,35 @@ _COLUMNS = (
 _ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
 _NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
 
-def print_table(report: "PrecisionReport", console: Any) -> None:
-    """Print ``report`` on ``console`` as a rich table, with notes, the controller's moves
-    and totals below it."""
+def visible_columns(rows: list[dict[str, Any]], moves: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The (title, row key) of each column worth showing for ``rows``: a column where some
+    row has a value (no "master" before O3), the scale range where some tensor has scales
+    finer than per tensor, the GEMMs' precision where some layer's differs from its
+    recipe (or the controller ``moves`` made)."""
+    columns = [(title, key) for title, key in _COLUMNS
+               if key in _ALWAYS_SHOWN or any(row[key] is not None for row in rows)]
+    if all(row["granularity"] in (None, "tensorwise") for row in rows):
+        columns = [(title, key) for title, key in columns if key != "scale_min"]
+    if not moves and all(row.get("gemms") in (None, row["granularity"]) for row in rows):
+        columns = [(title, key) for title, key in columns if key != "gemms"]
+    return columns
+
+
+def print_table(
+    rows: list[dict[str, Any]], moves: list[dict[str, Any]], summary: str, highlights: list[str], console: Any
+) -> None:
+    """Print a precision report's ``rows`` (``PrecisionReport.rows``) on ``console`` as a
+    rich table, one row per tensor, with notes, the controller's ``moves``, the
+    ``summary`` line and the ``highlights`` below it."""
     from rich.table import Table
 
-    # Show a column only when some row has a value in it (no "master" before O3).
-    columns = [(title, key) for title, key in _COLUMNS
-               if key in _ALWAYS_SHOWN or any(row[key] is not None for row in report.rows)]
-    # The scale range is shown where some tensor has scales finer than per tensor.
-    if all(row["granularity"] in (None, "tensorwise") for row in report.rows):
-        columns = [(title, key) for title, key in columns if key != "scale_min"]
-    # The GEMMs' precision is shown where some layer's differs from its recipe.
-    if not report.moves() and all(row.get("gemms") in (None, row["granularity"]) for row in report.rows):
-        columns = [(title, key) for title, key in columns if key != "gemms"]
+    columns = visible_columns(rows, moves)
     table = Table(title="amp8 precision report")
     for title, key in columns:
         # Names and headers fold onto more lines rather than being cut short.
         table.add_column(title, justify="right" if key in _NUMERIC else "left", overflow="fold")
     notes: list[str] = []
-    for row in report.rows:
+    for row in rows:
         cells = {key: _cell(row, key) for _, key in columns}
         if row["note"]:
             notes.append(f"{row['name']}: {row['note']}")
@@ -75,11 +81,11 @@ def print_table(report: "PrecisionReport", console: Any) -> None:
     console.print(table)
     for index, note in enumerate(notes, start=1):
         console.print(f"[{index}] {note}", highlight=False, markup=False)
-    for move in report.moves():
+    for move in moves:
         console.print(
             f"step {move['step']}: {move['layer']} {move['before']} -> {move['after']} ({move['reason']})",
             highlight=False, markup=False,
         )
-    console.print(report.summary(), highlight=False)
-    for line in report.highlights():
+    console.print(summary, highlight=False)
+    for line in highlights:
         console.print(f"  {line}", highlight=False, markup=False)

@@ -16,7 +16,8 @@ from amp8.config.gemms import Gemm
 from amp8.config.recipe import ActivationFormat, Granularity, Recipe
 from amp8.nn.quantizer import LinearQuantizers, Quantizer
 from amp8.ops.gemm import fp8_gemm, rounded_dtype
-from amp8.quant.health import GemmOperand
+from amp8.quant import scaling
+from amp8.quant.health import GemmOperand, cast_health
 from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, is_column_major, pad_rows
 from amp8.tensor.block_scaled import BlockScaledTensor
 from amp8.tensor.scaled import ScaledTensor
@@ -137,8 +138,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     no gradient is needed), and ``bias``; ``w8`` and ``w8_dgrad`` (the FP8 weight for
     fprop and dgrad, or None where that GEMM runs in high precision); ``w_stored`` (the
     stored weight, for the high-precision GEMMs, or None); the ``LinearQuantizers``; the
-    ``LinearGemmConfig``. The FP8 weight gradient leaves as a ``WeightGrad``, or as a
-    ``WeightGradInFlight`` for a stand-in of that type (a compiled graph's).
+    ``LinearGemmConfig``; the layer's ``grad_health`` buffer, where the FP8 weight
+    gradient's cast writes its signals while watched (``watch_weight_grad``). The FP8
+    weight gradient leaves as a ``WeightGrad``, or as a ``WeightGradInFlight`` for a
+    stand-in of that type (a compiled graph's).
     """
 
     @staticmethod
@@ -152,6 +155,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_stored: ScaledTensor | None,
         quantizers: LinearQuantizers,
         config: LinearGemmConfig,
+        grad_health: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, config.in_features)  # (M, K)
         # Under one scale per tensor the forward's cast serves wgrad too: it writes the
@@ -199,6 +203,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.grad_class = WeightGradInFlight if isinstance(weight, WeightGradInFlight) else WeightGrad
         ctx.w8_dgrad, ctx.w_stored = w8_dgrad, w_stored
+        ctx.grad_health = grad_health
         return y
 
     @staticmethod
@@ -242,10 +247,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if needs_b else None  # no float32 copy of g2
         if not _graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
             ctx.w8_dgrad = ctx.w_stored = None
-        unused = (None,) * 5  # w8, w8_dgrad, w_stored, quantizers, config
+        unused = (None,) * 6  # w8, w8_dgrad, w_stored, quantizers, config, grad_health
         if grad_w is not None:
             if config.weight_transposed:  # the Parameter holds W^T: its gradient is (K, N)
                 grad_w = grad_w.t().contiguous()
+            if config.fp8_wgrad and config.watch_health and ctx.grad_health is not None:
+                watch_weight_grad(ctx.grad_health, grad_w, config.grad_layout)  # type: ignore[arg-type]
             if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
                 grad_w = ctx.grad_class.from_float(
                     grad_w, config.grad_layout, ctx.weight_dtype, compiled=quantizers.grad_output.compiled
@@ -253,6 +260,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear's
                 grad_w = grad_w.to(ctx.weight_dtype)
         return (grad_x, grad_w, grad_b, *unused)
+
+
+def watch_weight_grad(grad_health: torch.Tensor, grad_w: torch.Tensor, layout: GradLayout) -> None:
+    """Keep in ``grad_health`` the largest signals (``amp8.quant.health``) of the FP8
+    weight gradient's cast of ``grad_w`` at ``layout``: the cast ``WeightGrad.from_float``
+    makes, made again while the layer is watched."""
+    fp8 = layout.quantize(grad_w)
+    full_scale = scaling.expand_scale(fp8.scale, tuple(grad_w.shape), fp8.block_size)
+    with torch.no_grad():
+        grad_health.copy_(torch.maximum(grad_health, cast_health(grad_w, full_scale, fp8.data)))
 
 
 def _graph_retained() -> bool:

@@ -33,7 +33,7 @@ from amp8.nn.quantizer import LinearQuantizers, TensorRole
 from amp8.nn.stored_module import StoredWeightModule, recipe_record, saved_recipe
 from amp8.quant.checks import check_loaded_history, check_loaded_scales
 from amp8.quant.hadamard import random_hadamard
-from amp8.quant.health import Gemm, GemmOperand, new_health
+from amp8.quant.health import SIGNALS, Gemm, GemmOperand, new_health
 from amp8.tensor.scaled import ScaledTensor
 
 OUTLIER_SPLIT = 2
@@ -119,6 +119,9 @@ class Fp8Linear(StoredWeightModule):
         self.register_buffer("scale", torch.ones(len(TensorRole), device=device))
         self.register_buffer("amax_history", torch.zeros(len(TensorRole), recipe.history_len, device=device))
         self.register_buffer("health", new_health(device), persistent=False)
+        # The FP8 weight gradient's cast: not a GEMM operand, so apart from ``health``
+        # (which amp8.Controller reads whole); the precision report reads it.
+        self.register_buffer("grad_health", torch.zeros(SIGNALS, device=device), persistent=False)
         self.register_buffer("gemm_precision", torch.zeros(4, dtype=torch.int64, device=device))
         self.watch_health = False
         self.compiled_casts = False  # see ``set_compiled_casts``
@@ -459,7 +462,7 @@ class Fp8Linear(StoredWeightModule):
                     self.quantizers.weight.watch(w_stored.dequantize(), contract_dim, self._weight_operands(contract_dim))  # type: ignore[union-attr]
         with torch.autocast(x.device.type, enabled=False):  # the GEMMs choose their own dtypes
             return _Fp8LinearFunction.apply(
-                x, self._grad_target(), self.bias, w8, w8_dgrad, w_stored, self.quantizers, config
+                x, self._grad_target(), self.bias, w8, w8_dgrad, w_stored, self.quantizers, config, self.grad_health
             )
 
     # A torch without COMPILED_SHARDED_LAYERS cannot trace a sharded layer: run it eagerly.

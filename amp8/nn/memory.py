@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
 
 from amp8.config.formats import short_name
 from amp8.tensor.scaled_weight import ScaledWeight
-
-if TYPE_CHECKING:
-    from amp8.nn.activations import ActivationStorage
 
 STORAGE_ATTRIBUTE = "_amp8_activation_storage"
 """The attribute of a module that holds its ``ActivationStorage`` (``amp8.nn.activations``)."""
@@ -169,7 +166,14 @@ def count_saved_bytes(model: nn.Module | None = None) -> Iterator[SavedBytes]:
         saved.release()
 
 
-def activation_storages(model: nn.Module) -> list["ActivationStorage"]:
+class MeteredStorage(Protocol):
+    """What ``count_saved_bytes`` needs of an activation storage
+    (``amp8.nn.activations.ActivationStorage``): the meters it reports stored bytes to."""
+
+    meters: list["SavedBytes"]
+
+
+def activation_storages(model: nn.Module) -> list[MeteredStorage]:
     """The FP8 activation storages amp8 attached to ``model`` or its submodules (read by
     attribute, so this module need not import the one that attaches them)."""
     found = [module.__dict__.get(STORAGE_ATTRIBUTE) for module in model.modules()]

@@ -8,10 +8,13 @@ buffer, keeping the largest seen since the buffer was last cleared:
 
 - the operand's absolute maximum (before scaling);
 - the share of its values that the cast clips at the format's largest value;
-- the share of its nonzero values that the cast flushes to zero.
+- the share of its nonzero values that the cast flushes to zero;
+- the power of the cast's error over the tensor's power (its SQNR is ``-10 log10`` of
+  that: ``sqnr_db``).
 
-They come from the tensor and its cast alone (two elementwise passes), written in place
-so a compiled graph writes them too. ``amp8.Controller`` reads them.
+They come from the tensor and its cast alone (elementwise passes while the layer is
+watched, none otherwise), written in place so a compiled graph writes them too.
+``amp8.Controller`` and the precision report read them.
 """
 
 from __future__ import annotations
@@ -50,14 +53,15 @@ def clip_limit(dtype: torch.dtype) -> float:
 def cast_health(x: torch.Tensor, full_scale: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     """The ``Signal`` values of one cast of ``x`` with ``full_scale`` (broadcastable
     against ``x``) to the FP8 ``data``: (amax, share of values clipped, share of nonzero
-    values flushed to zero), float32 (3,)."""
+    values flushed to zero, error power over signal power), float32 (4,)."""
     with torch.no_grad():
-        magnitude = x.detach().float().abs()
+        values = x.detach().float()
+        magnitude = values.abs()
         if magnitude.numel() == 0:
             return torch.zeros(SIGNALS, device=x.device)
         clipped = magnitude * full_scale > clip_limit(data.dtype)
         flushed = (data.view(torch.uint8) & _MAGNITUDE_BITS) == 0
-        return _signals(magnitude, clipped, flushed)
+        return _signals(values, data.float() / full_scale, clipped, flushed)
 
 
 def block_cast_health(x: torch.Tensor, cast: BlockScaledTensor) -> torch.Tensor:
@@ -78,18 +82,31 @@ def block_cast_health(x: torch.Tensor, cast: BlockScaledTensor) -> torch.Tensor:
         fp4 = is_fp4(cast.dtype)
         element_limit = FP4_MAX + 1.0 if fp4 else clip_limit(cast.dtype)
         clipped = torch.where(decode > 0, magnitude / decode, 0.0) > element_limit
-        return _signals(magnitude, clipped, decode == 0 if fp4 else cast.dequantize() == 0)
+        dequantized = cast.dequantize()
+        return _signals(x.detach().float(), dequantized, clipped, decode == 0 if fp4 else dequantized == 0)
 
 
-def _signals(magnitude: torch.Tensor, clipped: torch.Tensor, decodes_to_zero: torch.Tensor) -> torch.Tensor:
-    """(amax, share of values ``clipped``, share of nonzero values that decode to zero)."""
+def _signals(values: torch.Tensor, dequantized: torch.Tensor, clipped: torch.Tensor,
+             decodes_to_zero: torch.Tensor) -> torch.Tensor:
+    """(amax, share of values ``clipped``, share of nonzero values that decode to zero,
+    error power over signal power) of ``values`` cast and read back as ``dequantized``."""
+    magnitude = values.abs()
     nonzero = magnitude > 0
     flushed = (decodes_to_zero & nonzero).sum()
+    power = values.square().sum()
+    noise = torch.where(power > 0, (values - dequantized).square().sum() / power, 0.0)
     return torch.stack([
         magnitude.amax(),
         clipped.sum().float() / magnitude.numel(),
         flushed.float() / nonzero.sum().clamp(min=1).float(),
+        noise,
     ])
+
+
+def sqnr_db(noise: float) -> float:
+    """The SQNR in dB of a cast whose ``Signal.NOISE`` is ``noise`` (inf for an exact
+    cast, NaN for a NaN)."""
+    return math.inf if noise == 0 else -10 * math.log10(noise)
 
 
 def record_health(health: torch.Tensor, operands: tuple[GemmOperand, ...], signals: torch.Tensor) -> None:

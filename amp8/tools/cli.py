@@ -145,9 +145,13 @@ def _add_report(commands: Any) -> None:
         help="print the precision report of a compare run's final model",
         description="Print the precision report of the final model of one run of `amp8 compare`.",
     )
-    report.add_argument("--run", default="runs/compare", help="the compare output folder or its compare.json")
+    report.add_argument("--run", default="runs/compare",
+                        help="the compare output folder or its compare.json, or a report log (.jsonl, amp8.ReportLog)")
     report.add_argument("--level", default="O1", help="which run: O0, O1, O2, O3, O1-noscale, ... (default: O1)")
     report.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    report.add_argument("--png", help="also draw the report as a heatmap into this PNG (needs matplotlib)")
+    report.add_argument("--full", action="store_true",
+                        help="one row per tensor (the default folds repeated blocks into one row per role)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,6 +175,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             compare(config, out_dir=args.out, console=console, progress=not args.no_progress)
         except ValueError as error:  # an output folder that cannot be written, before any training
             parser.error(str(error))
+    elif args.command == "report" and str(args.run).endswith(".jsonl"):
+        from amp8.monitor.report_log import drift_lines, read_log
+
+        try:
+            records = read_log(args.run)
+        except (FileNotFoundError, ValueError) as error:
+            console.print(f"amp8 report: {error}", highlight=False, markup=False)
+            return 2
+        for line in drift_lines(records):
+            console.print(line, highlight=False, markup=False)
     elif args.command == "report":
         from amp8.tools.experiments.compare import load_report
 
@@ -183,7 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(precision.to_json(indent=1))
         else:
             console.print(f"[bold]{args.level}[/bold] after `amp8 compare` ({args.run})")
-            precision.print(console)
+            precision.print(console, full=args.full)
+        if args.png:
+            try:
+                console.print(f"wrote {precision.plot(args.png)}", highlight=False)
+            except (ModuleNotFoundError, ValueError) as error:
+                console.print(f"amp8 report: no picture: {error}", highlight=False, markup=False)
+                return 2
     if args.command == "levels":
         print_levels(console)
         if args.verbose:

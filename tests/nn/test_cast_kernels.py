@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp8
 from amp8 import _compiled
 from amp8.config.formats import FP8_DTYPES
+from amp8.config.gemms import Signal
 from amp8.nn import Fp8Linear
 from amp8.nn.cast_kernels import CastSpec, run_cast
 from amp8.nn.cast_rule import CastRule, TensorRole
@@ -33,11 +34,15 @@ RECIPES = {
 
 def _assert_same(a: tuple, b: tuple) -> None:
     """The same tensors, FP8 ones byte for byte (a NaN's sign bit aside, which no GEMM
-    reads), in the same layout."""
+    reads), in the same layout; of a health buffer, the noise power (a sum over the
+    tensor, which a compiled graph adds in another order) to float32 rounding."""
     for left, right in zip(a, b):
         if left is None or right is None:
             assert left is None and right is None
             continue
+        if left.shape == new_health().shape:
+            torch.testing.assert_close(left[:, Signal.NOISE], right[:, Signal.NOISE], rtol=1e-5, atol=0)
+            left, right = left[:, : Signal.NOISE], right[:, : Signal.NOISE]
         assert left.stride() == right.stride()
         if left.dtype in FP8_DTYPES:
             nan = left.float().isnan()

@@ -4,6 +4,7 @@ GEMM operands an Fp8Linear watches at every granularity and override."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import CastRule, Quantizer, TensorRole
 from amp8.quant import scaling
 from amp8.quant.health import (
-    GemmOperand, Signal, block_cast_health, cast_health, clip_limit, new_health, record_health,
+    GemmOperand, Signal, block_cast_health, cast_health, clip_limit, new_health, record_health, sqnr_db,
 )
 from amp8.tensor import block_scaled as microscaling
 
@@ -49,10 +50,10 @@ def test_saturation_counts_values_beyond_the_rounding_of_the_max(dtype) -> None:
 
 def test_record_keeps_the_largest_signal_per_operand() -> None:
     health = new_health()
-    record_health(health, (GemmOperand.FPROP_INPUT, GemmOperand.WGRAD_INPUT), torch.tensor([2.0, 0.1, 0.5]))
-    record_health(health, (GemmOperand.FPROP_INPUT,), torch.tensor([3.0, 0.0, 0.2]))
-    assert health[GemmOperand.FPROP_INPUT].tolist() == pytest.approx([3.0, 0.1, 0.5])
-    assert health[GemmOperand.WGRAD_INPUT].tolist() == pytest.approx([2.0, 0.1, 0.5])
+    record_health(health, (GemmOperand.FPROP_INPUT, GemmOperand.WGRAD_INPUT), torch.tensor([2.0, 0.1, 0.5, 1e-3]))
+    record_health(health, (GemmOperand.FPROP_INPUT,), torch.tensor([3.0, 0.0, 0.2, 1e-4]))
+    assert health[GemmOperand.FPROP_INPUT].tolist() == pytest.approx([3.0, 0.1, 0.5, 1e-3])
+    assert health[GemmOperand.WGRAD_INPUT].tolist() == pytest.approx([2.0, 0.1, 0.5, 1e-3])
     assert health[GemmOperand.DGRAD_WEIGHT].abs().sum() == 0
 
 
@@ -149,3 +150,21 @@ def test_fp4_clip_limit_is_the_max_plus_half_the_top_spacing() -> None:
     cast = dataclasses.replace(cast, data=microscaling.pack_fp4(microscaling.encode_fp4(x), 1))
     assert float(cast.decode_scales().max()) == 1.0
     assert block_cast_health(x, cast)[Signal.SATURATED] == pytest.approx(4 / 16)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("spread", [1.0, 1e4])
+def test_a_casts_noise_signal_gives_its_sqnr_within_a_tenth_of_a_db(recipe: str, spread: float) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 128) * torch.logspace(0, math.log10(spread), 128)
+    quantizer = Quantizer(CastRule.for_role(amp8.Recipe.preset(recipe), TensorRole.INPUT), health=new_health())
+    cast = quantizer.cast(x, watch=(GemmOperand.FPROP_INPUT,))
+    noise = float(quantizer.health[GemmOperand.FPROP_INPUT, Signal.NOISE])
+    assert sqnr_db(noise) == pytest.approx(scaling.sqnr(x, cast.dequantize()), abs=0.1)
+
+
+def test_an_exact_cast_has_no_noise() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0] * 4] * 16)  # powers of two: exact in E4M3
+    data = scaling.quantize(x, torch.tensor(1.0), E4M3)
+    signals = cast_health(x, torch.tensor(1.0), data)
+    assert float(signals[Signal.NOISE]) == 0.0 and sqnr_db(0.0) == math.inf

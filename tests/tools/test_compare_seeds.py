@@ -91,20 +91,43 @@ def test_run_picks_a_seed_and_names_the_seeds_it_has() -> None:
         result.run("O1", 7)
 
 
-def test_png_has_a_gap_panel_with_a_zero_line() -> None:
+def test_png_gives_the_levels_a_gap_panel_of_their_own_with_the_seeds_spread() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from amp8.tools.experiments.compare_plot import loss_figure, seed_gap_curves
+
+    result = _result(3)
+    figure = loss_figure(result)
+    try:
+        train_ax, val_ax, level_ax, other_ax = figure.axes
+        assert level_ax.get_title() == "opt levels: validation-loss gap to O0, mean over 3 seeds (band: the seeds' range)"
+        levels = {line.get_label(): line for line in level_ax.get_lines()}
+        others = {line.get_label(): line for line in other_ax.get_lines()}
+        assert set(levels) == {"O0", "O1"} and set(others) == {"O0", NULL}, "the ablation on its own axis"
+        assert list(levels["O0"].get_ydata()) == [0.0, 0.0], "the zero line"
+        assert list(levels["O1"].get_ydata()) == pytest.approx(gap_curve(result, "O1")[1])
+        # The band spans the seeds' gaps at each evaluation.
+        (band,) = level_ax.collections
+        _, per_seed = seed_gap_curves(result, "O1")
+        low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+        assert low == pytest.approx(min(min(gaps) for gaps in per_seed))
+        assert high == pytest.approx(max(max(gaps) for gaps in per_seed))
+        assert {line.get_label() for line in val_ax.get_lines()} == {"O0", "O1", NULL}
+    finally:
+        plt.close(figure)
+
+
+def test_png_of_one_seed_draws_no_band() -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
     from amp8.tools.experiments.compare_plot import loss_figure
 
-    figure = loss_figure(_result(3))
+    figure = loss_figure(_result(1))
     try:
-        train_ax, val_ax, gap_ax = figure.axes
-        assert gap_ax.get_title() == "validation-loss gap to O0, mean over 3 seeds"
-        lines = {line.get_label(): line for line in gap_ax.get_lines()}
-        assert list(lines["O0"].get_ydata()) == [0.0, 0.0], "the zero line"
-        assert list(lines["O1"].get_ydata()) == pytest.approx(gap_curve(_result(3), "O1")[1])
-        assert {line.get_label() for line in val_ax.get_lines()} == {"O0", "O1", NULL}
+        assert all(not ax.collections for ax in figure.axes)
+        assert figure.axes[2].get_title() == "opt levels: validation-loss gap to O0"
     finally:
         plt.close(figure)
 

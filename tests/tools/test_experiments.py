@@ -312,6 +312,10 @@ def test_report_command_prints_a_run(tiny_run: tuple[Path, str], capsys: pytest.
     runs = json.loads((out / JSON_NAME).read_text())["runs"]
     first_o1 = next(run for run in runs if run["name"] == "O1")
     assert first_o1["seed"] == 0 and load_report(out, "O1").to_dict() == first_o1["report"]
+    pytest.importorskip("matplotlib")
+    png = out / "report.png"
+    assert main(["report", "--run", str(out), "--level", "O1", "--full", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in capsys.readouterr().out
 
 
 def test_report_command_without_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -43,6 +43,7 @@ from amp8.tools.experiments.compare_config import (
     ABLATION, DEFAULT_OUT, JSON_NAME, KNOB_ABLATIONS, MODELS, PNG_NAME, TORCHAO, TORCHAO_RUNS, _VAL_SEED,
     CompareConfig, RunSpec, model_config,
 )
+from amp8.tools.experiments.compare_plot import plot_result
 from amp8.tools.experiments.compare_result import CompareResult
 from amp8.tools.experiments.corpus import load_corpus
 from amp8.tools.experiments.paired import BASELINE, Variant, null_variant, paired_specs
@@ -175,7 +176,7 @@ def compare(
         console.print(f"wrote {result.write_json(out / JSON_NAME)}", highlight=False)
         if plot:
             try:
-                console.print(f"wrote {result.plot(out / PNG_NAME)}", highlight=False)
+                console.print(f"wrote {plot_result(result, out / PNG_NAME)}", highlight=False)
             except ModuleNotFoundError as error:
                 console.print(f"no plot: {error}", highlight=False, markup=False)
     return result

@@ -1,26 +1,29 @@
-"""The PNG of an ``amp8 compare`` call: three panels side by side, the train loss, the
-validation loss, and each run's validation-loss gap to O0 in percent with a zero line.
+"""The PNG of an ``amp8 compare`` call: panels side by side, the train loss, the
+validation loss, the opt levels' validation-loss gap to O0 in percent, and the other
+runs' gap (the ablations: no scaling, the noise floor, ...) on an axis of their own.
 
 The loss curves of runs that differ by FP8 rounding lie on one another at the scale of
-the loss; the gap panel draws what tells them apart. Each curve is the mean over the
-seeds its run trained from, and each gap is taken against O0 from the same seed.
+the loss; the gap panels draw what tells them apart. The levels get a panel of their own
+because an ablation's gap (tens of percent without scaling) would flatten theirs (tenths
+of a percent) onto the zero line. Each curve is the mean over the seeds its run trained
+from, each gap taken against O0 from the same seed; with several seeds, a band spans the
+seeds' gaps.
 """
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from amp8.config.levels import LEVELS
+from amp8.tools.experiments.compare_result import CompareResult
 from amp8.tools.experiments.paired import BASELINE, gaps_percent
 
-if TYPE_CHECKING:
-    from amp8.tools.experiments.compare_result import CompareResult
 
-
-def mean_train_curve(result: "CompareResult", name: str, window: int) -> tuple[list[int], list[float]]:
+def mean_train_curve(result: CompareResult, name: str, window: int) -> tuple[list[int], list[float]]:
     """The train loss of run ``name``, averaged over its seeds and then over a sliding
     window of ``window`` steps: the steps (0-based, the window's last) and the losses."""
     curves = torch.tensor([r.train_curve for r in result.runs_of(name) if r.ok])  # (seeds, steps)
@@ -30,7 +33,7 @@ def mean_train_curve(result: "CompareResult", name: str, window: int) -> tuple[l
     return list(range(first, first + len(smooth))), smooth.tolist()
 
 
-def mean_val_curve(result: "CompareResult", name: str) -> tuple[list[float], list[float]]:
+def mean_val_curve(result: CompareResult, name: str) -> tuple[list[float], list[float]]:
     """The validation loss of run ``name`` at each evaluation, averaged over its seeds:
     the steps and the losses."""
     curves = [r.val_curve for r in result.runs_of(name) if r.ok]
@@ -38,21 +41,30 @@ def mean_val_curve(result: "CompareResult", name: str) -> tuple[list[float], lis
     return steps, [statistics.fmean(curve[i][1] for curve in curves) for i in range(len(steps))]
 
 
-def gap_curve(result: "CompareResult", name: str) -> tuple[list[float], list[float]]:
-    """The validation-loss gap of run ``name`` to O0 at each evaluation, in percent: the
-    mean over its seeds of the gap to O0 from the same seed. The steps and the gaps."""
+def seed_gap_curves(result: CompareResult, name: str) -> tuple[list[float], list[list[float]]]:
+    """The validation-loss gap of run ``name`` to O0 at each evaluation, in percent, seed
+    by seed (each against O0 from the same seed): the steps, and per step the gaps of
+    the seeds both runs trained from."""
     pairs = [(run, result.run(BASELINE, run.seed)) for run in result.runs_of(name) if run.ok]
     pairs = [(run, base) for run, base in pairs if base.ok]
     steps = [step for step, _ in pairs[0][0].val_curve]
     gaps = []
     for i in range(len(steps)):
         losses = {name: [run.val_curve[i][1] for run, _ in pairs], BASELINE: [base.val_curve[i][1] for _, base in pairs]}
-        gaps.append(statistics.fmean(gaps_percent(losses, name)))
+        gaps.append(gaps_percent(losses, name))
     return steps, gaps
 
 
-def loss_figure(result: "CompareResult") -> Any:
-    """The three panels of ``result`` as a matplotlib ``Figure`` (close it when done).
+def gap_curve(result: CompareResult, name: str) -> tuple[list[float], list[float]]:
+    """The validation-loss gap of run ``name`` to O0 at each evaluation, in percent: the
+    mean over its seeds of the gap to O0 from the same seed. The steps and the gaps."""
+    steps, gaps = seed_gap_curves(result, name)
+    return steps, [statistics.fmean(per_seed) for per_seed in gaps]
+
+
+def loss_figure(result: CompareResult) -> Any:
+    """The panels of ``result`` (see the module docstring) as a matplotlib ``Figure``
+    (close it when done).
 
     Raises:
         ModuleNotFoundError: when matplotlib is not installed, saying how to get it.
@@ -66,33 +78,46 @@ def loss_figure(result: "CompareResult") -> Any:
         raise ModuleNotFoundError(
             "the loss-curve plot needs matplotlib; install it with pip install 'amp8[plot]'"
         ) from None
-    figure, (train_ax, val_ax, gap_ax) = plt.subplots(1, 3, figsize=(18, 4.5))
     window = max(1, result.config.train_loss_window // 2)
     baseline_ok = any(run.ok for run in result.runs_of(BASELINE))
-    for name in result.names():
-        if not any(run.ok for run in result.runs_of(name)):
-            continue
-        train_ax.plot(*mean_train_curve(result, name, window), label=name)
-        val_ax.plot(*mean_val_curve(result, name), marker="o", markersize=3, label=name)
-        if name != BASELINE and baseline_ok:
-            gap_ax.plot(*gap_curve(result, name), marker="o", markersize=3, label=name)
-        else:  # O0 is the zero line: skip its colour so each run keeps one colour in every panel
-            gap_ax.plot([], [])
+    trained = [name for name in result.names() if any(run.ok for run in result.runs_of(name))]
+    others = [name for name in trained if name != BASELINE and name not in LEVELS]
+    panels = 4 if others and baseline_ok else 3
+    figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    train_ax, val_ax, level_ax = axes[:3]
+    other_ax = axes[3] if panels == 4 else None
     seeds = len(result.seeds)
+    for name in trained:
+        color = train_ax.plot(*mean_train_curve(result, name, window), label=name)[0].get_color()
+        val_ax.plot(*mean_val_curve(result, name), marker="o", markersize=3, label=name, color=color)
+        gap_ax = level_ax if name in LEVELS else other_ax
+        if name == BASELINE or not baseline_ok or gap_ax is None:
+            continue
+        steps, per_seed = seed_gap_curves(result, name)
+        gap_ax.plot(steps, [statistics.fmean(gaps) for gaps in per_seed], marker="o", markersize=3, label=name,
+                    color=color)
+        if seeds > 1:  # the seeds' spread
+            gap_ax.fill_between(steps, [min(gaps) for gaps in per_seed], [max(gaps) for gaps in per_seed],
+                                color=color, alpha=0.2, linewidth=0)
     over = f", mean over {seeds} seeds" if seeds > 1 else ""
-    gap_ax.axhline(0.0, color="black", linewidth=0.8, label=BASELINE)
+    spread = " (band: the seeds' range)" if seeds > 1 else ""
     train_ax.set(title=f"train loss (mean of {window} steps{over})", xlabel="step", ylabel="nats/byte")
     val_ax.set(title=f"validation loss{over}", xlabel="step", ylabel="nats/byte")
-    gap_ax.set(title=f"validation-loss gap to {BASELINE}{over}", xlabel="step", ylabel=f"% of {BASELINE}'s loss")
+    for gap_ax, which in ((level_ax, "opt levels"), (other_ax, "other runs")):
+        if gap_ax is None:
+            continue
+        gap_ax.axhline(0.0, color="black", linewidth=0.8, label=BASELINE)
+        gap_ax.set(title=f"{which}: validation-loss gap to {BASELINE}{over}{spread}", xlabel="step",
+                   ylabel=f"% of {BASELINE}'s loss")
+        gap_ax.legend(fontsize="small")
     val_ax.legend()
-    gap_ax.legend(fontsize="small")
     figure.suptitle(f"amp8 compare: {result.describe()}")
     figure.tight_layout()
     return figure
 
 
-def plot_result(result: "CompareResult", path: str | Path) -> Path:
-    """Save the three panels of ``result`` (``loss_figure``) as a PNG at ``path``;
+def plot_result(result: CompareResult, path: str | Path) -> Path:
+    """Save the panels of ``result`` (``loss_figure``) as a PNG at ``path``;
     returns the path.
 
     Raises:

@@ -221,17 +221,6 @@ class CompareResult:
             if result.ok and result.highlights and name != NULL:
                 console.print(f"[bold]{name}[/bold]: " + "; ".join(result.highlights))
 
-    def plot(self, path: str | Path) -> Path:
-        """Save the train and validation loss curves of every run, and each run's
-        validation-loss gap to O0 in percent, as a PNG (see ``compare_plot``).
-
-        Raises:
-            ModuleNotFoundError: when matplotlib is not installed, saying how to get it.
-        """
-        from amp8.tools.experiments.compare_plot import plot_result
-
-        return plot_result(self, path)
-
 
 def _signed(percent: float) -> str:
     """``percent`` to two decimals with its sign, "+0.00" for what rounds to zero."""

@@ -1,0 +1,87 @@
+"""The health of each FP8 layer's GEMM operands, as the precision report shows it.
+
+Every cast of a watched ``Fp8Linear`` writes its signals (amax, clipped and flushed
+shares, error power) into the layer's ``health`` buffer (``amp8.quant.health``); a layer
+is watched while ``amp8.Controller`` measures it, or inside ``watch_operands(model)``.
+Nothing is computed here or while nobody watches: ``operand_health`` reads the buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch import nn
+
+from amp8.config.gemms import GemmOperand, Signal
+from amp8.nn.cast_rule import TensorRole
+from amp8.nn.linear import Fp8Linear
+from amp8.quant.health import sqnr_db
+
+
+WEIGHT_GRADIENT = "weight gradient"
+"""The label of the FP8 weight gradient's cast among a layer's operands."""
+
+
+def operand_role(operand: GemmOperand) -> TensorRole:
+    """The tensor an operand is a cast of (``WGRAD_INPUT``: the input)."""
+    return TensorRole[operand.name.split("_", 1)[1]]
+
+
+def operand_health(layer: Fp8Linear) -> dict[str, dict[str, float]] | None:
+    """Per GEMM operand of ``layer`` that was cast while it was watched (its label, e.g.
+    "fprop input"): the operand's amax, the scale its role last recorded, the shares of
+    its values the cast clipped (``saturated``) and flushed to zero (``underflow``), and
+    the cast's SQNR in dB; the largest (worst) of each since the buffer was cleared; and
+    the same, but the scale, of the FP8 weight gradient's cast (``WEIGHT_GRADIENT``). None
+    where no cast was watched."""
+    health, scales = layer.health.detach().cpu(), layer.scale.detach().cpu()
+    found = {}
+    for operand in GemmOperand:
+        row = health[operand]
+        if not bool((row != 0).any()):
+            continue
+        found[operand.label] = {
+            "amax": float(row[Signal.AMAX]),
+            "scale": float(scales[operand_role(operand)]),
+            "saturated": float(row[Signal.SATURATED]),
+            "underflow": float(row[Signal.UNDERFLOW]),
+            "sqnr_db": sqnr_db(float(row[Signal.NOISE])),
+        }
+    grad = layer.grad_health.detach().cpu()
+    if bool((grad != 0).any()):  # the FP8 weight gradient's cast (O1-O3)
+        found[WEIGHT_GRADIENT] = {
+            "amax": float(grad[Signal.AMAX]),
+            "saturated": float(grad[Signal.SATURATED]),
+            "underflow": float(grad[Signal.UNDERFLOW]),
+            "sqnr_db": sqnr_db(float(grad[Signal.NOISE])),
+        }
+    return found or None
+
+
+@contextlib.contextmanager
+def watch_operands(model: nn.Module) -> Iterator[list[Fp8Linear]]:
+    """Watch every FP8 layer's GEMM operands inside the block: their health buffers are
+    cleared on entry and every cast writes its signals (a few elementwise passes per
+    cast, none outside the block); on exit each layer watches as it did before (an
+    ``amp8.Controller`` keeps its own schedule). The precision report then shows them
+    (``amp8.report``: ``operands``). Yields the layers watched.
+
+    Example::
+
+        with amp8.watch_operands(model):
+            loss = model(batch).loss
+            loss.backward()
+        amp8.report(model, optimizer).print()
+    """
+    layers = [module for module in model.modules() if isinstance(module, Fp8Linear)]
+    before = [layer.watch_health for layer in layers]
+    for layer in layers:
+        layer.health.zero_()
+        layer.grad_health.zero_()
+        layer.watch_health = True
+    try:
+        yield layers
+    finally:
+        for layer, watched in zip(layers, before):
+            layer.watch_health = watched
