@@ -61,12 +61,13 @@ def unswizzle(swizzled: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
 
 
 def column_major(x: torch.Tensor) -> torch.Tensor:
-    """The matrix ``x`` copied column-major: the same values and shape, strides ``(1, rows)``.
+    """The matrix ``x`` copied column-major: the same values and shape, strides ``(1, rows)``
+    (an empty matrix's are as torch makes them).
 
     Written as a copy into a tensor of ``x``'s own shape (not ``x.t().contiguous().t()``),
     so a compiled cast that also writes ``x`` row-major writes both layouts in one loop
     over the same elements."""
-    out = torch.empty_strided(tuple(x.shape), (1, torch.sym_max(x.shape[0], 1)), dtype=x.dtype, device=x.device)
+    out = torch.empty_strided(tuple(x.shape), (1, x.shape[0]), dtype=x.dtype, device=x.device)
     return out.copy_(x)
 
 
