@@ -250,11 +250,12 @@ class PrecisionReport:
         then what needs attention (``amp8.monitor.report_view``). With ``full``, or
         where no three blocks repeat, one row per tensor, with notes and totals below."""
         console = console or default_console()
-        if full or len(fold_rows(self.rows)) == len(self.rows):  # nothing to fold: every row as it is
+        folded = fold_rows(self.rows)
+        if full or len(folded) == len(self.rows):  # nothing to fold: every row as it is
             print_table(self.rows, self.moves(), self.summary(), self.highlights(), console)
             print_operands(self.rows, console, fold=False)
         else:
-            print_folded(self.rows, self.moves(), self.summary(), console, _LOW_BIT_TABLE_NOTE)
+            print_folded(folded, self.moves(), self.summary(), console, _LOW_BIT_TABLE_NOTE)
             print_operands(self.rows, console)
 
     def plot(self, path: str | Path, by: str | None = None) -> Path:

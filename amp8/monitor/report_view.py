@@ -134,37 +134,36 @@ _STORED = ("weight", "grad", "master", "exp_avg", "exp_avg_sq")
 _STORED_TITLES = {"weight": "w", "grad": "g", "master": "master", "exp_avg": "m", "exp_avg_sq": "v"}
 
 
-def _columns(rows: list[dict[str, Any]], moves: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """The default view's columns: the full table's (``visible_columns``) without the
-    per-tensor scales and the layer class, the stored dtypes in one column, the
-    granularity where the FP8 layers' differ."""
-    columns = [(title, key) for title, key in visible_columns(rows, moves) if key not in _HIDDEN]
-    stored = [key for _, key in columns if key in _STORED]
-    granularities = {row["granularity"] for row in rows if row["granularity"] is not None}
+def _columns(visible: list[tuple[str, str]], granularities: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The default view's columns, from the full table's ``visible`` ones: without the
+    per-tensor scales and the layer class, the stored dtypes in one column ("stored"),
+    the granularity where the FP8 layers' ``granularities`` differ. Also the row keys
+    the "stored" column joins."""
+    stored = [key for _, key in visible if key in _STORED]
     shown = []
-    for title, key in columns:
+    for title, key in visible:
         if key == stored[0]:
             shown.append(("/".join(_STORED_TITLES[key] for key in stored), "stored"))
-        elif key not in _STORED and not (key == "granularity" and len(granularities) < 2):
+        elif key not in _STORED and key not in _HIDDEN and not (key == "granularity" and len(granularities) < 2):
             shown.append((title, key))
-    return shown
+    return shown, stored
 
 
-def print_folded(rows: list[dict[str, Any]], moves: list[dict[str, Any]], summary: str, console: Any,
+def print_folded(folded: list[FoldedRow], moves: list[dict[str, Any]], summary: str, console: Any,
                  table_note: str | None = None) -> None:
-    """Print a precision report's ``rows`` on ``console`` as the default view (see the
-    module docstring), with the controller's ``moves``, the ``summary`` line, and the
-    rows whose note is ``table_note`` named as low-bit embedding tables."""
+    """Print a precision report's rows, ``folded`` (``fold_rows``), on ``console`` as the
+    default view (see the module docstring), with the controller's ``moves``, the
+    ``summary`` line, and the rows whose note is ``table_note`` named as low-bit
+    embedding tables."""
     from rich import box
     from rich.table import Table
 
-    folded = fold_rows(rows)
-    columns = _columns(rows, moves)
-    stored = [key for _, key in visible_columns(rows, moves) if key in _STORED]
-    granularities = sorted({row["granularity"] for row in rows if row["granularity"] is not None})
+    rows = [row for entry in folded for row in entry.rows]
+    granularities = {row["granularity"] for row in rows if row["granularity"] is not None}
+    columns, stored = _columns(visible_columns(rows, moves), granularities)
     line = f"amp8 precision report: {summary}"
     if len(granularities) == 1:
-        line += f" FP8 GEMMs: {granularities[0]}."
+        line += f" FP8 GEMMs: {next(iter(granularities))}."
     console.print(line, highlight=False, markup=False)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
     for title, key in columns:

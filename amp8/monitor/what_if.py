@@ -143,8 +143,7 @@ def _next_rung(granularity: Granularity) -> Granularity | None:
 
 def _casts(layer: Fp8Linear, role: TensorRole) -> dict[str, Quantizer]:
     """The layer's own cast of ``role`` and each preset's."""
-    own = layer.quantizers[role]
-    return {CURRENT: Quantizer(own.rule, own.scales, own.histories, own.row, rotation=own.rotation),
+    return {CURRENT: layer.quantizers.of(role),  # a cast that records and watches nothing
             **{name: Quantizer(CastRule.for_role(Recipe.preset(name), role)) for name in WHAT_IF_RECIPES}}
 
 

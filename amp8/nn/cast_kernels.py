@@ -151,22 +151,26 @@ def scaled_cast(
 ) -> CastOutputs:
     """The cast of the 2-D ``x`` that ``spec`` describes (see ``CastSpec``), writing the
     layer's ``scales``, ``histories`` and ``health`` buffers in place as it says."""
-    padded = pad_rows(x, GEMM_ALIGNMENT) if spec.padded else x
-    source = x if spec.rows else padded  # what is scaled and watched
-    scale, current_amax = tile_scales(spec.rule, source, spec.contract_dim, scales, histories, spec.row)
+    # A padded cast pads before the cast where it scales the padded tensor (columns only)
+    # and where it is compiled: there the zero rows cost no pass, and one loop writes both
+    # layouts (rows and columns share one scale per tensor, which the zero rows do not
+    # change). Eagerly it pads the FP8 bytes after the cast, not the wider input.
+    pad_first = spec.padded and (not spec.rows or torch.compiler.is_compiling())
+    source = pad_rows(x, GEMM_ALIGNMENT) if pad_first else x
+    scaled = x if spec.rows else source  # what the scale is taken from and the health watches
+    scale, current_amax = tile_scales(spec.rule, scaled, spec.contract_dim, scales, histories, spec.row)
     if spec.record and x.numel() > 0:  # an empty batch says nothing about the range
         record_scale(scales, histories, spec.row, scale, current_amax, spec.update_history)  # type: ignore[arg-type]
-    # Both layouts come from one FP8 pass over the (padded) rows, so a compiled cast
-    # writes them in one loop; the rows are the unpadded head (rows and columns share
-    # one scale per tensor, so the scale broadcasts over the padding).
-    data = scaling.quantize(padded, scaling.expand_scale(scale, tuple(padded.shape), spec.rule.scale_block_size),
+    data = scaling.quantize(source, scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size),
                             spec.rule.dtype)
-    rows = data[: x.shape[0]] if spec.rows and spec.padded else data
+    rows = data[: x.shape[0]] if spec.rows else None  # the unpadded head
     if spec.watch:
-        full_scale = scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size)
-        record_health(health, spec.watch, cast_health(source, full_scale, rows if spec.rows else data))  # type: ignore[arg-type]
-    columns = column_major(data) if spec.columns else None
-    return CastOutputs(rows if spec.rows else None, columns, scale, scale.reciprocal())
+        full_scale = scaling.expand_scale(scale, tuple(scaled.shape), spec.rule.scale_block_size)
+        record_health(health, spec.watch, cast_health(scaled, full_scale, data if rows is None else rows))  # type: ignore[arg-type]
+    columns = None
+    if spec.columns:
+        columns = column_major(data if pad_first or not spec.padded else pad_rows(data, GEMM_ALIGNMENT))
+    return CastOutputs(rows, columns, scale, scale.reciprocal())
 
 
 def run_cast(

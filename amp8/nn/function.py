@@ -251,25 +251,25 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if grad_w is not None:
             if config.weight_transposed:  # the Parameter holds W^T: its gradient is (K, N)
                 grad_w = grad_w.t().contiguous()
-            if config.fp8_wgrad and config.watch_health and ctx.grad_health is not None:
-                watch_weight_grad(ctx.grad_health, grad_w, config.grad_layout)  # type: ignore[arg-type]
             if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
+                value = grad_w
                 grad_w = ctx.grad_class.from_float(
-                    grad_w, config.grad_layout, ctx.weight_dtype, compiled=quantizers.grad_output.compiled
+                    value, config.grad_layout, ctx.weight_dtype, compiled=quantizers.grad_output.compiled
                 )
+                if config.watch_health and ctx.grad_health is not None:
+                    watch_weight_grad(ctx.grad_health, value, grad_w)
             else:  # FP8 compute only: param.grad in the weight's dtype, as nn.Linear's
                 grad_w = grad_w.to(ctx.weight_dtype)
         return (grad_x, grad_w, grad_b, *unused)
 
 
-def watch_weight_grad(grad_health: torch.Tensor, grad_w: torch.Tensor, layout: GradLayout) -> None:
+def watch_weight_grad(grad_health: torch.Tensor, value: torch.Tensor, grad: WeightGrad) -> None:
     """Keep in ``grad_health`` the largest signals (``amp8.quant.health``) of the FP8
-    weight gradient's cast of ``grad_w`` at ``layout``: the cast ``WeightGrad.from_float``
-    makes, made again while the layer is watched."""
-    fp8 = layout.quantize(grad_w)
-    full_scale = scaling.expand_scale(fp8.scale, tuple(grad_w.shape), fp8.block_size)
+    weight gradient ``grad``'s cast of the float gradient ``value``."""
+    data, scale, block_size = grad.parts()
+    full_scale = scaling.expand_scale(scale, tuple(value.shape), block_size)
     with torch.no_grad():
-        grad_health.copy_(torch.maximum(grad_health, cast_health(grad_w, full_scale, fp8.data)))
+        grad_health.copy_(torch.maximum(grad_health, cast_health(value, full_scale, data)))
 
 
 def _graph_retained() -> bool:

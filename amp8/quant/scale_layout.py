@@ -64,9 +64,13 @@ def column_major(x: torch.Tensor) -> torch.Tensor:
     """The matrix ``x`` copied column-major: the same values and shape, strides ``(1, rows)``
     (an empty matrix's are as torch makes them).
 
-    Written as a copy into a tensor of ``x``'s own shape (not ``x.t().contiguous().t()``),
-    so a compiled cast that also writes ``x`` row-major writes both layouts in one loop
-    over the same elements."""
+    Compiled, it is a copy into a tensor of ``x``'s own shape, so a cast that also writes
+    ``x`` row-major writes both layouts in one loop over the same elements. Eagerly it is
+    a contiguous clone of ``x.t()``, transposed back: torch's transpose copy, 1.5-3x
+    faster on the CPU than a copy into transposed strides (a clone, not ``contiguous()``,
+    so a single row is copied to the same strides too)."""
+    if not torch.compiler.is_compiling():
+        return x.t().clone(memory_format=torch.contiguous_format).t()
     out = torch.empty_strided(tuple(x.shape), (1, x.shape[0]), dtype=x.dtype, device=x.device)
     return out.copy_(x)
 
