@@ -14,11 +14,8 @@ take beyond N steps without it, over the latter. Results go to
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
@@ -26,18 +23,9 @@ import amp8
 from amp8.monitor.operand_health import watch_operands
 from amp8.monitor.report_log import DEFAULT_EVERY
 from amp8.tools.experiments.gpt import GPT, GPTConfig
-from common import RESULTS, write_result
+from common import RESULTS, time_call, write_result
 
 LEVELS = ("O1", "O2")
-
-
-def _median_seconds(run: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def measure(level: str, preset: str, batch_size: int, repeats: int) -> dict[str, float]:
@@ -63,9 +51,10 @@ def measure(level: str, preset: str, batch_size: int, repeats: int) -> dict[str,
         step()
     with tempfile.TemporaryDirectory() as folder:
         log = amp8.ReportLog(model, optimizer, Path(folder) / "report.jsonl", every=10**9)
-        plain = _median_seconds(step, repeats)
-        watched = _median_seconds(watched_step, repeats)
-        record = _median_seconds(log.record, repeats)
+        cpu = torch.device("cpu")
+        plain = time_call(step, cpu, 0, repeats)
+        watched = time_call(watched_step, cpu, 0, repeats)
+        record = time_call(log.record, cpu, 0, repeats)
         log.remove()
     return {"plain_step_s": plain, "watched_step_s": watched, "record_s": record}
 
@@ -96,7 +85,7 @@ def main(argv: list[str] | None = None) -> Path:
     return write_result("report_log", torch.device("cpu"), {
         "command": "python bench/report_log.py " + " ".join(argv or []), "threads": 1, "preset": args.preset,
         "batch_size": args.batch_size, "rows": rows,
-    }, RESULTS if args.out is None else args.out)
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
 from torch import nn
 
 from amp8.config.gemms import GemmOperand, Signal
@@ -22,10 +23,31 @@ from amp8.quant.health import sqnr_db
 WEIGHT_GRADIENT = "weight gradient"
 """The label of the FP8 weight gradient's cast among a layer's operands."""
 
+TENSORS = ("input", "weight", "grad output", WEIGHT_GRADIENT)
+"""The tensors whose casts the report shows: a GEMM operand's label ends with the tensor
+it is a cast of ("wgrad input": the input), and the FP8 weight gradient's is its own."""
+
 
 def operand_role(operand: GemmOperand) -> TensorRole:
     """The tensor an operand is a cast of (``WGRAD_INPUT``: the input)."""
     return TensorRole[operand.name.split("_", 1)[1]]
+
+
+def casts_of(operands: dict[str, dict[str, float]] | None, tensor: str) -> list[dict[str, float]]:
+    """The signals of the casts of ``tensor`` (one of ``TENSORS``) among a report row's
+    ``operands`` (``operand_health``), one per GEMM operand it feeds."""
+    return [values for label, values in (operands or {}).items() if label.endswith(tensor)]
+
+
+def _signals(row: torch.Tensor, scale: float | None = None) -> dict[str, float]:
+    """A cast's health signals (``amp8.quant.health``), the error power as SQNR in dB,
+    and the ``scale`` of its role where it has one."""
+    values = {"amax": float(row[Signal.AMAX])} | ({} if scale is None else {"scale": scale})
+    return values | {
+        "saturated": float(row[Signal.SATURATED]),
+        "underflow": float(row[Signal.UNDERFLOW]),
+        "sqnr_db": sqnr_db(float(row[Signal.NOISE])),
+    }
 
 
 def operand_health(layer: Fp8Linear) -> dict[str, dict[str, float]] | None:
@@ -36,26 +58,13 @@ def operand_health(layer: Fp8Linear) -> dict[str, dict[str, float]] | None:
     the same, but the scale, of the FP8 weight gradient's cast (``WEIGHT_GRADIENT``). None
     where no cast was watched."""
     health, scales = layer.health.detach().cpu(), layer.scale.detach().cpu()
-    found = {}
-    for operand in GemmOperand:
-        row = health[operand]
-        if not bool((row != 0).any()):
-            continue
-        found[operand.label] = {
-            "amax": float(row[Signal.AMAX]),
-            "scale": float(scales[operand_role(operand)]),
-            "saturated": float(row[Signal.SATURATED]),
-            "underflow": float(row[Signal.UNDERFLOW]),
-            "sqnr_db": sqnr_db(float(row[Signal.NOISE])),
-        }
+    found = {
+        operand.label: _signals(health[operand], float(scales[operand_role(operand)]))
+        for operand in GemmOperand if bool((health[operand] != 0).any())
+    }
     grad = layer.grad_health.detach().cpu()
     if bool((grad != 0).any()):  # the FP8 weight gradient's cast (O1-O3)
-        found[WEIGHT_GRADIENT] = {
-            "amax": float(grad[Signal.AMAX]),
-            "saturated": float(grad[Signal.SATURATED]),
-            "underflow": float(grad[Signal.UNDERFLOW]),
-            "sqnr_db": sqnr_db(float(grad[Signal.NOISE])),
-        }
+        found[WEIGHT_GRADIENT] = _signals(grad)
     return found or None
 
 

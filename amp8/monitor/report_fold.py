@@ -82,15 +82,16 @@ def fold_names(names: list[str], keys: list[Any] | None = None, min_fold: int = 
     """``names`` folded by their pattern (see ``pattern_of``), and by ``keys`` where given
     (names fold only where their keys are equal too), in the order each group first
     appears. A group of fewer than ``min_fold`` names stays one entry per name."""
+    patterns = [pattern_of(name) for name in names]
     groups: dict[tuple[str, Any], list[int]] = {}
-    for position, name in enumerate(names):
-        groups.setdefault((pattern_of(name)[0], None if keys is None else keys[position]), []).append(position)
+    for position, (pattern, _) in enumerate(patterns):
+        groups.setdefault((pattern, None if keys is None else keys[position]), []).append(position)
     entries = []
     for (pattern, _), members in groups.items():
         if len(members) < min_fold:
             entries += [Folded(names[position], (position,)) for position in members]
         else:
-            indices = [pattern_of(names[position])[1] for position in members]
+            indices = [patterns[position][1] for position in members]
             entries.append(Folded(folded_name(pattern, indices), tuple(members)))
     return sorted(entries, key=lambda entry: entry.members[0])
 

@@ -17,9 +17,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from amp8.monitor.operand_health import TENSORS, casts_of
 from amp8.monitor.report_fold import pattern_of
 
-TENSORS = ("input", "weight", "grad output", "weight gradient")
 BY = ("sqnr", "health")
 
 
@@ -77,7 +77,7 @@ def heatmap_cells(rows: list[dict[str, Any]], by: str) -> dict[str, Any]:
 def _value(row: dict[str, Any], tensor: str, by: str) -> float:
     """One cell: the worst SQNR (dB) of the casts of ``tensor``, or the larger share
     flushed or clipped (percent), as ``by`` says."""
-    casts = [values for label, values in (row.get("operands") or {}).items() if label.endswith(tensor)]
+    casts = casts_of(row.get("operands"), tensor)
     if by == "sqnr":
         return min((values["sqnr_db"] for values in casts), default=math.nan)
     if casts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from amp8.monitor.operand_health import TENSORS, casts_of
 from amp8.monitor.report_fold import MIN_FOLD, FoldedRow, fold_names, fold_rows
 from amp8.monitor.report_table import human_bytes, visible_columns
 from amp8.monitor.weight_stats import SHORT_DTYPES
@@ -191,16 +192,14 @@ def print_folded(folded: list[FoldedRow], moves: list[dict[str, Any]], summary: 
         console.print("  every tensor: print(full=True), amp8 report --full", highlight=False, markup=False)
 
 
-_TENSORS = {"input": "input", "weight": "weight", "grad output": "grad", "weight gradient": "wgrad"}
-"""The tensors whose casts feed the GEMMs (an operand's label ends with one), and each
-one's column title."""
+_TITLES = dict(zip(TENSORS, ("input", "weight", "grad", "wgrad")))
+"""Each tensor's column title in the operands table."""
 
 
 def _operand_cells(entry: FoldedRow, tensor: str) -> tuple[str, str]:
     """(worst SQNR in dB, the largest shares flushed to zero and clipped, in percent) of
     the casts of ``tensor`` over ``entry``'s layers and the GEMM operands it feeds."""
-    signals = [values for row in entry.rows for label, values in (row.get("operands") or {}).items()
-               if label.endswith(tensor)]
+    signals = [values for row in entry.rows for values in casts_of(row.get("operands"), tensor)]
     if not signals:
         return "-", "-"
     sqnr = min(values["sqnr_db"] for values in signals)
@@ -221,13 +220,13 @@ def print_operands(rows: list[dict[str, Any]], console: Any, fold: bool = True) 
     watched = [row for row in rows if row.get("operands")]
     if not watched:
         return
-    table = Table(title="GEMM operands, last watched: worst SQNR (dB), largest % flushed / clipped", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True,
-                  title_justify="left")
+    table = Table(title="GEMM operands, last watched: worst SQNR (dB), largest % flushed / clipped",
+                  box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True, title_justify="left")
     table.add_column("layer", no_wrap=True)
-    for title in _TENSORS.values():
+    for title in _TITLES.values():
         table.add_column(f"{title} dB", justify="right", no_wrap=True)
         table.add_column(f"{title} %", justify="right", no_wrap=True)
     for entry in fold_rows(watched, min_fold=MIN_FOLD if fold else len(watched) + 1):
         name = entry.name.removesuffix(".weight")
-        table.add_row(name, *(cell for tensor in _TENSORS for cell in _operand_cells(entry, tensor)))
+        table.add_row(name, *(cell for tensor in TENSORS for cell in _operand_cells(entry, tensor)))
     console.print(table)
