@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from amp8.config.levels import Precision
@@ -128,7 +129,9 @@ class LowBitEmbedding(StoredWeightModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the table at ``ids`` (any integer shape), in the table's dtype."""
         if not torch.compiler.is_compiling():
-            self._check_weight_is_amp8s()
+            plain = self._plain_weight()
+            if plain is not None:  # functional_call: torch's embedding, in the given tensor's dtype
+                return F.embedding(ids, plain, self.padding_idx)
             self._refresh_grad_routes()
         config = EmbeddingConfig(
             self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_layout, self.out_dtype,

@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from amp8 import _compat
@@ -132,6 +133,7 @@ class Fp8Linear(StoredWeightModule):
         self._bind_quantizers()
         # FP8 copies of an FP16 weight, by the dim their GEMM contracts; see ``fp8_weight``.
         self._weight_cache: dict[int, ScaledTensor] = {}
+        self._weight_cache_version: tuple[int, ...] | None = None  # the stored weight's, when cached
         self._init_storage(weight, recipe, weight_storage)
         self.bias = bias
 
@@ -384,11 +386,16 @@ class Fp8Linear(StoredWeightModule):
         cast (from the FP8 weight's real values at O3: rowwise scales along the other
         dim, for the input-gradient GEMM).
 
-        The cast of an FP16 weight is cached until the weight is next written
-        (``write_weight``, the optimizer's step, ``load_state_dict``, ``.to()``), so the
-        micro-batches of gradient accumulation cast it once per optimizer step. Call
-        ``drop_weight_cache()`` after changing ``weight`` in place by other means.
+        The cast of an FP16 weight is cached until the weight is next written, by any
+        path (the stored weight's ``version``, read in eager code; the optimizer's step,
+        ``load_state_dict`` and ``.to()`` also drop the cache for compiled code), so the
+        micro-batches of gradient accumulation cast it once per optimizer step.
         """
+        if not torch.compiler.is_compiling():
+            version = self.stored_weight.version
+            if version != getattr(self, "_weight_cache_version", None):
+                self._weight_cache.clear()
+                self._weight_cache_version = version
         weight = self.quantizers.weight
         watch = self._weight_operands(contract_dim) if self.watch_health else ()
         if self.weight_storage is Precision.AS_IS:  # the user's optimizer writes it: no cache
@@ -439,7 +446,9 @@ class Fp8Linear(StoredWeightModule):
                 f"Fp8Linear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
         if not torch.compiler.is_compiling():
-            self._check_weight_is_amp8s()
+            plain = self._plain_weight()
+            if plain is not None:  # functional_call: torch's linear, in the given tensor's dtype
+                return F.linear(x, plain.t() if self.weight_transposed else plain, self.bias)
             self._refresh_grad_routes()
         fp8_wgrad = self.weight_storage is not Precision.AS_IS
         config = LinearGemmConfig.build(

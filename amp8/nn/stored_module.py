@@ -24,7 +24,7 @@ from torch import nn
 from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe
 from amp8.quant.checks import check_loaded_scales
-from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor.scaled import ScaledTensor, is_sharded
 from amp8.tensor.scaled_weight import ScaledWeight, retarget
 from amp8.tensor.stored import StoredWeight, requiring_grad, stored_weight
 from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
@@ -35,9 +35,10 @@ class StoredWeightsModule(nn.Module):
     weight Parameter, ``stored_weights()``): keeps amp8's dtypes through ``.to()``,
     copies and checkpoints, and re-encodes a weight saved at another storage on load.
 
-    Each weight Parameter ``name`` has a ``{name}_scale`` buffer (saved in
-    ``state_dict``): float32, ``name.data == w * scale`` (a scalar for FP16 storage; for
-    FP8 storage the weight's scales at the recipe's granularity).
+    Each weight Parameter ``name`` has scales ``{name}_scale`` (an attribute that reads
+    the handle's, saved in the compact ``state_dict``; no buffer, so that tools that copy
+    buffers leave them with their weight): ``name.data == w * scale`` (a scalar for FP16
+    storage; for FP8 storage the weight's scales at the recipe's granularity).
     """
 
     compact_state_dict = False
@@ -52,12 +53,24 @@ class StoredWeightsModule(nn.Module):
         """The handles of this module's stored weights."""
         raise NotImplementedError
 
+    def __getattr__(self, name: str) -> Any:
+        """``{name}_scale``: the scales of stored weight ``name`` (see the class docstring);
+        else what ``nn.Module`` finds."""
+        if name.endswith("_scale"):
+            try:
+                handles = self.stored_weights()
+            except AttributeError:  # inside __init__, before the handles exist
+                handles = ()
+            for handle in handles:
+                if handle.scale_name == name:
+                    return handle.stored_scale
+        return super().__getattr__(name)
+
     def _add_stored_weight(
         self, name: str, weight: nn.Parameter, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
     ) -> StoredWeight:
         """Take over ``weight`` as Parameter ``name`` and store its values at ``storage``
         (see ``StoredWeight`` for ``fixed_storage``), with its ``{name}_scale`` buffer."""
-        self.register_buffer(f"{name}_scale", torch.ones((), device=weight.device))
         setattr(self, name, weight)
         # The handle stores the values and makes ``weight`` a ``ScaledWeight`` (see amp8.tensor.scaled_weight).
         return StoredWeight(self, recipe, storage, fixed_storage=fixed_storage, name=name)
@@ -82,6 +95,14 @@ class StoredWeightsModule(nn.Module):
         for name in self._GRAD_ROUTES:  # tensors with hooks: rebuilt in __setstate__
             state.pop(name, None)
         return state
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """torch's, plus each stored weight's scales (``{name}_scale``); the plain form
+        drops them again (``_state_dict_form``)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for handle in self.stored_weights():
+            scale = handle.stored_scale
+            destination[prefix + handle.scale_name] = scale if keep_vars else scale.detach()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -123,7 +144,7 @@ class StoredWeightsModule(nn.Module):
         real values (``saved_scale`` None); converted, with a warning, from the compact
         form of another storage (another opt level, another recipe's scales).
         ``block_size``: that of the saved scales."""
-        param, stored_scale = handle.param, getattr(self, handle.scale_name)
+        param, stored_scale = handle.param, handle.stored_scale
         if tuple(saved.shape) != tuple(param.shape):
             error_msgs.append(
                 f"size mismatch for {key}: copying a param with shape {tuple(saved.shape)} from checkpoint, "
@@ -132,6 +153,7 @@ class StoredWeightsModule(nn.Module):
             return
         if saved_scale is None:
             handle.write(saved.to(param.device, torch.float32))
+            self.__dict__["_amp8_plain_loaded"] = True  # read by amp8.optim.layer_state (what the plain form lacks)
             return
         scale_key = key[: -len(handle.name)] + handle.scale_name
         check_loaded_scales(scale_key, saved_scale)
@@ -145,7 +167,7 @@ class StoredWeightsModule(nn.Module):
         warnings.warn(
             f"amp8: converted {key} from {saved.dtype} to {handle.dtype} storage "
             f"(scales of shape {tuple(saved_scale.shape)}, blocks of {block_size}, to "
-            f"{tuple(getattr(self, handle.scale_name).shape)})",
+            f"{tuple(handle.stored_scale.shape)})",
             stacklevel=4,
         )
 
@@ -159,16 +181,21 @@ class StoredWeightsModule(nn.Module):
         they are for a plain one."""
         saved = saved_recipe(local_metadata)
         for handle in self.stored_weights():
-            if not isinstance(handle.param, ScaledWeight):
-                continue  # AS_IS and sharded weights load as torch loads any Parameter
             key, scale_key = prefix + handle.name, prefix + handle.scale_name
+            if not isinstance(handle.param, ScaledWeight):
+                # AS_IS and sharded weights load as torch loads any Parameter; a sharded
+                # weight's scales are the whole weight's, as saved.
+                saved_scale = state_dict.pop(scale_key, None)
+                if handle.sharded and saved_scale is not None:
+                    check_loaded_scales(scale_key, saved_scale)
+                    handle.stored_scale.copy_(saved_scale)
+                continue
             block_size = handle.recipe.block_size if saved is None else saved["block_size"]
-            weight = state_dict.pop(key, None)
+            weight, saved_scale = state_dict.pop(key, None), state_dict.pop(scale_key, None)
             if weight is None:
                 missing_keys.append(key)
             else:
-                self._load_stored_weight(handle, weight, state_dict.get(scale_key), block_size, key, error_msgs)
-            state_dict[scale_key] = getattr(self, handle.scale_name).clone()
+                self._load_stored_weight(handle, weight, saved_scale, block_size, key, error_msgs)
         for name, buffer in self._buffers.items():  # a plain checkpoint has none of amp8's buffers
             if buffer is not None and name not in self._non_persistent_buffers_set:
                 state_dict.setdefault(prefix + name, buffer.clone())
@@ -214,14 +241,21 @@ class StoredWeightsModule(nn.Module):
             if buffer is not None and buffer.dtype != dtype:
                 self._buffers[name] = original.to(buffer.device)
         for handle in self.stored_weights():
+            scale = handle.stored_scale.to(self._device_after(fn, handle.stored_scale))
             if isinstance(handle.param, ScaledWeight):
-                _apply_to_weight(handle, fn, getattr(self, handle.scale_name))
+                _apply_to_weight(handle, fn, scale)
+            handle.set_stored_scale(scale)
         self._after_apply()
         self._after_move()
         return self
 
     def _after_apply(self) -> None:
         """What ``_apply`` does last, before ``_after_move``."""
+
+    @staticmethod
+    def _device_after(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor) -> torch.device:
+        """The device ``fn`` (a ``.to()``) moves ``tensor`` to, without moving it."""
+        return fn(torch.empty((), dtype=tensor.dtype, device=tensor.device)).device
 
 
 def _apply_to_weight(handle: StoredWeight, fn: Callable[[torch.Tensor], torch.Tensor], scale: torch.Tensor) -> None:
@@ -234,7 +268,8 @@ def _apply_to_weight(handle: StoredWeight, fn: Callable[[torch.Tensor], torch.Te
     if data.dtype != param._data.dtype:
         data = param._data.to(data.device)
     grad, param.grad = param.grad, None
-    retarget(param, data, scale, reported)
+    if retarget(param, data, scale, reported):
+        handle.mark(param, again=True)
     if isinstance(grad, WeightGrad):
         fp8 = grad.fp8
         param.grad = WeightGrad(
@@ -390,15 +425,54 @@ class StoredWeightModule(StoredWeightsModule):
     def weight_grad(self, value: ScaledTensor | None) -> None:
         self.stored_weight.set_grad(value)
 
+    def _plain_weight(self) -> torch.Tensor | None:
+        """The plain tensor that torch code put in place of the weight for this call
+        (``torch.func.functional_call``, ``stack_module_state`` under ``vmap``), which the
+        layer then computes with as torch's own layer would, in that tensor's dtype; None
+        where the weight is amp8's. Refuses what amp8 did not place and cannot serve (see
+        ``_check_weight_is_amp8s``)."""
+        handle = self.stored_weight
+        if handle.sharded or handle.storage is Precision.AS_IS:
+            return None
+        weight = self.weight
+        if stored_weight(weight) is handle:
+            return None
+        if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter) and not is_sharded(weight) and (
+            stored_weight(weight) is None and not torch.nn.utils.parametrize.is_parametrized(self, "weight")
+        ):
+            return weight
+        self._check_weight_is_amp8s()
+        return None
+
     def _check_weight_is_amp8s(self) -> None:
-        """Refuse a weight Parameter amp8 did not place: a ``fully_shard`` (or other
-        wrapper) applied after ``amp8.initialize`` would reduce a gradient it cannot read."""
+        """Refuse a weight Parameter amp8 did not place, naming what to do instead."""
         handle = self.stored_weight
         if handle.sharded or handle.storage is Precision.AS_IS or stored_weight(self.weight) is handle:
             return
+        layer = type(self).__name__
+        if torch.nn.utils.parametrize.is_parametrized(self, "weight"):
+            raise TypeError(
+                f"the weight of an amp8 {layer} was parametrized after amp8.initialize; register "
+                "parametrizations (weight_norm, spectral_norm, orthogonal, ...) before amp8.initialize: amp8 "
+                "then keeps that layer as torch's, computing the weight in high precision each forward (or "
+                "remove it with torch.nn.utils.parametrize.remove_parametrizations)"
+            )
+        weight = self.weight
+        if stored_weight(weight) is not None:
+            raise TypeError(
+                f"the weight of an amp8 {layer} was tied to another FP8 layer's weight after "
+                "amp8.initialize; tie weights before amp8.initialize (amp8 then keeps the layers that share "
+                "a weight in high precision, so that both read the same values)"
+            )
+        if isinstance(weight, nn.Parameter) and not is_sharded(weight):
+            raise TypeError(
+                f"a new weight Parameter was assigned to an amp8 {layer} after amp8.initialize, which the "
+                "optimizer does not hold; write new values into the weight instead (layer.weight.copy_(t), "
+                "layer.weight.data = t, or model.load_state_dict), or assign it before amp8.initialize"
+            )
         raise RuntimeError(
-            f"the weight of an amp8 {type(self).__name__} was replaced after amp8.initialize "
-            "(by fully_shard, a stock tensor-parallel style, or by assigning a new Parameter); for "
+            f"the weight of an amp8 {layer} was replaced after amp8.initialize "
+            "(by fully_shard or a stock tensor-parallel style); for "
             "tensor parallelism use amp8.distributed.Fp8ColwiseParallel and Fp8RowwiseParallel, "
             "for FSDP2 use opt_level='O3' "
             "in a process group, where amp8 applies fully_shard itself, or "
@@ -493,5 +567,5 @@ def _state_dict_form(
         else:
             state_dict[key] = handle.read().to(handle.param.dtype)
     if not compact:
-        for name in module._buffers:
+        for name in [*module._buffers, *(handle.scale_name for handle in handles)]:
             state_dict.pop(prefix + name, None)

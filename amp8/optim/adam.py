@@ -30,13 +30,13 @@ from torch import nn
 
 from amp8.config.levels import O1, OptLevel, resolve_level
 from amp8.config.validation import removed_name
-from amp8.optim import checkpoint
+from amp8.optim import checkpoint, layer_state
+from amp8.optim.copies import BOUND_TO_PARAMS, Copies
 from amp8.optim import fused as fused_step
 from amp8.optim import state as state_storage
 from amp8._compiled import cpp_compiler_found
 from amp8.optim.plain_step import plain_adam_step, takes_plain_step
 from amp8.optim.fused_update import fused_update, stored_grad
-from amp8.optim.group_step import adam_group_step
 from amp8.optim.gradients import GradientAverage
 from amp8.optim.state import MOMENTS
 from amp8.optim.stored_state import StoredState
@@ -55,7 +55,7 @@ FUSED_CPU_MIN_ELEMENTS = 1 << 22
 _EXTRA_STATE_KEY = "amp8"
 
 
-class LowBitAdam(torch.optim.Optimizer):
+class LowBitAdam(Copies, torch.optim.Optimizer):
     """Adam (``decoupled_weight_decay=False``) or AdamW (True) for amp8 models.
 
     Args:
@@ -102,6 +102,14 @@ class LowBitAdam(torch.optim.Optimizer):
     Frozen parameters (``requires_grad=False`` when the optimizer is built) get no state:
     no moments, no master weight, no update; an O3 layer's frozen weight stays FP8 and
     exactly as loaded. One unfrozen later takes its state at its first step.
+
+    A parameter listed twice (torch warns at construction) is updated once per step.
+
+    Copies: ``copy.deepcopy((model, optimizer))`` and pickling both together (``torch.save``
+    of the objects) give a pair that trains as the original does, bit for bit, and apart
+    from it. As with torch's optimizers, a copy keeps the param groups, the state and the
+    hyperparameters and drops hooks (an ``amp8.Controller`` or LR scheduler stays with the
+    original) and the attached gradient average (a copy averages over no ranks).
     """
 
     def __init__(
@@ -135,23 +143,20 @@ class LowBitAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.level = level
-        params_in_order = [param for group in self.param_groups for param in group["params"]]
+        params_in_order = list(dict.fromkeys(param for group in self.param_groups for param in group["params"]))
         # The weights of FP8 layers, found from the Parameters: amp8.initialize attached a
         # StoredWeight to each.
         self.weights: dict[nn.Parameter, StoredWeight] = {
             param: handle for param in params_in_order if (handle := stored_weight(param)) is not None
         }
         self.stored = StoredState(level, self.weights, state_block_size, seed, self._own_chunk, self._is_sharded)
+        self._layer_modules = layer_state.fp8_layers(self.weights.values())
         self.fused = fused
         self._fused_on_cpu = (
             sum(p.numel() for p in params_in_order) >= FUSED_CPU_MIN_ELEMENTS and cpp_compiler_found()
         )
-        self._fused_steps = fused_step.FusedAdam()
         self.grouped = grouped
-        self._group_steps = {
-            compiled: fused_step.FusedAdam(compile=compiled, function=adam_group_step) for compiled in (False, True)
-        }
-        self._plan: UpdatePlan | None = None
+        self._new_step_functions()
         self.skipped_steps = 0
         self._average: GradientAverage | None = None
         self._stepped = False
@@ -350,7 +355,11 @@ class LowBitAdam(torch.optim.Optimizer):
         self.stored.rounding_counter = value
 
     def __getattr__(self, name: str) -> Any:
-        """Removed methods and attributes fail naming what replaces them."""
+        """Removed methods and attributes fail naming what replaces them. After a copy,
+        what is bound to the Parameters is rebuilt here, on first use."""
+        if name in BOUND_TO_PARAMS and "param_groups" in self.__dict__:
+            self._bind_to_params()
+            return self.__dict__[name]
         raise removed_name(type(self).__name__, name, REMOVED_ATTRIBUTES)
 
     def master_weight(self, param: nn.Parameter) -> torch.Tensor:
@@ -374,6 +383,9 @@ class LowBitAdam(torch.optim.Optimizer):
                 loss = closure()
         if self.sharded:
             self._sharded_average()  # fails before anything changes
+        lost = layer_state.lost_after_plain_load(self._layer_modules, bool(self._optimizer_state_dict_post_hooks))
+        if lost is not None:
+            warnings.warn(lost, stacklevel=2)
         self._stepped = True
         self.synchronize()
         plan = self._plan_for_step()
@@ -446,11 +458,14 @@ class LowBitAdam(torch.optim.Optimizer):
         inputs = StepInputs([], [], [], [])
         params, kinds, grads, states_now = inputs.params, inputs.kinds, inputs.grads, inputs.states
         states, weights, shard_optimizer = self.state, self.weights, self.level.shard_optimizer
+        seen: set[nn.Parameter] = set()
         for group in self.param_groups:
             for param in group["params"]:
                 param_state = states.get(param)
                 grad = None
-                if not param_state and not param.requires_grad:
+                if param in seen:
+                    kind = "skip"  # listed again: updated once, where it is listed first
+                elif not param_state and not param.requires_grad:
                     kind = "skip"  # frozen: no state, no update
                 else:
                     if not param_state:
@@ -466,6 +481,7 @@ class LowBitAdam(torch.optim.Optimizer):
                     else:
                         grad = stored_grad(param, handle)
                         kind = "skip" if grad is None else "update"
+                seen.add(param)
                 params.append(param)
                 kinds.append(kind)
                 grads.append(grad)
@@ -549,22 +565,27 @@ class LowBitAdam(torch.optim.Optimizer):
         state[_EXTRA_STATE_KEY] = {
             "skipped_steps": self.skipped_steps,
             "rounding": {"seed": self.seed, "counter": self.rounding_counter},
+            layer_state.LAYERS_KEY: layer_state.layer_states(self.weights, checkpoint.param_indices(self.param_groups)),
         }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore exactly what ``state_dict()`` saved.
+        """Restore exactly what ``state_dict()`` saved, the FP8 layers' state with it.
 
         torch's loader casts floating state to each parameter's dtype, which would round
         FP32 moments to FP16 and break FP8 ones; amp8 restores every tensor as saved. State
         saved at other precisions (another opt level) is converted to this optimizer's,
-        with a warning that says so.
+        with a warning that says so. Each FP8 layer takes back its amax histories, GEMM
+        precision and weight scales, its weight re-encoded under those scales from the
+        real values the model holds (``amp8.optim.layer_state``): after the model's plain
+        ``state_dict`` (loaded before or after this), the run resumes bit for bit.
         """
         state_dict = checkpoint.without_marker(dict(state_dict))
         extra = state_dict.pop(_EXTRA_STATE_KEY, {})
         self._drop_plan()
-        super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
+        layer_state.restore_layer_states(self.weights, params, extra.get(layer_state.LAYERS_KEY, {}))
+        super().load_state_dict(state_dict)
         converted = checkpoint.restore_state(self.state, params, state_dict, self.stored.convert)
         if converted:
             warnings.warn(

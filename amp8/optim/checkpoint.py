@@ -67,6 +67,15 @@ def to_torch_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": [dict(group) for group in groups]}
 
 
+def param_indices(param_groups: list[dict[str, Any]]) -> dict[nn.Parameter, int]:
+    """Each parameter's index in a state dict, as torch's ``Optimizer.state_dict`` numbers
+    them: its first place among all groups' parameters in order."""
+    indices: dict[nn.Parameter, int] = {}
+    for index, param in enumerate(param for group in param_groups for param in group["params"]):
+        indices.setdefault(param, index)
+    return indices
+
+
 def merge_string_ids(state: dict[Any, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per-parameter state keyed by int id. torch.distributed.checkpoint loads tensors in
     place under the int ids and the other values under the ids as strings; merge both."""

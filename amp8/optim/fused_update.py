@@ -104,10 +104,10 @@ def fused_update(
     if spec.weight is fused.WeightKind.PLAIN:
         param.copy_(result.weight)
     elif spec.weight is fused.WeightKind.FP16_SCALED:
-        handle.store(result.weight, result.weight_scale)  # type: ignore[union-attr, arg-type]
+        handle.store_from_master(result.weight, result.weight_scale)  # type: ignore[union-attr, arg-type]
     else:
         param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX] = result.weight, result.weight_scale
-        handle.store(result.fp8_weight, result.fp8_weight_scale)  # type: ignore[union-attr, arg-type]
+        handle.store_from_master(result.fp8_weight, result.fp8_weight_scale)  # type: ignore[union-attr, arg-type]
     return True
 
 

@@ -5,6 +5,7 @@ stochastic rounding, or FP8). The noise of every stochastic rounding is counted 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -48,6 +49,9 @@ class StoredState:
         self.rounding_counter = 0  # stochastic-rounding draws so far
         self._own_chunk = own_chunk
         self._is_sharded = is_sharded
+        # The state of each weight whose master weight this optimizer keeps, by Parameter:
+        # where a value written to the weight from outside goes (see ``attach_master``).
+        self._master_states: dict[nn.Parameter, dict[str, Any]] = {}
 
     def next_noise_key(self) -> torch.Tensor:
         """The noise key of the next stochastic rounding (an int64 CPU scalar, which
@@ -63,6 +67,7 @@ class StoredState:
         if handle is not None and self.wants_master(param):
             real = master_weight if master_weight is not None else handle.read()
             self.store_master(param_state, self._own_chunk(param, real))
+            self.attach_master(param, param_state)
         shape_source = param_state.get(MASTER, param)
         param_state["step"] = torch.zeros((), dtype=torch.float32)
         for key in MOMENTS:
@@ -84,6 +89,32 @@ class StoredState:
             value, self.next_noise_key() if noise_key is None else noise_key,
             previous=param_state.get(MASTER + state_storage.SCALE_SUFFIX),
         )
+
+    def attach_master(self, param: nn.Parameter, param_state: dict[str, Any]) -> None:
+        """Make ``param_state``'s master weight part of ``param``'s stored weight, so that
+        every write of the weight from outside the optimizer (``load_state_dict``,
+        ``copy_``, ``torch.nn.init``) lands in the master too and the next step starts
+        from it (``StoredWeight.attach_master``). The weight holds this optimizer weakly."""
+        self._master_states[param] = param_state
+        self.weights[param].attach_master(_MasterWriter(self, param))
+
+    def write_master(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Store float32 ``value`` (the whole weight) as ``param``'s master weight, in the
+        memory the master holds (an update group's view stays valid)."""
+        param_state = self._master_states.get(param)
+        if param_state is None or MASTER not in param_state:
+            return
+        # Rounded to nearest: a written value is no update whose small steps need noise.
+        data, scale = encode_fp16(
+            self._own_chunk(param, value.float()), previous=param_state.get(MASTER + state_storage.SCALE_SUFFIX)
+        )
+        with torch.no_grad():
+            for key, new in ((MASTER, data), (MASTER + state_storage.SCALE_SUFFIX, scale)):
+                current = param_state[key]
+                if current.shape == new.shape and current.dtype == new.dtype:
+                    current.copy_(new)
+                else:
+                    param_state[key] = new
 
     def update_noise_key(self, param: nn.Parameter) -> torch.Tensor:
         """The noise key of one update of ``param``: the next draw where the update rounds
@@ -138,7 +169,7 @@ class StoredState:
         if MASTER in param_state:
             self.store_master(param_state, value, noise_key)
             if not self._is_sharded(param):
-                handle.write(value)  # type: ignore[union-attr]
+                handle.store_from_master(*handle.encode(value))  # type: ignore[union-attr]
         elif handle is not None:
             handle.write(value, noise_key=self.next_noise_key() if noise_key is None else noise_key)
         else:
@@ -157,6 +188,8 @@ class StoredState:
         if wants_master and MASTER not in param_state:
             self.store_master(param_state, self._own_chunk(param, self.weights[param].read()))
             converted.add("master weights")
+        if wants_master:
+            self.attach_master(param, param_state)
         elif not wants_master and MASTER in param_state:
             handle = self.weights.get(param)
             master = state_storage.load(param_state, MASTER)
@@ -183,4 +216,21 @@ class StoredState:
         amaxes = max_over_ranks(torch.cat([amax.flatten() for amax in local_amaxes]))
         for param, chunk, local, amax in zip(params, rows, local_amaxes, amaxes.split([a.numel() for a in local_amaxes])):
             handle = self.weights[param]
-            handle.store(*handle.encode(chunk, amax_value=amax.view(local.shape)))
+            handle.store_from_master(*handle.encode(chunk, amax_value=amax.view(local.shape)))
+
+
+class _MasterWriter:
+    """What an O3 weight calls with each value written to it from outside the optimizer
+    (``StoredWeight.attach_master``): the optimizer's ``write_master``, while the
+    optimizer lives (held weakly: a model does not keep its optimizer's state alive; the
+    Parameter is held strongly, as torch cannot swap a tensor that a weak reference
+    points at)."""
+
+    def __init__(self, stored: StoredState, param: nn.Parameter) -> None:
+        self._stored = weakref.ref(stored)
+        self._param = param
+
+    def __call__(self, value: torch.Tensor) -> None:
+        stored = self._stored()
+        if stored is not None:
+            stored.write_master(self._param, value)

@@ -133,6 +133,15 @@ class ScaledWeight(torch.Tensor):
     # the Parameter's shape, dtype or ``requires_grad`` costs what a plain tensor's does.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    def tolist(self) -> Any:  # type: ignore[override]
+        """The real values as nested Python lists, as ``Tensor.tolist``."""
+        return self.dequantize().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        """The real values as a NumPy array (a copy: the storage holds scaled values),
+        with ``Tensor.numpy``'s rule that a tensor requiring grad needs ``detach()``."""
+        return _numpy(self, force)
+
     def alias(self) -> "ScaledWeight":
         """This weight, detached, sharing the storage (writes into it reach the layer)."""
         return ScaledWeight(self._data, self._scale, self.block_size, self.dtype, self.writer)
@@ -192,12 +201,28 @@ class WeightView(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    def tolist(self) -> Any:  # type: ignore[override]
+        """The real values of this view as nested Python lists."""
+        return self.dequantize().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        """The real values of this view as a NumPy array (a copy)."""
+        return _numpy(self, force)
+
     @classmethod
     def __torch_dispatch__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         """As ``ScaledWeight``'s: reads on the real view, writes through to the weight."""
         return _dispatch(func, args, kwargs or {})
+
+
+def _numpy(tensor: "ScaledWeight | WeightView", force: bool) -> Any:
+    if tensor.requires_grad and not force:
+        raise RuntimeError(
+            "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
+        )
+    return tensor.dequantize().numpy(force=force)
 
 
 def _weight_and_view(tensor: torch.Tensor) -> tuple[ScaledWeight, Callable[[torch.Tensor], torch.Tensor]]:
@@ -212,39 +237,24 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The aten operation ``func`` with a ``ScaledWeight`` or ``WeightView`` among its
-    arguments (see the module's docstring)."""
+    arguments (see the module's docstring). Which arguments an operation writes comes
+    from its schema (``Tensor(a!)``: in-place operations, ``out=``, foreach lists)."""
     target = args[0] if args else None
-    stored = isinstance(target, (ScaledWeight, WeightView))
+    stored = isinstance(target, _STORED)
     if func in _SHARED and stored:
         if isinstance(target, WeightView):
             return WeightView(target.base, target.view, target.dequantize())
         return target.alias()
     if func is aten.detach_.default:
         return target
-    name = func.overloadpacket.__name__
-    if name in _REFUSED:
+    if func.overloadpacket.__name__ in _REFUSED:
         raise TypeError(
             f"amp8: {func} is not supported on an FP8 layer's weight (stored scaled); write new values "
             "with weight.copy_(value) or weight.data = value"
         )
-    if stored and name.endswith("_"):
-        weight, view = _weight_and_view(target)
-        if func is aten.copy_.default and isinstance(args[1], ScaledWeight) and view is _whole and (
-            args[1]._data is weight._data
-        ):
-            return target
-        real = _chained(weight)
-        if real is None:
-            real = weight.dequantize(torch.float32)
-        func(view(real), *tree_map(_real, args[1:]), **tree_map(_real, kwargs))
-        weight.write(real)
-        # The next in-place operation of a chain (``torch.nn.init.trunc_normal_``'s
-        # uniform_, erfinv_, mul_, ...) starts from these float32 values, as on a plain
-        # weight: the storage's rounding of each step would otherwise add up (FP16 rounds
-        # a uniform sample to 1.0, whose erfinv is inf). Kept until the storage changes
-        # or is read (``drop_chain``).
-        weight._data.__dict__[_CHAIN] = (real, weight._data._version)
-        return target
+    written = [(slot, value) for slot, value in _written_values(func, args, kwargs) if _holds_stored(value)]
+    if written:
+        return _write_through(func, args, kwargs, written)
     if stored and func.is_view:
         weight, view = _weight_and_view(target)
         rest = args[1:]
@@ -255,15 +265,114 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             WeightView(weight, lambda t, i=index: func(view(t), *rest, **kwargs)[i], part)  # type: ignore[misc]
             for index, part in enumerate(viewed)
         )
-    if name.startswith("_foreach_") and name.endswith("_"):
-        method = getattr(torch.Tensor, name[len("_foreach_"):])
-        for index, tensor in enumerate(args[0]):
-            method(tensor, *[v[index] if isinstance(v, (list, tuple)) else v for v in args[1:]], **kwargs)
-        return None
     for value in tree_flatten((args, kwargs))[0]:
-        if isinstance(value, (ScaledWeight, WeightView)):
+        if isinstance(value, _STORED):
             drop_chain(_weight_and_view(value)[0]._data)
     return func(*tree_map(_real, args), **tree_map(_real, kwargs))
+
+
+_STORED = ()  # (ScaledWeight, WeightView), set below the classes
+_Slot = tuple[int, str]  # an argument's position in ``args`` (-1: keyword-only) and its name
+_WRITTEN_SLOTS: dict[Any, tuple[_Slot, ...]] = {}
+
+
+def _written_slots(func: Any) -> tuple[_Slot, ...]:
+    """The arguments ``func``'s schema marks as written (``Tensor(a!)``, ``Tensor(a!)[]``)."""
+    slots = _WRITTEN_SLOTS.get(func)
+    if slots is None:
+        slots = _WRITTEN_SLOTS[func] = tuple(
+            (-1 if argument.kwarg_only else index, argument.name)
+            for index, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        )
+    return slots
+
+
+def _written_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[_Slot, Any]]:
+    """Each written argument of this call of ``func``, with its slot."""
+    found = []
+    for slot in _written_slots(func):
+        index, name = slot
+        value = args[index] if 0 <= index < len(args) else kwargs.get(name)
+        if value is not None:
+            found.append((slot, value))
+    return found
+
+
+def _holds_stored(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(item, _STORED) for item in value)
+    return isinstance(value, _STORED)
+
+
+def _write_through(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], written: list[tuple[_Slot, Any]]) -> Any:
+    """Run ``func``, which writes a stored weight (or a list holding some), on float32
+    real values in place of each written weight, then store each one's new values.
+
+    A foreach operation runs one element at a time: a list may mix weights, which are
+    written in float32, with plain tensors in their own dtypes.
+    """
+    (index, name), value = written[0]
+    if isinstance(value, (list, tuple)) and len(value) > 1:
+        for element in range(len(value)):
+            _dispatch(func, _element(args, element), _element(kwargs, element))
+        return None
+    listed = isinstance(value, (list, tuple))
+    if listed:
+        value = value[0]
+    if not isinstance(value, _STORED):  # one element of a foreach list, not a weight
+        func(*tree_map(_real, args), **tree_map(_real, kwargs))
+        return None
+    weight, view = _weight_and_view(value)
+    if func is aten.copy_.default and view is _whole and isinstance(args[1], ScaledWeight) and (
+        args[1]._data is weight._data
+    ):
+        return value
+    real = _chained(weight)
+    if real is None:
+        real = weight.dequantize(torch.float32)
+    substitute = [view(real)] if listed else view(real)
+    new_args = [_real_float32(arg) for arg in args]
+    new_kwargs = {key: _real_float32(arg) for key, arg in kwargs.items()}
+    if 0 <= index < len(new_args):
+        new_args[index] = substitute
+    else:
+        new_kwargs[name] = substitute
+    func(*new_args, **new_kwargs)
+    weight.write(real)
+    # The next in-place operation of a chain (``torch.nn.init.trunc_normal_``'s
+    # uniform_, erfinv_, mul_, ...) starts from these float32 values, as on a plain
+    # weight: the storage's rounding of each step would otherwise add up (FP16 rounds a
+    # uniform sample to 1.0, whose erfinv is inf). Kept until the storage changes or is
+    # read (``drop_chain``).
+    weight._data.__dict__[_CHAIN] = (real, weight._data._version)
+    return None if listed else value
+
+
+def _element(container: Any, element: int) -> Any:
+    """The arguments of one element of a foreach call: each list as a list of its
+    ``element``-th item."""
+    if isinstance(container, dict):
+        return {key: _element(value, element) for key, value in container.items()}
+    if isinstance(container, tuple):
+        return tuple(_item(value, element) for value in container)
+    return container
+
+
+def _item(value: Any, element: int) -> Any:
+    return [value[element]] if isinstance(value, (list, tuple)) else value
+
+
+def _real_float32(value: Any) -> Any:
+    """An argument of an operation that writes a weight in float32: its real values, in
+    float32 where it is a floating tensor (``lerp_`` and friends take one dtype)."""
+    return tree_map(_float32, tree_map(_real, value))
+
+
+def _float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+        return value.float()
+    return value
 
 
 _CHAIN = "_amp8_chained_values"
@@ -292,6 +401,9 @@ def _traced_write(value: torch.Tensor) -> None:
     raise RuntimeError("amp8: a weight inside a compiled graph cannot be written; write it outside torch.compile")
 
 
+_STORED = (ScaledWeight, WeightView)
+
+
 def _real(value: Any) -> Any:
     return value.dequantize() if isinstance(value, (ScaledWeight, WeightView)) else value
 
@@ -307,10 +419,22 @@ def _rebuild(
     return weight
 
 
-def retarget(weight: ScaledWeight, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+def retarget(weight: ScaledWeight, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
     """Make ``weight`` (the same object: optimizers, hooks and tied modules keep it) hold
-    ``data`` and ``scale`` and report ``dtype`` on ``data``'s device (after ``.to()``)."""
+    ``data`` and ``scale`` and report ``dtype`` on ``data``'s device (after ``.to()``).
+    True where the tensor was swapped whole (its autograd hooks are gone: register them
+    again)."""
     if weight.dtype != dtype or weight.device != data.device:
         shell = ScaledWeight(data, scale, weight.block_size, dtype, weight.writer)
-        _DATA_DESCRIPTOR.__set__(weight, shell)  # torch's own setter: the wrapper's dtype and device
+        try:
+            _DATA_DESCRIPTOR.__set__(weight, shell)  # torch's own setter: the wrapper's dtype and device
+        except RuntimeError:
+            # Between device types whose tensors torch will not share a set_data across
+            # (to and from "meta"): swap the whole tensor, keeping the Python object.
+            shell.__dict__.update({key: value for key, value in weight.__dict__.items() if key not in _OWN})
+            shell.requires_grad_(weight.requires_grad)
+            torch.utils.swap_tensors(weight, shell)
+            weight._data, weight._scale = data, scale
+            return True
     weight._data, weight._scale = data, scale
+    return False

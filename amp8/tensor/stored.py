@@ -4,7 +4,11 @@ through this one handle (``amp8.tensor.stored_weight(param)`` finds it from the 
 
 Storage: the weight Parameter holds ``w * scale`` in FP16 (one power-of-two scale with a
 binade of headroom) or in FP8 (the recipe's scales at its granularity, which feed the
-GEMMs directly); the scale is the owning module's ``weight_scale`` buffer.
+GEMMs directly). The handle owns the scales (``stored_scale``; the layer's
+``weight_scale`` reads them): they are no module buffer, so no tool that copies buffers
+(``AveragedModel``, DDP's buffer broadcast) can pair one weight's data with another's
+scales. Every write of the weight goes through ``store``, which keeps data, scales and,
+at O3, the optimizer's master weight (``attach_master``) as one unit.
 
 Gradient: backward returns each new FP8 weight gradient to autograd as the Parameter's
 own gradient, a ``WeightGrad`` (one byte per element at ``grad_layout``), so it lands in
@@ -120,7 +124,11 @@ class StoredWeight:
         self.sharded = False  # set by ``shard`` (see amp8.distributed.fsdp)
         self._held_grad: WeightGrad | None = None
         self._grad_ready_hooks: OrderedDict[int, Callable[[nn.Parameter], None]] = OrderedDict()
-        self._hooked: weakref.ref[nn.Parameter] | None = None  # the Parameter that runs them
+        # The Parameter that runs them. Strong, not weak: torch refuses to swap a tensor a
+        # weak reference points at (``swap_tensors``, which parametrizations use).
+        self._hooked: nn.Parameter | None = None
+        self._scale_memory: torch.Tensor = torch.ones(())
+        self._master: Callable[[torch.Tensor], None] | None = None
         if storage is not Precision.AS_IS:  # an AS_IS weight is a plain Parameter to everyone
             self._take_over(self.param)
             self.mark(self.param)
@@ -131,7 +139,7 @@ class StoredWeight:
         copied layer binds it (``bind``), so a copy rebuilds alike whichever of the two
         it reaches first."""
         state = self.__dict__.copy()
-        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=None)
+        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=None, _master=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -158,14 +166,15 @@ class StoredWeight:
             )
         return module
 
-    def mark(self, param: nn.Parameter) -> None:
+    def mark(self, param: nn.Parameter, again: bool = False) -> None:
         """Attach this handle to ``param``, so ``stored_weight(param)`` finds it, and run
-        the grad-ready hooks after each backward has accumulated into ``param.grad``."""
+        the grad-ready hooks after each backward has accumulated into ``param.grad``
+        (registered ``again`` where the tensor was swapped whole)."""
         setattr(param, _ATTRIBUTE, self)
-        if self._hooked is None or self._hooked() is not param:
+        if self._hooked is not param or again:
             with requiring_grad(param):
                 param.register_post_accumulate_grad_hook(functools.partial(_grad_accumulated, weakref.ref(self)))
-            self._hooked = weakref.ref(param)
+            self._hooked = param
 
     def _take_over(self, param: nn.Parameter) -> None:
         """Store ``param``'s values and make ``param`` itself (the same object: optimizers
@@ -173,7 +182,7 @@ class StoredWeight:
         dtype it had."""
         data, scale = self.encode(param.detach().float())
         module = self._module
-        setattr(module, self.scale_name, scale.to(self.scale_dtype, copy=True))
+        self._scale_memory = scale.to(self.scale_dtype, copy=True)
         weight = nn.Parameter(
             ScaledWeight(data, self.stored_scale, self.block_size, param.dtype, self.write),
             requires_grad=param.requires_grad,
@@ -216,11 +225,15 @@ class StoredWeight:
 
     @property
     def stored_scale(self) -> torch.Tensor:
-        """The layer's scale buffer itself (``scale_dtype``): what an in-place update of
-        the scales writes into."""
-        module = self._module
-        scale = module._buffers.get(self.scale_name)
-        return scale if scale is not None else getattr(module, self.scale_name)
+        """The scales themselves (``scale_dtype``), which this handle owns: what an
+        in-place update of the scales writes into."""
+        return self._scale_memory
+
+    def set_stored_scale(self, scale: torch.Tensor) -> None:
+        """Hold ``scale`` (``scale_dtype``, kept, not copied) as the weight's scales from
+        now on (``.to()``, a load)."""
+        self._scale_memory = scale
+        self.refresh()
 
     @property
     def data(self) -> torch.Tensor:
@@ -231,13 +244,21 @@ class StoredWeight:
         return param._data if isinstance(param, ScaledWeight) else local_tensor(param)
 
     @property
+    def version(self) -> tuple[int, int, int, int]:
+        """Changes whenever the stored data or scales change, by whichever path: which
+        tensors hold them and torch's version counters of both (every in-place write
+        counts). Whatever is derived from the stored weight (a layer's FP8 casts) is
+        valid while this stays the same."""
+        data, scale = self.data, self._scale_memory
+        return id(data), data._version, id(scale), scale._version
+
+    @property
     def nbytes(self) -> int:
         """Bytes the stored weight holds on this rank: its data and its scales, as stored."""
         return self.data.nbytes + self.stored_scale.nbytes
 
     def refresh(self) -> None:
-        """Point the Parameter at the scale buffer the layer holds now (``.to()`` and
-        ``load_state_dict(assign=True)`` replace buffers)."""
+        """Point the Parameter at the scales this handle holds now."""
         param = self.param
         if isinstance(param, ScaledWeight):
             param._scale = self.stored_scale
@@ -361,12 +382,31 @@ class StoredWeight:
         return scaling.quantize(value, full_scale, self.dtype), scale
 
     def write(self, value: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
-        """Store float ``value`` in place (stochastically rounded under ``noise_key``)."""
-        self.store(*self.encode(value, noise_key))
+        """Store float ``value`` as the weight's new real values, in place (stochastically
+        rounded under ``noise_key``): the path of every write from outside the optimizer.
+        At O3 the optimizer's master weight takes ``value`` first (``attach_master``), and
+        the FP8 weight is encoded from it, so the next step starts from what was written."""
+        if self._master is not None:
+            self._master(value)
+        self.store_from_master(*self.encode(value, noise_key))
+
+    def attach_master(self, master_writer: Callable[[torch.Tensor], None] | None) -> None:
+        """Make ``master_writer(value)`` (which stores float32 ``value``, this rank's rows,
+        as the master weight) part of this weight: every ``write`` goes there too. The
+        optimizer that keeps O3's master weight attaches it; None detaches it."""
+        self._master = master_writer
 
     def store(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Store already encoded ``data`` (this rank's rows of a sharded weight) and its
-        ``scale``, in place."""
+        ``scale``, in place (a checkpoint's stored form). At O3 the master weight takes
+        their real values (see ``attach_master``)."""
+        if self._master is not None:
+            self._master(ScaledTensor(data, scale.float(), self.block_size).dequantize())
+        self.store_from_master(data, scale)
+
+    def store_from_master(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store ``data`` and ``scale``, encoded by the optimizer from the master weight it
+        has just written (or where there is none), in place; the master is left as it is."""
         param, module = self.param, self._module
         module.drop_weight_cache()
         with torch.no_grad():
@@ -374,7 +414,7 @@ class StoredWeight:
             if stored_scale.shape == scale.shape and stored_scale.dtype == self.scale_dtype:
                 stored_scale.copy_(scale)  # to E8M0 exactly: its scales are powers of two
             else:  # FP16 and FP8 storage of fine-grained recipes keep different scale shapes
-                setattr(module, self.scale_name, scale.to(self.scale_dtype, copy=True))
+                self._scale_memory = scale.to(self.scale_dtype, copy=True)
             current = self.data
             if current.dtype == data.dtype:
                 current.copy_(data)
@@ -395,12 +435,11 @@ class StoredWeight:
             param._data = memory
 
     def place_scale(self, memory: torch.Tensor) -> None:
-        """Keep the scale buffer in ``memory`` (a tensor of its dtype and shape, such as a
+        """Keep the scales in ``memory`` (a tensor of their dtype and shape, such as a
         view into an optimizer's vector of scales): the scales are copied there, and the
-        layer and the Parameter hold ``memory`` from now on."""
+        handle and the Parameter hold ``memory`` from now on."""
         if _copied_into(memory, self.stored_scale, "scales"):
-            self._module._buffers[self.scale_name] = memory
-            self.refresh()
+            self.set_stored_scale(memory)
 
     def changed(self) -> None:
         """Say that the stored tensor or its scales were written in place (by an
@@ -413,10 +452,10 @@ class StoredWeight:
         return self._module.drop_weight_cache
 
     def scale_slot(self) -> tuple[dict[str, Any], str]:
-        """The layer's buffer registry and the scale buffer's name in it: ``stored_scale``
-        is ``registry.get(name)`` wherever that is not None, read with no lookup through
-        the layer (a caller that reads thousands of them each step keeps the registry)."""
-        return self._module._buffers, self.scale_name
+        """A registry and a name in it such that ``stored_scale`` is ``registry.get(name)``,
+        read with no property call (a caller that reads thousands of them each step keeps
+        the registry)."""
+        return self.__dict__, "_scale_memory"
 
     def restore(self, storage: Precision) -> None:
         """Re-store the weight as FP16 or FP8 (O3 keeps FP8 weights beside FP16 masters)."""
