@@ -85,11 +85,26 @@ def _check_call(
         check_lora_layers(model)
     if optimizer is not None and level.takes_over_optimizer:
         check_supported(optimizer)
+    if optimizer is not None:
+        _check_optimizer_trains(model, optimizer)
     for device in {param.device for param in model.parameters()}:
         check_fp8_device(device)
     if level.takes_over_optimizer:
         check_state_precision(level)
     return level, recipe
+
+
+def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds parameters but none of ``model``'s: it was built
+    over another model (or a copy of this one), and would train that one."""
+    own = {id(param) for param in model.parameters()}
+    held = [param for group in optimizer.param_groups for param in group["params"]]
+    if held and not any(id(param) in own for param in held):
+        raise ValueError(
+            f"the optimizer holds {len(held)} parameters and none of them is the model's: it was built "
+            "over another model (or a copy of this one); build it over model.parameters() of the model "
+            "passed to amp8.initialize"
+        )
 
 
 def initialize(

@@ -13,6 +13,7 @@ from amp8 import _old_paths
 from amp8.config.levels import Precision
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
+from conftest import mlp
 
 
 def _model() -> nn.Module:
@@ -376,3 +377,13 @@ def test_warns_when_most_gemm_work_stays_high(level: str) -> None:
 def test_warns_when_the_model_has_no_gemm_layer() -> None:
     (message,) = _amp8_warnings(nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32)), "O2")
     assert message.startswith("amp8: opt level O2 found no GEMM layer to run in FP8")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_an_optimizer_of_another_model_is_refused(level: str) -> None:
+    model, other = mlp(32, 64, 32), mlp(32, 64, 32)
+    with pytest.raises(ValueError, match="none of them is the model's.*model.parameters"):
+        amp8.initialize(model, torch.optim.AdamW(other.parameters()), level)
+    # An optimizer over some of the model's parameters and some of its own is the user's choice.
+    extra = torch.nn.Parameter(torch.zeros(3))
+    amp8.initialize(model, torch.optim.AdamW([*model[0].parameters(), extra]), level)

@@ -556,6 +556,8 @@ def _state_dict_form(
         key = prefix + handle.name
         if key not in state_dict or not isinstance(handle.param, ScaledWeight):
             continue
+        if not compact and state_dict[key] is handle.param:
+            continue  # ``keep_vars=True``: the Parameter itself, which reads as the real weight
         if compact:
             # A weight or scales kept in an optimizer's flat buffers (amp8.optim.update_groups)
             # get memory of their own: a checkpoint then holds this layer's alone, and

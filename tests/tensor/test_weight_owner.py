@@ -257,3 +257,22 @@ def test_the_scales_are_no_buffer_and_the_compact_form_keeps_them() -> None:
         state = model.state_dict()
     assert state["0.weight_scale"].equal(model[0].weight_scale)
     assert "0.weight_scale" not in model.state_dict(), "the plain form holds real values only"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_state_dict_with_keep_vars_holds_the_parameters(level: str) -> None:
+    model, _ = _initialized(level)
+    state = model.state_dict(keep_vars=True)
+    assert state["0.weight"] is model[0].weight and state["0.bias"] is model[0].bias
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_pruned_layer_computes_with_the_masked_weight(level: str) -> None:
+    prune = pytest.importorskip("torch.nn.utils.prune")
+    model, _ = _initialized(level)
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    x = torch.randn(4, 32)
+    masked = model[0].weight_orig.float() * model[0].weight_mask
+    assert (masked == 0).float().mean() >= 0.5
+    expected = torch.nn.functional.linear(x, masked, model[0].bias.detach())
+    torch.testing.assert_close(model[0](x), expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,92 @@
+"""Host time of one FP8 layer's forward, this checkout against another revision.
+
+    OMP_NUM_THREADS=1 python bench/layer_host.py --against HEAD~1
+
+A 64 x 64 ``Fp8Linear`` on a batch of 16 rows, in training mode with autograd on, so
+that the time is the layer's Python and dispatch work rather than its arithmetic. Each
+revision runs in its own process (``git worktree`` of ``--against`` in a temporary
+folder), the two alternating ``--rounds`` times so that drift of the machine falls on
+both; per level, the median over rounds of each round's median forward time, and the
+ratio this checkout / the other. Results go to ``--out``/layer_host-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, time_call, write_result
+
+LEVELS = ("O1", "O2", "O3")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(repeats: int) -> dict[str, float]:
+    """Median seconds of one forward per level, in this process's amp8."""
+    import amp8
+
+    x = torch.randn(16, 64, requires_grad=True)
+    times = {}
+    for level in LEVELS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), level, recipe=amp8.Recipe())
+        times[level] = time_call(lambda: model(x), torch.device("cpu"), 50, repeats)
+    return times
+
+
+def _run(tree: Path, repeats: int) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    script = Path(__file__).resolve()
+    out = subprocess.run(
+        [sys.executable, str(script), "--measure", "--repeats", str(repeats)],
+        env=env, cwd=script.parent, check=True, capture_output=True, text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    """Alternate the two revisions and write the medians and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", default="HEAD~1", help="the revision to compare with")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.repeats)))
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        other = Path(folder) / "other"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), args.against],
+                       check=True, capture_output=True)
+        try:
+            rounds: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
+            for _ in range(args.rounds):
+                rounds["this"].append(_run(ROOT, args.repeats))
+                rounds["other"].append(_run(other, args.repeats))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=True)
+    result = {}
+    for level in LEVELS:
+        this = statistics.median(r[level] for r in rounds["this"])
+        that = statistics.median(r[level] for r in rounds["other"])
+        result[level] = {"this_us": this * 1e6, "other_us": that * 1e6, "ratio": this / that}
+        print(f"{level}: {this * 1e6:.1f} us against {that * 1e6:.1f} us ({this / that:.3f}x)")
+    write_result("layer_host", torch.device("cpu"), {
+        "against": args.against, "rounds": args.rounds, "repeats": args.repeats,
+        "threads": torch.get_num_threads(), "forward": result,
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()
