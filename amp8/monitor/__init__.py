@@ -6,6 +6,6 @@ from amp8.monitor.controller import Controller
 from amp8.monitor.operand_health import watch_operands
 from amp8.monitor.report import PrecisionReport
 from amp8.monitor.report_log import ReportLog
-from amp8.monitor.what_if import WhatIf, what_if
+from amp8.monitor.what_if import WhatIf, WhatIfBlock, what_if
 
-__all__ = ["Controller", "PrecisionReport", "ReportLog", "WhatIf", "watch_operands", "what_if"]
+__all__ = ["Controller", "PrecisionReport", "ReportLog", "WhatIf", "WhatIfBlock", "watch_operands", "what_if"]

@@ -119,14 +119,24 @@ class ReportLog:
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``ReportLog`` file.
+    """The records of a ``ReportLog`` file, at least one.
 
     Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: a line that is not a record, naming it.
+        FileNotFoundError: no file at ``path`` (a ``ReportLog`` writes its file at its
+            first record, ``every`` steps in), naming it and what to do.
+        ValueError: ``path`` is a folder, holds no record, or has a line that is not a
+            record, naming it and what to do.
     """
+    path = Path(path)
+    how = (f"amp8.ReportLog(model, optimizer, \"{path}\", every=N) appends one record every N optimizer steps "
+           f"(N={DEFAULT_EVERY} by default), the first after step N")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: {how}; train at least N steps with the log attached, "
+                                "or pass the path it was given")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a ReportLog file: pass the .jsonl file ReportLog wrote")
     records = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -135,6 +145,9 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"{path}:{number} is not a ReportLog record") from None
         records.append(entry)
+    if not records:
+        raise ValueError(f"{path} holds no record: {how}, and never writes an empty file; train at least N "
+                         "steps with the log attached, or pass the file it wrote")
     return records
 
 

@@ -12,16 +12,17 @@ layers, and says whether the controller's ladder would take those layers there.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
 
 from amp8.config.recipe import GRANULARITY_LADDER, Granularity, Recipe
+from amp8.monitor.console import default_console
 from amp8.monitor.report_fold import fold_names
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.nn.linear import Fp8Linear
@@ -109,13 +110,22 @@ class WhatIf:
         return {name: {tensor: {recipe: None if math.isnan(value) else value for recipe, value in by_recipe.items()}
                        for tensor, by_recipe in tensors.items()} for name, tensors in self.layers.items()}
 
-    def print(self, console: Any) -> None:
-        """A table of the worst SQNR over each layer's tensors under each recipe
-        (repeated blocks folded: the worst block), then the advice."""
+    def print(self, console: Any = None) -> None:
+        """Print a table of the worst SQNR over each layer's tensors under each recipe
+        (repeated blocks folded: the worst block), then the advice, to ``console`` (a
+        ``rich.console.Console``; None: amp8's default console on stdout, as
+        ``PrecisionReport.print`` does). Where no FP8 layer ran inside the block, one
+        line says so and what to run."""
         from rich import box
         from rich.table import Table
 
+        console = console or default_console()
         names = list(self.layers)
+        if not names:
+            console.print("what-if: no FP8 layer ran inside `with amp8.what_if(model) as found:`; run one forward "
+                          "and backward of the amp8.initialize'd model there, then call found.print()",
+                          highlight=False, markup=False)
+            return
         table = Table(title="what-if: worst SQNR over each layer's input, weight and output gradient (dB)",
                       box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True,
                       title_justify="left")
@@ -155,30 +165,68 @@ def _record(found: WhatIf, name: str, layer: Fp8Linear, tensor: str, x: torch.Te
         }
 
 
-@contextlib.contextmanager
-def what_if(model: nn.Module) -> Iterator[WhatIf]:
-    """Find, over the step run inside the block, the SQNR each FP8 layer's casts would
-    get under each recipe (see the module docstring). Yields the ``WhatIf`` it fills."""
-    found = WhatIf()
-    handles = []
-    for name, layer in model.named_modules():
-        if not isinstance(layer, Fp8Linear):
-            continue
-        found.granularities[name] = layer.gemm_recipe.granularity
+def _hook(found: WhatIf, name: str, layer: Fp8Linear) -> list[Any]:
+    """Hook ``layer`` to record its input and weight (forward) and its output gradient
+    (backward) into ``found``; returns the hooks' handles."""
 
-        def before(module: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-            layer = module  # type: ignore[assignment]
-            _record(found, name, layer, "input", args[0])  # type: ignore[arg-type]
-            weight = layer.read_weight()  # type: ignore[operator]
-            _record(found, name, layer, "weight", weight.t() if layer.weight_transposed else weight)  # type: ignore[arg-type]
+    def before(module: nn.Module, args: tuple[Any, ...]) -> None:
+        _record(found, name, layer, "input", args[0])
+        weight = layer.read_weight()  # type: ignore[operator]
+        _record(found, name, layer, "weight", weight.t() if layer.weight_transposed else weight)
 
-        def after(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor, name: str = name) -> None:
-            if output.requires_grad:
-                output.register_hook(lambda grad: _record(found, name, module, "grad output", grad))  # type: ignore[arg-type]
+    def after(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(lambda grad: _record(found, name, layer, "grad output", grad))
 
-        handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
-    try:
-        yield found
-    finally:
-        for handle in handles:
+    return [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+
+
+class WhatIfBlock:
+    """What ``amp8.what_if(model)`` returns: a context manager that hooks each FP8 layer
+    of ``model`` on entering, yields the ``WhatIf`` the hooks fill and removes them on
+    leaving. It holds no results itself: ``found.print()`` and the rest are on the
+    ``WhatIf`` that ``with ... as found`` gives, and calling them here says so."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._handles: list[Any] = []
+        self._entered = False
+
+    def __enter__(self) -> WhatIf:
+        if self._entered:
+            raise RuntimeError("this amp8.what_if(model) block was entered already; "
+                               "call amp8.what_if(model) again for another step")
+        self._entered = True
+        found = WhatIf()
+        for name, layer in self.model.named_modules():
+            if not isinstance(layer, Fp8Linear):
+                continue
+            found.granularities[name] = layer.gemm_recipe.granularity
+            self._handles += _hook(found, name, layer)
+        return found
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        for handle in self._handles:
             handle.remove()
+        self._handles = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _WHAT_IF_API:
+            raise AttributeError(
+                f"amp8.what_if(model) is a block, not its result, so it has no .{name}: write "
+                f"`with amp8.what_if(model) as found:`, run one forward and backward inside, then use "
+                f"found.{name}{'()' if callable(getattr(WhatIf, name, None)) else ''}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+_WHAT_IF_API = frozenset({"print", "advice", "to_dict", "worst", "gains", "standout_gains", "layers", "granularities"})
+"""The ``WhatIf`` names that ``WhatIfBlock`` points to when called on the block."""
+
+
+def what_if(model: nn.Module) -> WhatIfBlock:
+    """Find, over the step run inside ``with amp8.what_if(model) as found:``, the SQNR
+    each FP8 layer's casts would get under each recipe (see the module docstring); the
+    block yields the ``WhatIf`` it fills, whose ``print()``, ``advice()``, ``layers``
+    and ``to_dict()`` give the results once the block has run."""
+    return WhatIfBlock(model)

@@ -180,8 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             records = read_log(args.run)
-        except (FileNotFoundError, ValueError) as error:
-            console.print(f"amp8 report: {error}", highlight=False, markup=False)
+        except (FileNotFoundError, ValueError) as error:  # missing, empty or not a log: says what writes one
+            console.print(f"amp8 report: {error}", highlight=False, markup=False, soft_wrap=True)
             return 2
         for line in drift_lines(records):
             console.print(line, highlight=False, markup=False)

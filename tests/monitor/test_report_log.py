@@ -70,3 +70,29 @@ def test_a_bad_interval_and_a_bad_log_are_refused(tmp_path: Path, capsys: pytest
         read_log(bad)
     assert main(["report", "--run", str(bad)]) == 2
     assert main(["report", "--run", str(tmp_path / "none.jsonl")]) == 2
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (None, "does not exist"),
+    ("", "holds no record"),
+    ("\n  \n", "holds no record"),
+])
+def test_an_empty_or_missing_log_names_the_file_and_what_writes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture, content: str | None, problem: str
+) -> None:
+    path = tmp_path / "empty.jsonl"
+    if content is not None:
+        path.write_text(content)
+    writes_it = r"amp8\.ReportLog\(model, optimizer, \"[^\"]*empty\.jsonl\", every=N\) appends one record every N"
+    with pytest.raises((ValueError, FileNotFoundError), match=f"empty.jsonl {problem}: {writes_it}"):
+        read_log(path)
+    assert main(["report", "--run", str(path)]) == 2, "no record is an error, not an empty drift"
+    out = capsys.readouterr().out
+    assert out.startswith(f"amp8 report: {path} {problem}: amp8.ReportLog(") and out.count("\n") == 1, out
+    assert "train at least N steps with the log attached" in out, out
+
+
+def test_a_folder_is_not_a_log(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "run.jsonl").mkdir()
+    assert main(["report", "--run", str(tmp_path / "run.jsonl")]) == 2
+    assert "run.jsonl is a folder, not a ReportLog file" in capsys.readouterr().out

@@ -79,3 +79,46 @@ def test_advice_names_the_few_layers_another_recipe_helps() -> None:
     text = console.export_text()
     assert "what-if" in text and "rowwise" in text
     assert math.isfinite(found.worst("6", "mxfp8"))
+
+
+def test_the_documented_block_prints_with_no_console(capsys: pytest.CaptureFixture) -> None:
+    """docs/report.md's code, as written: ``found.print()`` prints to amp8's console."""
+    model = _model(depth=2)
+    with amp8.what_if(model) as found:
+        model(torch.randn(32, 64)).pow(2).mean().backward()
+    found.print()
+    out = capsys.readouterr().out
+    assert out.startswith("what-if: worst SQNR"), out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in (["0"], ["2"])}
+    assert set(rows) == {"0", "2"} and all(len(cells) == 1 + len(WHAT_IF_RECIPES) for cells in rows.values()), out
+    assert float(rows["0"][0]) == pytest.approx(found.worst("0", CURRENT), abs=0.05)
+    assert "no other recipe stands out" in out or any(line in out for line in found.advice())
+
+
+def test_the_block_is_not_its_result_and_says_how_to_get_it() -> None:
+    block = amp8.what_if(_model(depth=2))
+    with pytest.raises(AttributeError, match=r"write `with amp8\.what_if\(model\) as found:`.*found\.print\(\)"):
+        block.print()
+    with pytest.raises(AttributeError, match=r"found\.layers$"):
+        block.layers  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        block.nonsense  # noqa: B018
+
+
+def test_a_block_without_an_fp8_step_says_what_to_run(capsys: pytest.CaptureFixture) -> None:
+    with amp8.what_if(_model(depth=2)) as found:
+        pass
+    found.print()
+    assert "no FP8 layer ran inside `with amp8.what_if(model) as found:`" in capsys.readouterr().out
+    assert found.layers == {} and found.advice() == []
+
+
+def test_a_block_is_entered_once_and_unhooks_on_an_error() -> None:
+    model = _model(depth=2)
+    block = amp8.what_if(model)
+    with pytest.raises(ZeroDivisionError), block:
+        model(torch.randn(4, 64))
+        1 / 0  # noqa: B018
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.modules())
+    with pytest.raises(RuntimeError, match=r"call amp8\.what_if\(model\) again"), block:
+        pass
