@@ -123,8 +123,8 @@ def test_expert_weights_gradients_and_adam_state_take_scales_per_expert(recipe_n
 def test_each_experts_gradient_scale_is_its_own() -> None:
     """The FP8 weight gradient of a stack of experts is each expert's own gradient
     quantized alone, bit for bit: one expert's large values move no other's scale."""
-    model, _ = amp8.initialize(tiny_moe_model(), torch.optim.AdamW(tiny_moe_model().parameters()), "O2",
-                               recipe=amp8.Recipe())
+    model = tiny_moe_model()
+    model, _ = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2", recipe=amp8.Recipe())
     layout = model[1].experts.stored_weights()[0].grad_layout
     value = torch.randn(16, 32, 32)
     value[3] *= 1e4
@@ -152,7 +152,8 @@ def test_a_moe_checkpoint_restores_exactly(level: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_gives_the_models_own_experts_module_back(dtype: torch.dtype) -> None:
-    model, optimizer = amp8.initialize(tiny_moe_model(), torch.optim.AdamW(tiny_moe_model().parameters()), "O2")
+    model = tiny_moe_model()
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O2")
     exported = amp8.export(model, dtype=dtype)
     assert type(exported[1].experts) is TinyExperts and isinstance(model[1].experts, Fp8Experts)
     assert exported[1].experts.gate_up_proj.dtype == dtype

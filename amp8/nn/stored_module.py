@@ -464,19 +464,13 @@ class StoredWeightModule(StoredWeightsModule):
                 "amp8.initialize; tie weights before amp8.initialize (amp8 then keeps the layers that share "
                 "a weight in high precision, so that both read the same values)"
             )
-        if isinstance(weight, nn.Parameter) and not is_sharded(weight):
-            raise TypeError(
-                f"a new weight Parameter was assigned to an amp8 {layer} after amp8.initialize, which the "
-                "optimizer does not hold; write new values into the weight instead (layer.weight.copy_(t), "
-                "layer.weight.data = t, or model.load_state_dict), or assign it before amp8.initialize"
-            )
         raise RuntimeError(
-            f"the weight of an amp8 {layer} was replaced after amp8.initialize "
-            "(by fully_shard or a stock tensor-parallel style); for "
-            "tensor parallelism use amp8.distributed.Fp8ColwiseParallel and Fp8RowwiseParallel, "
-            "for FSDP2 use opt_level='O3' "
-            "in a process group, where amp8 applies fully_shard itself, or "
-            "DistributedDataParallel at O1/O2, wrapped after amp8.initialize and registered with "
+            f"the weight of an amp8 {layer} was replaced after amp8.initialize (by assigning a new Parameter, "
+            "which the optimizer does not hold, or by fully_shard or a stock tensor-parallel style). To give the "
+            "layer new values, write them into its weight: layer.weight.copy_(t), layer.weight.data = t, or "
+            "model.load_state_dict. For tensor parallelism use amp8.distributed.Fp8ColwiseParallel and "
+            "Fp8RowwiseParallel; for FSDP2 use opt_level='O3' in a process group, where amp8 applies fully_shard "
+            "itself, or DistributedDataParallel at O1/O2, wrapped after amp8.initialize and registered with "
             "amp8.distributed.register_ddp"
         )
 
