@@ -32,6 +32,7 @@ def print_levels(console: Console) -> None:
 
 def _add_compare(commands: Any) -> None:
     """The ``compare`` subcommand's options (defaults from ``CompareConfig``)."""
+    from amp8.tools.compare_cli import add_user_flags, model_flag
     from amp8.tools.experiments.compare import MODELS, CompareConfig
     from amp8.tools.experiments.corpus import SOURCES
     from amp8.tools.experiments.gpt import PRESETS
@@ -51,21 +52,26 @@ def _add_compare(commands: Any) -> None:
             "each paired with O0 from the same seed, and prints each gap as mean ± standard error with "
             "the null variant's gap (O0 from weights perturbed by 1e-6) as the noise floor. The defaults "
             "take a few minutes on a laptop CPU. --stress injects a growing outlier on the first token "
-            "of the last MLP's input, invisible in exact arithmetic, that tensorwise FP8 scales cannot hold."
+            "of the last MLP's input, invisible in exact arithmetic, that tensorwise FP8 scales cannot hold. "
+            "On your own model: --model pkg.module:build_model --data pkg.module:batches [--loss ...] "
+            "[--eval-data ...] [--optimizer ...], or --hf-config NAME_OR_PATH --data FILE ...; "
+            "either way the table ends with the recommended level."
         ),
     )
-    compare.add_argument("--model", choices=list(MODELS), default="gpt",
+    compare.add_argument("--model", type=model_flag, default="gpt", metavar="{" + ",".join(MODELS) + "} or MODULE:NAME",
                          help="gpt: the GPT with an untied output head (default); gpt-tied: its head shares the "
                               "embedding's weight and stays in high precision; llama: transformers' "
                               "LlamaForCausalLM of the same shape; moe: transformers' MixtralForCausalLM of "
-                              "that shape, 8 experts, 2 a token (both need transformers)")
+                              "that shape, 8 experts, 2 a token (both need transformers); or your own model: "
+                              "pkg.module:build_model (a function returning a fresh nn.Module) with --data")
     compare.add_argument("--preset", choices=list(PRESETS), default="small",
                          help="model size, for the GPT and the Llama alike (default: small)")
     compare.add_argument("--n-layer", type=int, help="override the preset's number of blocks")
     compare.add_argument("--n-embd", type=int, help="override the preset's width (a multiple of 16)")
     compare.add_argument("--n-head", type=int, help="override the preset's attention heads")
     compare.add_argument("--block-size", type=int, help="override the preset's context length")
-    compare.add_argument("--steps", type=int, default=defaults.steps, help=f"steps per run (default: {defaults.steps})")
+    compare.add_argument("--steps", type=int, default=None,
+                         help=f"steps per run (default: {defaults.steps}; your own model: one pass over --data)")
     compare.add_argument("--batch-size", type=int, default=defaults.batch_size,
                          help=f"sequences per step (default: {defaults.batch_size})")
     compare.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default: {defaults.lr})")
@@ -101,6 +107,7 @@ def _add_compare(commands: Any) -> None:
     compare.add_argument("--no-torchao", action="store_true", help="skip torchao's float8 even when installed")
     compare.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
     compare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_user_flags(compare)
 
 
 def _compare_config(args: argparse.Namespace) -> "CompareConfig":
@@ -116,13 +123,17 @@ def _compare_config(args: argparse.Namespace) -> "CompareConfig":
 
     shape = {key: getattr(args, key) for key in ("n_layer", "n_embd", "n_head", "block_size")
              if getattr(args, key) is not None}
+    changes = {} if args.threshold is None else {"threshold_percent": args.threshold}
+    if args.eval_interval is not None:
+        changes["eval_interval"] = args.eval_interval
     return CompareConfig(
-        model=model_config(args.model, args.preset, **shape), steps=args.steps, batch_size=args.batch_size,
+        model=model_config(args.model, args.preset, **shape), steps=CompareConfig().steps if args.steps is None else args.steps,
+        batch_size=args.batch_size,
         lr=args.lr, levels=tuple(args.levels), warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         ablation=not args.no_ablation, torchao=not args.no_torchao, seeds=args.seeds, seed=args.seed,
         device=args.device, corpus=CorpusConfig(max_bytes=args.max_bytes, source=args.corpus),
         recipe=_recipe(args), stress=OutlierStress() if args.stress else None,
-        controller_levels=() if args.controller is None else tuple(args.controller or ["O1"]),
+        controller_levels=() if args.controller is None else tuple(args.controller or ["O1"]), **changes,
     )
 
 
@@ -165,15 +176,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = default_console()
     if args.command == "compare":
+        from amp8.tools.compare_cli import is_user_form, user_config
         from amp8.tools.experiments.compare import compare
 
         try:
-            config = _compare_config(args)
-        except (ValueError, ModuleNotFoundError) as error:
+            config = user_config(args, _recipe(args)) if is_user_form(args) else _compare_config(args)
+        except (ValueError, TypeError, ModuleNotFoundError, FileNotFoundError) as error:
             parser.error(str(error))
         try:
             compare(config, out_dir=args.out, console=console, progress=not args.no_progress)
-        except ValueError as error:  # an output folder that cannot be written, before any training
+        except (ValueError, TypeError, RuntimeError) as error:  # an output folder that cannot be written, before
+            if not isinstance(error, ValueError) and not is_user_form(args):  # any training; your own model's
+                raise                                                        # data, loss or O0 run refused
             parser.error(str(error))
     elif args.command == "report" and str(args.run).endswith(".jsonl"):
         from amp8.monitor.report_log import drift_lines, read_log

@@ -226,7 +226,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def test_compare_writes_json_with_every_curve(tiny_run: tuple[Path, str]) -> None:
     out, _ = tiny_run
     data = json.loads((out / JSON_NAME).read_text())
-    assert set(data) == {"config", "corpus", "environment", "runs", "o0_seed_spread", "paired"}
+    assert set(data) == {"config", "corpus", "environment", "runs", "o0_seed_spread", "paired", "recommended"}
+    assert data["recommended"]["level"] in TINY.levels and data["recommended"]["threshold_percent"] == 0.5
     assert [(run["name"], run["seed"]) for run in data["runs"]] == [
         ("O0", 0), ("O1", 0), ("O2", 0), ("O3", 0), (ABLATION, 0), (NULL, 0),
         ("O0", 1), ("O1", 1), ("O2", 1), ("O3", 1), (NULL, 1)]

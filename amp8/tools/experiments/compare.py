@@ -1,5 +1,10 @@
 """``amp8.compare``: train the same model from the same seeds at every opt level and compare.
 
+``amp8.compare(model=..., data=..., ...)`` does it on the user's own model, optimizer,
+batches and loss (``amp8.tools.experiments.user_model``); without them, on amp8's
+built-in models, as described below. Either way the result's ``recommended`` says which
+level to use and why (``amp8.tools.experiments.recommend``).
+
 Every run builds the model (by default the byte-level GPT with an output head of its own)
 from a seed, draws that seed's batches from the corpus, and trains with AdamW under the
 same learning-rate schedule; only the opt level (or recipe) differs. Runs:
@@ -29,10 +34,10 @@ The results hold every loss curve and figure; ``write_json`` and ``plot`` save t
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -43,13 +48,17 @@ from amp8.tools.experiments.compare_config import (
     ABLATION, DEFAULT_OUT, JSON_NAME, KNOB_ABLATIONS, MODELS, PNG_NAME, TORCHAO, TORCHAO_RUNS, _VAL_SEED,
     CompareConfig, RunSpec, model_config,
 )
-from amp8.tools.experiments.compare_plot import plot_result
+from amp8.tools.experiments.compare_output import check_out_dir, environment, finish, progress_bar
 from amp8.tools.experiments.compare_result import CompareResult
 from amp8.tools.experiments.corpus import load_corpus
+from amp8.tools.experiments.gpt import GPTConfig
+from amp8.tools.experiments.llama import LlamaSpec
 from amp8.tools.experiments.paired import BASELINE, Variant, null_variant, paired_specs
 from amp8.tools.experiments.train import (
     RunResult, _param_groups, _recipe_dict, evaluate, torchao_available, train_run, validation_batches,
 )
+from amp8.tools.experiments.user_config import UserCompareConfig
+from amp8.tools.experiments.user_model import compare_model
 
 
 def run_specs(config: CompareConfig) -> list[RunSpec]:
@@ -98,17 +107,52 @@ def missing_peer_note(config: CompareConfig) -> str | None:
 
 
 def compare(
-    config: CompareConfig | None = None,
+    config: CompareConfig | UserCompareConfig | None = None,
     *,
+    model: Any = None,
+    data: Any = None,
+    optimizer: Any = None,
+    loss: Any = None,
+    eval_data: Any = None,
+    steps: int | None = None,
+    levels: Sequence[str] | None = None,
+    seeds: int | None = None,
     out_dir: str | Path | None = DEFAULT_OUT,
     console: Any = None,
     progress: bool = True,
     plot: bool = True,
+    **options: Any,
 ) -> CompareResult:
-    """Train every run ``config`` asks for, print the table, and save the results.
+    """Train the same model from the same seeds at every opt level, print the table and
+    the recommended level, and save the results: on your own model and data, or on
+    amp8's built-in models.
+
+    On your own model (``amp8.tools.experiments.user_model``)::
+
+        result = amp8.compare(
+            model=build_model,            # () -> a fresh nn.Module, or an nn.Module (copied for every run)
+            optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),   # default: AdamW, torch's defaults
+            data=train_batches,           # a list, a DataLoader: every run sees the same batches in order
+            loss=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),  # default: model(**batch).loss
+            eval_data=val_batches,        # optional: validation loss at intervals and at the end
+            steps=200, levels=("O0", "O1", "O2", "O3"), seeds=1, out_dir="runs/compare",
+        )
+        print(result.recommended)
+
+    ``options`` are the other fields of ``UserCompareConfig``: ``scheduler`` (optimizer
+    -> LR scheduler), ``seed``, ``eval_interval``, ``train_loss_window``, ``device``,
+    ``recipe``, ``threshold_percent`` (default 0.5) and ``name``.
+
+    On the built-in models, ``config`` (default: ``CompareConfig()``, a few minutes on a
+    laptop CPU) says what to train; ``steps``, ``levels``, ``seeds``, ``model`` (a
+    ``GPTConfig`` or ``LlamaSpec``) and ``options`` (other ``CompareConfig`` fields)
+    override its fields.
 
     Args:
-        config: what to train (default: ``CompareConfig()``, a few minutes on a laptop CPU).
+        config: the built-in comparison's configuration (or a ``UserCompareConfig``,
+            your own model's, whole); not with ``data=``.
+        model, data, optimizer, loss, eval_data, steps, levels, seeds: your own model's
+            comparison (see ``UserCompareConfig``); ``model`` and ``data`` select it.
         out_dir: folder for ``compare.json`` and ``loss_curves.png``; None writes nothing.
         console: a rich console to print to (default: stdout).
         progress: show a rich progress bar while training.
@@ -116,23 +160,73 @@ def compare(
             print how to get it.
 
     Returns:
-        a ``CompareResult`` with every curve and figure.
+        a ``CompareResult`` with every curve and figure, and ``recommended``: the level
+        to use and why.
 
     Raises:
-        TypeError: ``config`` is not a ``CompareConfig``.
+        TypeError: ``config`` is not a ``CompareConfig``; arguments of the two forms
+            mixed; an unknown option; a model, data, optimizer or loss of the wrong kind.
+        ValueError: ``out_dir`` cannot be created, or a value the configuration refuses
+            (before any training); data or a loss O0 cannot train on.
+        RuntimeError: your model failed at O0 (it does not train as it is).
+    """
+    if isinstance(config, UserCompareConfig):  # your own model's comparison, configured already
+        if model is not None or data is not None or options:
+            raise TypeError("compare takes a UserCompareConfig alone; put model, data and options in it")
+        return compare_model(config, out_dir=out_dir, console=console, progress=progress, plot=plot)
+    builtin_model = isinstance(model, (GPTConfig, LlamaSpec))
+    if data is not None or (model is not None and not builtin_model):
+        if config is not None:
+            raise TypeError("compare takes either a CompareConfig (the built-in models) or model= and data= "
+                            "(your own), not both")
+        if model is None or data is None:
+            raise TypeError("compare on your own model needs both model= (a module or a function that builds "
+                            "one) and data= (the training batches)")
+        user = {"levels": levels, "seeds": seeds, "optimizer": optimizer, "loss": loss, "eval_data": eval_data}
+        try:
+            user_config = UserCompareConfig(model=model, data=data, steps=steps, **{
+                key: value for key, value in user.items() if value is not None}, **options)
+        except TypeError as error:
+            unknown = set(options) - {field.name for field in dataclasses.fields(UserCompareConfig)}
+            if not unknown:
+                raise
+            raise TypeError(f"compare got unknown option(s) {', '.join(sorted(unknown))}; the options are "
+                            f"{', '.join(field.name for field in dataclasses.fields(UserCompareConfig))}") from error
+        return compare_model(user_config, out_dir=out_dir, console=console, progress=progress, plot=plot)
+    user_only = {"optimizer": optimizer, "loss": loss, "eval_data": eval_data}
+    given = [name for name, value in user_only.items() if value is not None]
+    if given:
+        raise TypeError(f"compare got {', '.join(given)} without data=: they go with your own model; pass "
+                        "model= and data= too (or leave them out for the built-in models)")
+    if config is not None and not isinstance(config, CompareConfig):
+        hint = ("; to compare your own model pass it by name: amp8.compare(model=..., data=...)"
+                if isinstance(config, torch.nn.Module) or callable(config) else "")
+        raise TypeError(f"compare takes an amp8.tools.experiments.compare.CompareConfig, got "
+                        f"{type(config).__name__}{hint}")
+    config = CompareConfig() if config is None else config
+    changes = {key: value for key, value in (("model", model), ("steps", steps), ("seeds", seeds)) if value is not None}
+    if levels is not None:
+        changes["levels"] = tuple(levels)
+    if changes or options:
+        config = config.replace(**changes, **options)
+    return compare_builtin(config, out_dir=out_dir, console=console, progress=progress, plot=plot)
+
+
+def compare_builtin(
+    config: CompareConfig,
+    *,
+    out_dir: str | Path | None = DEFAULT_OUT,
+    console: Any = None,
+    progress: bool = True,
+    plot: bool = True,
+) -> CompareResult:
+    """Train every run ``config`` asks for on the built-in model and corpus, print the
+    table, and save the results (see ``compare``).
+
+    Raises:
         ValueError: ``out_dir`` cannot be created (before any training).
     """
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
-    config = CompareConfig() if config is None else config
-    if not isinstance(config, CompareConfig):
-        raise TypeError(f"compare takes an amp8.tools.experiments.compare.CompareConfig, got {type(config).__name__}")
-    if out_dir is not None:  # a folder that cannot be written fails now, not after training
-        try:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"out_dir={str(out_dir)!r} cannot be created ({error.strerror}); pick a folder you can write") from None
+    check_out_dir(out_dir)
     console = console or default_console()
     corpus = load_corpus(config.corpus)
     device = torch.device(config.device)
@@ -142,10 +236,7 @@ def compare(
     if note is not None:
         console.print(note, highlight=False)
     runs: list[RunResult] = []
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                   console=console, disable=not progress)
-    with bar:
+    with progress_bar(console, progress) as bar:
         task = bar.add_task("amp8 compare", total=len(specs) * config.steps, loss="-")
         for index, spec in enumerate(specs):
             seed = f" (seed {spec.seed})" if config.seeds > 1 else ""
@@ -164,28 +255,9 @@ def compare(
             if not result.ok:
                 bar.update(task, advance=config.steps)
             runs.append(result)
-    environment = {
-        "amp8": _amp8_version(), "torch": torch.__version__, "python": platform.python_version(),
-        "device": str(device), "threads": torch.get_num_threads(),
-        "torchao": torchao_available(),
-    }
-    result = CompareResult(config, runs, corpus.describe(), environment)
-    result.print(console)
-    if out_dir is not None:
-        out = Path(out_dir)
-        console.print(f"wrote {result.write_json(out / JSON_NAME)}", highlight=False)
-        if plot:
-            try:
-                console.print(f"wrote {plot_result(result, out / PNG_NAME)}", highlight=False)
-            except ModuleNotFoundError as error:
-                console.print(f"no plot: {error}", highlight=False, markup=False)
+    result = CompareResult(config, runs, corpus.describe(), environment(device))
+    finish(result, out_dir, console, plot)
     return result
-
-
-def _amp8_version() -> str:
-    from amp8._version import __version__
-
-    return __version__
 
 
 def load_report(path: str | Path, run: str = "O1") -> PrecisionReport:

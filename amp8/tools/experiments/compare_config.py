@@ -101,6 +101,8 @@ class CompareConfig:
         controller_levels: FP8 levels to train once more with an ``amp8.Controller``
             (runs named ``<level>+controller``).
         controller: the settings of those runs' controllers.
+        threshold_percent: the largest gap to O0 (in percent of O0's final validation
+            loss) at which a level is still recommended (``CompareResult.recommended``).
     """
 
     model: GPTConfig | LlamaSpec = dataclasses.replace(PRESETS["small"], tie_head=False)
@@ -124,6 +126,7 @@ class CompareConfig:
     stress: OutlierStress | None = None
     controller_levels: tuple[str, ...] = ()
     controller: ControllerConfig = ControllerConfig()
+    threshold_percent: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
@@ -141,8 +144,7 @@ class CompareConfig:
             )
         if not 0 <= self.weight_decay < math.inf:
             raise ValueError(f"CompareConfig.weight_decay={self.weight_decay!r} is not valid; use a finite float >= 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"CompareConfig.seed={self.seed!r} is not valid; use an int in [0, 2**63)")
+        check_threshold_and_seed("CompareConfig.", self.threshold_percent, self.seed)
         for name, kinds in (
             ("model", (GPTConfig, LlamaSpec)), ("corpus", (CorpusConfig,)), ("recipe", (Recipe, type(None))),
             ("controller", (ControllerConfig,)),
@@ -156,13 +158,7 @@ class CompareConfig:
             if not isinstance(self.model, GPTConfig):
                 raise ValueError("CompareConfig.stress needs the GPT (it hooks the last block's MLP); use a GPTConfig model")
             self.stress.check_model(self.model)
-        _check_device(self.device)
-        unknown = [level for level in self.levels if level not in LEVELS]
-        if unknown:
-            raise ValueError(
-                f"CompareConfig.levels has {', '.join(map(repr, unknown))}, not amp8 opt levels; "
-                f"use names from {', '.join(map(repr, LEVELS))}"
-            )
+        check_device_and_levels("CompareConfig.", self.device, self.levels)
         not_fp8 = [level for level in self.controller_levels if level not in LEVELS or level == "O0"]
         if not_fp8:
             raise ValueError(
@@ -192,6 +188,32 @@ class CompareConfig:
         progress = (step - warmup) / max(1, self.steps - 1 - warmup)
         floor = self.lr * self.min_lr_ratio
         return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def check_device_and_levels(owner: str, device: Any, levels: Any) -> None:
+    """Raise unless ``device`` is one amp8 can train on and every one of ``levels`` is an
+    opt level's name; ``owner`` as in ``check_threshold_and_seed``."""
+    _check_device(device)
+    unknown = [level for level in levels if level not in LEVELS]
+    if unknown:
+        raise ValueError(
+            f"{owner}levels has {', '.join(map(repr, unknown))}, not amp8 opt levels; "
+            f"use names from {', '.join(map(repr, LEVELS))}"
+        )
+
+
+def check_threshold_and_seed(owner: str, threshold_percent: Any, seed: Any) -> None:
+    """Raise ``ValueError`` naming ``owner`` (the config's name and a dot, or "compare ")
+    unless ``threshold_percent`` is a finite number >= 0 and ``seed`` an int in
+    ``[0, 2**63)``."""
+    if isinstance(threshold_percent, bool) or not isinstance(threshold_percent, (int, float)) \
+            or not 0 <= threshold_percent < math.inf:
+        raise ValueError(
+            f"{owner}threshold_percent={threshold_percent!r} is not valid; use a finite number >= 0 "
+            "(percent of O0's final loss, e.g. 0.5)"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"{owner}seed={seed!r} is not valid; use an int in [0, 2**63)")
 
 
 def _check_device(device: object) -> None:

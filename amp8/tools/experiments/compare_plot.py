@@ -7,7 +7,9 @@ the loss; the gap panels draw what tells them apart. The levels get a panel of t
 because an ablation's gap (tens of percent without scaling) would flatten theirs (tenths
 of a percent) onto the zero line. Each curve is the mean over the seeds its run trained
 from, each gap taken against O0 from the same seed; with several seeds, a band spans the
-seeds' gaps.
+seeds' gaps. A comparison of the user's own model without ``eval_data`` draws the train
+loss (mean of the last ``train_loss_window`` steps) at each evaluation step in place of
+the validation loss.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from amp8.config.levels import LEVELS
 from amp8.tools.experiments.compare_result import CompareResult
 from amp8.tools.experiments.paired import BASELINE, gaps_percent
+from amp8.tools.experiments.train import RunResult
 
 
 def mean_train_curve(result: CompareResult, name: str, window: int) -> tuple[list[int], list[float]]:
@@ -33,10 +36,21 @@ def mean_train_curve(result: CompareResult, name: str, window: int) -> tuple[lis
     return list(range(first, first + len(smooth))), smooth.tolist()
 
 
+def eval_curve(result: CompareResult, run: RunResult) -> list[list[float]]:
+    """The ``[step, loss]`` pairs a run's gap curve is drawn from: its validation curve,
+    or without validation data the mean train loss of the last ``train_loss_window``
+    steps at every ``eval_interval`` steps and at the end."""
+    if result.has_validation:
+        return run.val_curve
+    interval, window, curve = result.config.eval_interval, result.config.train_loss_window, run.train_curve
+    steps = [step for step in range(1, len(curve) + 1) if step % interval == 0 or step == len(curve)]
+    return [[step, statistics.fmean(curve[max(0, step - window):step])] for step in steps]
+
+
 def mean_val_curve(result: CompareResult, name: str) -> tuple[list[float], list[float]]:
     """The validation loss of run ``name`` at each evaluation, averaged over its seeds:
     the steps and the losses."""
-    curves = [r.val_curve for r in result.runs_of(name) if r.ok]
+    curves = [eval_curve(result, r) for r in result.runs_of(name) if r.ok]
     steps = [step for step, _ in curves[0]]
     return steps, [statistics.fmean(curve[i][1] for curve in curves) for i in range(len(steps))]
 
@@ -47,10 +61,11 @@ def seed_gap_curves(result: CompareResult, name: str) -> tuple[list[float], list
     the seeds both runs trained from."""
     pairs = [(run, result.run(BASELINE, run.seed)) for run in result.runs_of(name) if run.ok]
     pairs = [(run, base) for run, base in pairs if base.ok]
-    steps = [step for step, _ in pairs[0][0].val_curve]
+    curves = [(eval_curve(result, run), eval_curve(result, base)) for run, base in pairs]
+    steps = [step for step, _ in curves[0][0]]
     gaps = []
     for i in range(len(steps)):
-        losses = {name: [run.val_curve[i][1] for run, _ in pairs], BASELINE: [base.val_curve[i][1] for _, base in pairs]}
+        losses = {name: [run[i][1] for run, _ in curves], BASELINE: [base[i][1] for _, base in curves]}
         gaps.append(gaps_percent(losses, name))
     return steps, gaps
 
@@ -101,13 +116,17 @@ def loss_figure(result: CompareResult) -> Any:
                                 color=color, alpha=0.2, linewidth=0)
     over = f", mean over {seeds} seeds" if seeds > 1 else ""
     spread = " (band: the seeds' range)" if seeds > 1 else ""
-    train_ax.set(title=f"train loss (mean of {window} steps{over})", xlabel="step", ylabel="nats/byte")
-    val_ax.set(title=f"validation loss{over}", xlabel="step", ylabel="nats/byte")
+    unit = result.loss_unit
+    val_title = "validation loss" if result.has_validation else \
+        f"train loss at evaluations (no eval_data; mean of {result.config.train_loss_window} steps)"
+    train_ax.set(title=f"train loss (mean of {window} steps{over})", xlabel="step", ylabel=unit)
+    val_ax.set(title=f"{val_title}{over}", xlabel="step", ylabel=unit)
     for gap_ax, which in ((level_ax, "opt levels"), (other_ax, "other runs")):
         if gap_ax is None:
             continue
         gap_ax.axhline(0.0, color="black", linewidth=0.8, label=BASELINE)
-        gap_ax.set(title=f"{which}: validation-loss gap to {BASELINE}{over}{spread}", xlabel="step",
+        loss = "validation-loss" if result.has_validation else "train-loss"
+        gap_ax.set(title=f"{which}: {loss} gap to {BASELINE}{over}{spread}", xlabel="step",
                    ylabel=f"% of {BASELINE}'s loss")
         gap_ax.legend(fontsize="small")
     val_ax.legend()

@@ -35,9 +35,11 @@ from amp8.tools.experiments.stress import OutlierInjection, mask_position
 
 @dataclass
 class RunResult:
-    """What one run measured. ``status`` is "ok" or "unavailable" (then ``reason`` says why).
+    """What one run measured. ``status`` is "ok", "unavailable" (a level this build cannot
+    train) or "failed" (the run raised; runs of the user's own model only), and then
+    ``reason`` says why.
 
-    Losses are mean cross-entropy in nats per byte. ``train_curve`` holds one loss per
+    Losses are mean cross-entropy in nats per byte (the user's loss for their own model). ``train_curve`` holds one loss per
     step; ``val_curve`` holds ``[step, loss]`` pairs. ``peak_memory_bytes`` is measured on
     CUDA only (None elsewhere). ``activation_bytes_per_token`` is what autograd saved for
     backward in the first step's forward (``amp8.count_saved_bytes``), per token.
@@ -45,6 +47,13 @@ class RunResult:
     records its moves (``controller_moves``, as dicts) and the share of the FP8 layers'
     GEMM FLOPs still in FP8 at the end (``gemm_fp8_share``) and, per layer, the largest
     shares flushed and clipped it saw (``controller_peaks``).
+
+    Runs of the user's own model (``amp8.compare(model=..., data=...)``) also record
+    ``samples_per_s`` and ``activation_bytes_per_sample`` (``tokens_per_s`` and
+    ``activation_bytes_per_token`` too when batches hold ``input_ids``), ``train_s`` (the
+    time inside training steps), ``report_summary`` (the precision report's one line)
+    and ``batches_differ_at``: the first step whose batch differed from the batch O0 of
+    the same seed saw (None when all were alike, or for O0 itself).
     """
 
     name: str
@@ -69,6 +78,11 @@ class RunResult:
     controller_moves: list[dict[str, Any]] | None = None
     gemm_fp8_share: float | None = None
     controller_peaks: dict[str, dict[str, float]] | None = None
+    samples_per_s: float | None = None
+    activation_bytes_per_sample: float | None = None
+    train_s: float | None = None
+    report_summary: str | None = None
+    batches_differ_at: int | None = None
 
     @property
     def ok(self) -> bool:
