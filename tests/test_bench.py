@@ -768,3 +768,9 @@ def test_report_log_bench_writes_the_logs_share_of_a_step(tmp_path: Path) -> Non
     (row,) = json.loads(path.read_text())["rows"]
     assert row["plain_step_s"] > 0 and row["record_s"] > 0 and row["every"] == 10
     assert row["share_of_step"] == pytest.approx(bench.share_of_step(row, 10))
+
+
+def test_layer_host_times_one_forward_per_level() -> None:
+    layer_host = load_bench("layer_host")
+    times = layer_host.measure(repeats=3)
+    assert set(times) == set(layer_host.LEVELS) and all(0 < t < 1 for t in times.values())
