@@ -387,6 +387,15 @@ def _chained(weight: ScaledWeight) -> torch.Tensor | None:
     return chained[0]
 
 
+def chained_nbytes(data: torch.Tensor) -> int:
+    """Bytes of the float32 values a chain of in-place writes keeps on the stored tensor
+    ``data`` (0 when none is kept, or the storage changed since)."""
+    chained = data.__dict__.get(_CHAIN)
+    if chained is None or chained[1] != data._version:
+        return 0
+    return chained[0].nbytes
+
+
 def drop_chain(data: torch.Tensor) -> None:
     """Forget the float32 values a chain of in-place operations left on the stored
     tensor ``data`` (they cost 4 bytes per element): at a read, and when the layer uses

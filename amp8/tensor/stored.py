@@ -37,7 +37,7 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe, Scaling
 from amp8.quant import scaling
 from amp8.tensor.scaled import ScaledTensor, is_sharded, local_tensor
-from amp8.tensor.scaled_weight import ScaledWeight, drop_chain
+from amp8.tensor.scaled_weight import ScaledWeight, chained_nbytes, drop_chain
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 
@@ -254,8 +254,11 @@ class StoredWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the stored weight holds on this rank: its data and its scales, as stored."""
-        return self.data.nbytes + self.stored_scale.nbytes
+        """Bytes the stored weight holds on this rank: its data and its scales, as stored,
+        plus the float32 values a chain of in-place writes keeps until the weight is next
+        read or used (``amp8.tensor.scaled_weight.chained_nbytes``): the report shows them."""
+        data = self.data
+        return data.nbytes + self.stored_scale.nbytes + chained_nbytes(data)
 
     def refresh(self) -> None:
         """Point the Parameter at the scales this handle holds now."""

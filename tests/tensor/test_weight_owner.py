@@ -276,3 +276,19 @@ def test_a_pruned_layer_computes_with_the_masked_weight(level: str) -> None:
     assert (masked == 0).float().mean() >= 0.5
     expected = torch.nn.functional.linear(x, masked, model[0].bias.detach())
     torch.testing.assert_close(model[0](x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_float32_values_of_an_init_chain_are_counted_until_the_next_forward(level: str) -> None:
+    """A chain of in-place writes (what an init function runs: ``uniform_`` then ``mul_``)
+    runs on float32 values kept beside the storage; the report's bytes show them until the
+    layer next uses its weight, which drops them."""
+    model, optimizer = _initialized(level)
+    handle = model[0].stored_weight
+    stored = handle.nbytes
+    with torch.no_grad():
+        model[0].weight.uniform_(-1.0, 1.0).mul_(0.1)
+    assert handle.nbytes == stored + 4 * model[0].weight.numel()
+    assert amp8.report(model, optimizer).rows[0]["bytes"] >= handle.nbytes
+    model(torch.randn(2, 32))
+    assert handle.nbytes == stored
