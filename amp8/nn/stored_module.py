@@ -16,7 +16,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from amp8.config.recipe import Recipe
 from amp8.quant.checks import check_loaded_scales
 from amp8.tensor.scaled import ScaledTensor, is_sharded
 from amp8.tensor.scaled_weight import ScaledWeight, retarget
-from amp8.tensor.stored import StoredWeight, requiring_grad, stored_weight
+from amp8.tensor.stored import PLAIN_LOAD_MARK, StoredWeight, requiring_grad, stored_weight
 from amp8.tensor.weight_grad import WeightGrad, WeightGradInFlight
 
 
@@ -70,7 +70,7 @@ class StoredWeightsModule(nn.Module):
         self, name: str, weight: nn.Parameter, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
     ) -> StoredWeight:
         """Take over ``weight`` as Parameter ``name`` and store its values at ``storage``
-        (see ``StoredWeight`` for ``fixed_storage``), with its ``{name}_scale`` buffer."""
+        (see ``StoredWeight`` for ``fixed_storage``); its handle holds the scales."""
         setattr(self, name, weight)
         # The handle stores the values and makes ``weight`` a ``ScaledWeight`` (see amp8.tensor.scaled_weight).
         return StoredWeight(self, recipe, storage, fixed_storage=fixed_storage, name=name)
@@ -153,7 +153,7 @@ class StoredWeightsModule(nn.Module):
             return
         if saved_scale is None:
             handle.write(saved.to(param.device, torch.float32))
-            self.__dict__["_amp8_plain_loaded"] = True  # read by amp8.optim.layer_state (what the plain form lacks)
+            self.__dict__[PLAIN_LOAD_MARK] = True  # read by amp8.optim.layer_state (what the plain form lacks)
             return
         scale_key = key[: -len(handle.name)] + handle.scale_name
         check_loaded_scales(scale_key, saved_scale)
@@ -430,7 +430,7 @@ class StoredWeightModule(StoredWeightsModule):
         (``torch.func.functional_call``, ``stack_module_state`` under ``vmap``), which the
         layer then computes with as torch's own layer would, in that tensor's dtype; None
         where the weight is amp8's. Refuses what amp8 did not place and cannot serve (see
-        ``_check_weight_is_amp8s``)."""
+        ``_refuse_replaced_weight``)."""
         handle = self.stored_weight
         if handle.sharded or handle.storage is Precision.AS_IS:
             return None
@@ -441,14 +441,11 @@ class StoredWeightModule(StoredWeightsModule):
             stored_weight(weight) is None and not torch.nn.utils.parametrize.is_parametrized(self, "weight")
         ):
             return weight
-        self._check_weight_is_amp8s()
-        return None
+        self._refuse_replaced_weight()
 
-    def _check_weight_is_amp8s(self) -> None:
-        """Refuse a weight Parameter amp8 did not place, naming what to do instead."""
-        handle = self.stored_weight
-        if handle.sharded or handle.storage is Precision.AS_IS or stored_weight(self.weight) is handle:
-            return
+    def _refuse_replaced_weight(self) -> NoReturn:
+        """Raise for a weight that is neither amp8's nor a plain tensor for this call,
+        naming what to do instead."""
         layer = type(self).__name__
         if torch.nn.utils.parametrize.is_parametrized(self, "weight"):
             raise TypeError(

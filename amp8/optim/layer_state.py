@@ -28,14 +28,12 @@ from amp8.config.levels import Precision
 from amp8.config.recipe_fields import Scaling
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.scaled_weight import ScaledWeight
-from amp8.tensor.stored import StoredWeight
+from amp8.tensor.stored import PLAIN_LOAD_MARK, StoredWeight
 from amp8.quant import scaling
 
 LAYERS_KEY = "layers"
 """The key, inside the ``"amp8"`` entry of the optimizer's state dict, of the layers' state."""
 _BUFFERS, _WEIGHT_SCALE, _STORED_AS = "buffers", "weight_scale", "stored_as"
-# Set on a layer by its load of a plain state dict (``StoredWeightsModule._load_stored_weight``).
-_PLAIN_LOADED = "_amp8_plain_loaded"
 _RESTORED = "_amp8_layer_state_restored"  # set by ``restore_layer_states``: a later plain load keeps its buffers
 
 
@@ -133,7 +131,7 @@ def restore_layer_states(
         if handle.sharded:
             continue
         if entry.get(_STORED_AS) != _stored_as(handle):
-            if _module(handle).__dict__.get(_PLAIN_LOADED):  # (after a compact load the model converted them)
+            if _module(handle).__dict__.get(PLAIN_LOAD_MARK):  # (after a compact load the model converted them)
                 skipped.append(index)
             continue
         module = _module(handle)
@@ -151,7 +149,7 @@ def restore_layer_states(
                 f"amp8: an FP8 layer ({type(module).__name__}) has no {result.unexpected_keys} that the "
                 "optimizer checkpoint holds for it: load a checkpoint saved by the same amp8 setup"
             )
-        module.__dict__.pop(_PLAIN_LOADED, None)
+        module.__dict__.pop(PLAIN_LOAD_MARK, None)
         module.__dict__[_RESTORED] = True
     if skipped:
         warnings.warn(
@@ -176,7 +174,7 @@ def fp8_layers(weights: Iterable[StoredWeight]) -> list[nn.Module]:
 def lost_after_plain_load(modules: list[nn.Module], controller_attached: bool) -> str | None:
     """The warning for layers loaded from a plain state dict with no optimizer state after
     it, where that loses something (None where it loses nothing); the marks are cleared."""
-    loaded = [module for module in modules if module.__dict__.pop(_PLAIN_LOADED, False)]
+    loaded = [module for module in modules if module.__dict__.pop(PLAIN_LOAD_MARK, False)]
     if not loaded:
         return None
     handles = [h for module in loaded for h in module.stored_weights()]  # type: ignore[operator]

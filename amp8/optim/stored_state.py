@@ -184,13 +184,12 @@ class StoredState:
             if key in param_state and state_storage.stored_precision(param_state, key) is not wanted:
                 self.store_moment(param, param_state, key, state_storage.load(param_state, key))
                 converted.add(key)
-        wants_master = self.wants_master(param)
-        if wants_master and MASTER not in param_state:
-            self.store_master(param_state, self._own_chunk(param, self.weights[param].read()))
-            converted.add("master weights")
-        if wants_master:
+        if self.wants_master(param):
+            if MASTER not in param_state:
+                self.store_master(param_state, self._own_chunk(param, self.weights[param].read()))
+                converted.add("master weights")
             self.attach_master(param, param_state)
-        elif not wants_master and MASTER in param_state:
+        elif MASTER in param_state:
             handle = self.weights.get(param)
             master = state_storage.load(param_state, MASTER)
             del param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX]

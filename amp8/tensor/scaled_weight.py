@@ -25,6 +25,7 @@ What torch code gets from it:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -217,6 +218,9 @@ class WeightView(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
+_STORED = (ScaledWeight, WeightView)
+
+
 def _numpy(tensor: "ScaledWeight | WeightView", force: bool) -> Any:
     if tensor.requires_grad and not force:
         raise RuntimeError(
@@ -252,9 +256,9 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"amp8: {func} is not supported on an FP8 layer's weight (stored scaled); write new values "
             "with weight.copy_(value) or weight.data = value"
         )
-    written = [(slot, value) for slot, value in _written_values(func, args, kwargs) if _holds_stored(value)]
-    if written:
-        return _write_through(func, args, kwargs, written)
+    written = _written_weight(func, args, kwargs)
+    if written is not None:
+        return _write_through(func, args, kwargs, *written)
     if stored and func.is_view:
         weight, view = _weight_and_view(target)
         rest = args[1:]
@@ -271,32 +275,28 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*tree_map(_real, args), **tree_map(_real, kwargs))
 
 
-_STORED = ()  # (ScaledWeight, WeightView), set below the classes
 _Slot = tuple[int, str]  # an argument's position in ``args`` (-1: keyword-only) and its name
-_WRITTEN_SLOTS: dict[Any, tuple[_Slot, ...]] = {}
 
 
+@functools.cache
 def _written_slots(func: Any) -> tuple[_Slot, ...]:
     """The arguments ``func``'s schema marks as written (``Tensor(a!)``, ``Tensor(a!)[]``)."""
-    slots = _WRITTEN_SLOTS.get(func)
-    if slots is None:
-        slots = _WRITTEN_SLOTS[func] = tuple(
-            (-1 if argument.kwarg_only else index, argument.name)
-            for index, argument in enumerate(func._schema.arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        )
-    return slots
+    return tuple(
+        (-1 if argument.kwarg_only else index, argument.name)
+        for index, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
 
 
-def _written_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[_Slot, Any]]:
-    """Each written argument of this call of ``func``, with its slot."""
-    found = []
+def _written_weight(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Slot, Any] | None:
+    """The first argument of this call of ``func`` that it writes and that is (or lists)
+    a stored weight, with its slot; None where it writes none."""
     for slot in _written_slots(func):
         index, name = slot
         value = args[index] if 0 <= index < len(args) else kwargs.get(name)
-        if value is not None:
-            found.append((slot, value))
-    return found
+        if value is not None and _holds_stored(value):
+            return slot, value
+    return None
 
 
 def _holds_stored(value: Any) -> bool:
@@ -305,14 +305,15 @@ def _holds_stored(value: Any) -> bool:
     return isinstance(value, _STORED)
 
 
-def _write_through(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], written: list[tuple[_Slot, Any]]) -> Any:
-    """Run ``func``, which writes a stored weight (or a list holding some), on float32
-    real values in place of each written weight, then store each one's new values.
+def _write_through(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], slot: _Slot, value: Any) -> Any:
+    """Run ``func``, which writes ``value`` (a stored weight, or a list holding some) at
+    ``slot``, on float32 real values in place of each written weight, then store each
+    one's new values.
 
     A foreach operation runs one element at a time: a list may mix weights, which are
     written in float32, with plain tensors in their own dtypes.
     """
-    (index, name), value = written[0]
+    index, name = slot
     if isinstance(value, (list, tuple)) and len(value) > 1:
         for element in range(len(value)):
             _dispatch(func, _element(args, element), _element(kwargs, element))
@@ -410,11 +411,8 @@ def _traced_write(value: torch.Tensor) -> None:
     raise RuntimeError("amp8: a weight inside a compiled graph cannot be written; write it outside torch.compile")
 
 
-_STORED = (ScaledWeight, WeightView)
-
-
 def _real(value: Any) -> Any:
-    return value.dequantize() if isinstance(value, (ScaledWeight, WeightView)) else value
+    return value.dequantize() if isinstance(value, _STORED) else value
 
 
 def _rebuild(

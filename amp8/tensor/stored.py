@@ -45,6 +45,9 @@ STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
 # Headroom of one binade above an FP16 tensor's amax, so growth between rescales fits.
 FP16_MARGIN = 1
 _ATTRIBUTE = "_amp8_stored_weight"
+PLAIN_LOAD_MARK = "_amp8_plain_loaded"
+"""Set in a layer's ``__dict__`` when it loads a stored weight from a plain state dict
+(real values, none of amp8's layer state); ``amp8.optim.layer_state`` reads and clears it."""
 
 
 def check_storage(storage: Precision) -> None:
@@ -601,7 +604,10 @@ def is_fp8_weight(param: torch.Tensor) -> bool:
     return stored_weight(param) is not None
 
 
-__all__ = ["StoredWeight", "WeightGrad", "encode_fp16", "float_grad", "is_fp8_weight", "is_sharded", "stored_weight"]
+__all__ = [
+    "PLAIN_LOAD_MARK", "StoredWeight", "WeightGrad", "encode_fp16", "float_grad", "is_fp8_weight", "is_sharded",
+    "stored_weight",
+]
 
 
 def _copied_into(memory: torch.Tensor, current: torch.Tensor, what: str) -> bool:
