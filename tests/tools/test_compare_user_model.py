@@ -24,7 +24,7 @@ from amp8.tools.experiments.compare_config import JSON_NAME, PNG_NAME
 from amp8.tools.experiments.paired import NULL
 from amp8.tools.experiments.recommend import trouble_tensors
 from amp8.tools.experiments.user_config import UserCompareConfig
-from amp8.tools.experiments.user_model import count_items, fresh_pass, steps_of
+from amp8.tools.experiments.user_batches import count_items, fresh_pass, steps_of
 
 LEVELS = ("O0", "O1", "O2", "O3")
 MODULE = Path(user.__file__)
