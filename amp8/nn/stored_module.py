@@ -154,6 +154,7 @@ class StoredWeightsModule(nn.Module):
         if saved_scale is None:
             handle.write(saved.to(param.device, torch.float32))
             self.__dict__[PLAIN_LOAD_MARK] = True  # read by amp8.optim.layer_state (what the plain form lacks)
+            handle.note_plain_load()
             return
         scale_key = key[: -len(handle.name)] + handle.scale_name
         check_loaded_scales(scale_key, saved_scale)

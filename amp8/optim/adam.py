@@ -383,9 +383,11 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
                 loss = closure()
         if self.sharded:
             self._sharded_average()  # fails before anything changes
-        lost = layer_state.lost_after_plain_load(self._layer_modules, bool(self._optimizer_state_dict_post_hooks))
-        if lost is not None:
-            warnings.warn(lost, stacklevel=2)
+        if self.stored.plain_loads:  # one check per step; the layers are read only after a plain load
+            self.stored.plain_loads.clear()
+            lost = layer_state.lost_after_plain_load(self._layer_modules, bool(self._optimizer_state_dict_post_hooks))
+            if lost is not None:
+                warnings.warn(lost, stacklevel=2)
         self._stepped = True
         self.synchronize()
         plan = self._plan_for_step()

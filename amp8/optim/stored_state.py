@@ -52,6 +52,10 @@ class StoredState:
         # The state of each weight whose master weight this optimizer keeps, by Parameter:
         # where a value written to the weight from outside goes (see ``attach_master``).
         self._master_states: dict[nn.Parameter, dict[str, Any]] = {}
+        # Weights loaded from a plain state dict since the last step (``StoredWeight.note_plain_load``).
+        self.plain_loads: list[str] = []
+        for handle in weights.values():
+            handle.attach_load_log(self.plain_loads)
 
     def next_noise_key(self) -> torch.Tensor:
         """The noise key of the next stochastic rounding (an int64 CPU scalar, which

@@ -132,6 +132,7 @@ class StoredWeight:
         self._hooked: nn.Parameter | None = None
         self._scale_memory: torch.Tensor = torch.ones(())
         self._master: Callable[[torch.Tensor], None] | None = None
+        self._load_log: list[str] | None = None  # see ``attach_load_log``
         if storage is not Precision.AS_IS:  # an AS_IS weight is a plain Parameter to everyone
             self._take_over(self.param)
             self.mark(self.param)
@@ -142,7 +143,10 @@ class StoredWeight:
         copied layer binds it (``bind``), so a copy rebuilds alike whichever of the two
         it reaches first."""
         state = self.__dict__.copy()
-        state.update(_held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=None, _master=None)
+        state.update(
+            _held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=None, _master=None,
+            _load_log=None,
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -401,6 +405,18 @@ class StoredWeight:
         as the master weight) part of this weight: every ``write`` goes there too. The
         optimizer that keeps O3's master weight attaches it; None detaches it."""
         self._master = master_writer
+
+    def attach_load_log(self, log: list[str] | None) -> None:
+        """Have ``note_plain_load`` append this weight's name to ``log`` (an optimizer's:
+        one list for all its weights, so its step asks one ``if`` whether any layer was
+        loaded from a plain state dict since); None detaches it."""
+        self._load_log = log
+
+    def note_plain_load(self) -> None:
+        """Say that the weight was loaded from a plain state dict (real values, none of
+        amp8's layer state): its name goes to the attached load log."""
+        if self._load_log is not None:
+            self._load_log.append(self.name)
 
     def store(self, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Store already encoded ``data`` (this rank's rows of a sharded weight) and its

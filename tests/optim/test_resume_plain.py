@@ -179,3 +179,20 @@ def test_the_layers_state_is_keyed_by_parameter_index_in_plain_types() -> None:
     entry = layers[0]
     assert torch.equal(entry["buffers"]["amax_history"], model[0].amax_history)
     assert entry["weight_scale"].shape == model[0].weight_scale.shape
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_step_reads_the_layers_only_after_a_plain_load(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check for layer state lost to a plain load costs a step one test of a list, not
+    a pass over the layers, except at the first step after such a load."""
+    from amp8.optim import layer_state
+
+    calls: list[int] = []
+    real = layer_state.lost_after_plain_load
+    monkeypatch.setattr(layer_state, "lost_after_plain_load", lambda *args: calls.append(1) or real(*args))
+    model, optimizer = _build(level, "default")
+    _train(model, optimizer, 0, 2)
+    assert calls == []
+    model.load_state_dict(model.state_dict())
+    _train(model, optimizer, 2, 2)
+    assert calls == [1]
