@@ -116,7 +116,7 @@ def initialize(
     process_group: dist.ProcessGroup | None = None,
     layer_selection: LayerSelection = "auto",
     controller: Controller | None = None,
-    compiled_casts: bool = False,
+    compiled_casts: bool | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Apply an opt level to ``model`` and ``optimizer``.
 
@@ -151,7 +151,9 @@ def initialize(
         compiled_casts: the FP8 layers' casts outside ``torch.compile`` run as amp8's
             compiled kernels (True: eager speed without compiling the model) or as
             eager operations (False); the same bits either way
-            (``amp8.nn.set_compiled_casts``, docs/speed.md).
+            (``amp8.nn.set_compiled_casts``, docs/speed.md). None (default): compiled
+            for a model on CUDA, eager elsewhere. Where a cast cannot be compiled, it runs
+            eagerly with a warning.
 
     Returns:
         ``(model, optimizer)``: the same model with its layers swapped, and the
@@ -170,6 +172,10 @@ def initialize(
     if controller is not None:
         _check_controller(controller, optimizer)
     model, optimizer = _initialize(model, optimizer, opt_level, recipe, module_filter, process_group, layer_selection)
+    if compiled_casts is not None and not isinstance(compiled_casts, bool):
+        raise TypeError(f"compiled_casts={compiled_casts!r} is not valid; use True, False or None (compiled on CUDA)")
+    if compiled_casts is None:
+        compiled_casts = any(param.device.type == "cuda" for param in model.parameters())
     if compiled_casts:
         set_compiled_casts(model, True)
     if controller is not None:

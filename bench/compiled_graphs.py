@@ -42,6 +42,9 @@ _UNPACK = re.compile(r"^\s+([\w, ]+) = args$", re.MULTILINE)
 _SYMBOL = re.compile(r"^\s+(k?s\d+) = (.+)$", re.MULTILINE)
 _BUFFER = re.compile(r"^\s+(\w+) = empty_strided_\w+\((\(.*?\)), \(.*?\), torch\.(\w+)\)", re.MULTILINE)
 _REUSE = re.compile(r"^\s+(\w+) = (\w+); del \2\s+# reuse", re.MULTILINE)
+_SIGNATURE = re.compile(r"\bkernel\((.*?)\)\s*\{", re.DOTALL)
+_POINTER = re.compile(r"\b((?:in_out|in|out)_ptr\d+)\b")
+_POINTER_ALIAS = re.compile(r"auto (\w+) = (\w+);")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,7 @@ class _CallPlan:
     buffers: tuple[tuple[str, str, str], ...]  # (name, size expression, dtype name)
     aliases: tuple[tuple[str, str], ...]  # (new name, reused buffer)
     kernel_args: tuple[tuple[str, ...], ...]
+    nest_args: tuple[tuple[tuple[int, ...], ...], ...]  # per kernel call: the argument positions each loop nest reads or writes
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,19 +93,42 @@ def _call_plan(source_code: str) -> _CallPlan:
     call_at = source_code.find("def call(")
     body = source_code[call_at:] if call_at >= 0 else ""
     unpack = _UNPACK.search(body)
-    names = [m.group(1) for m in _KERNEL_DEFINITION.finditer(source_code)]
-    kernel_args = []
-    for name in names:
+    definitions = list(_KERNEL_DEFINITION.finditer(source_code))
+    kernel_args, nest_args = [], []
+    for i, definition in enumerate(definitions):
+        name = definition.group(1)
+        end = definitions[i + 1].start() if i + 1 < len(definitions) else (call_at if call_at >= 0 else len(source_code))
+        nests = _nests(source_code[definition.end():end])
         for match in re.finditer(rf"\b{re.escape(name)}(?:\.run)?\((.*)\)$", body, re.MULTILINE):
             args = re.sub(r"reinterpret_tensor\((\w+),[^)]*\)[^,]*", r"\1", match.group(1))
             kernel_args.append(tuple(arg.strip() for arg in args.split(",")))
+            nest_args.append(nests or (tuple(range(len(kernel_args[-1]))),))
     return _CallPlan(
         inputs=tuple(name.strip() for name in unpack.group(1).split(",")) if unpack else (),
         symbols=tuple((m.group(1), m.group(2)) for m in _SYMBOL.finditer(body)),
         buffers=tuple(m.groups() for m in _BUFFER.finditer(body)),
         aliases=tuple(m.groups() for m in _REUSE.finditer(body)),
         kernel_args=tuple(kernel_args),
+        nest_args=tuple(nest_args),
     )
+
+
+def _nests(kernel_source: str) -> tuple[tuple[int, ...], ...]:
+    """The positions of the arguments each outermost loop nest of a generated C++ kernel
+    reads or writes (each nest is a kernel of its own on a GPU); empty where the source
+    has no signature or no nest."""
+    signature = _SIGNATURE.search(kernel_source)
+    if signature is None:
+        return ()
+    params = [param.strip().split()[-1].lstrip("*") for param in signature.group(1).split(",")]
+    position = {param: i for i, param in enumerate(params)}
+    alias = dict(_POINTER_ALIAS.findall(kernel_source))
+    starts = [m.start() for m in _OUTER_LOOP.finditer(kernel_source)]
+    nests = []
+    for start, stop in zip(starts, starts[1:] + [len(kernel_source)]):
+        used = {alias.get(p, p) for p in _POINTER.findall(kernel_source, start, stop)}
+        nests.append(tuple(sorted(position[p] for p in used if p in position)))
+    return tuple(nests)
 
 
 def kernel_bytes(source_code: str, inputs: list[Any]) -> int:
@@ -122,7 +149,8 @@ def kernel_bytes(source_code: str, inputs: list[Any]) -> int:
     for name, reused in plan.aliases:
         if reused in nbytes:
             nbytes[name] = nbytes[reused]
-    return sum(nbytes.get(arg, 0) for args in plan.kernel_args for arg in args)
+    return sum(nbytes.get(args[i], 0) for args, nests in zip(plan.kernel_args, plan.nest_args, strict=True)
+               for nest in nests for i in nest)
 
 
 def _tensor_bytes(values: Any) -> list[int]:

@@ -43,12 +43,29 @@ bilinear in the block count L and the batch B at fixed width and context, so the
 runs the gpt-1b width and context at (L, B) in {1, 2} x {1, 2} and solves for
 ``a + b L + c B + d L B``: exact for the counts; no host time (the small preset gives it).
 The H100 model (``H100Model``) keeps two clocks, host and GPU, over the step's stretches
-and joins them at each sync and at the step's end. Two constants are fitted: the cost of
-an integer element operation on the optimizer-only H100 runs (bench/results/optimizer-cuda.json,
-``fit_int_op_s``), then the GEMMs' share of the dense peaks on the recorded BF16 baseline
-step (``calibrate``). Its predictions of the step, forward+backward and optimizer phases
-against bench/results/gpt-cuda.json go to step_profile-<device>.json; other presets write
-step_profile-<preset>-<device>.json with the uncalibrated model.
+and joins them at each sync and at the step's end. On the GPU the GEMMs and attention take
+their FLOPs' time (their operands move meanwhile: ``gemm_operand_bytes``), every other byte
+moves at a bandwidth, each kernel costs a little more, and the stochastic rounding's
+integer operations a fixed time each. No constant is fitted to bench/results/gpt-cuda.json;
+each is measured on an H100 microbenchmark (``measured_model``, ``measured_eager_bandwidth``,
+``measured_int_op_s``; the JSON's ``h100_model.calibrated`` says which from which):
+- GEMMs: ``nn.Linear`` and ``Fp8Linear`` compiled, forward + backward, at the largest shapes
+  of linear-cuda.json (644 and 890 TFLOP/s, their casts included; gpt-1b's GEMMs, 4-16x
+  fewer FLOPs each, are not recorded);
+- bandwidth: torch's fused AdamW's kernels at 300M parameters (optimizer_kernels-cuda.json,
+  2.71 TB/s), 28 bytes a parameter, of which the counter sees the 16 read
+  (``add_modeled_bytes`` adds the 12 written); the aten kernels of amp8's optimizer step
+  (FP8 gradients copied, their bytes' maxima) move 1.09 TB/s there;
+- integer operations: amp8's update kernels beyond their bytes, per level (0.40-0.64 ps);
+- kernels: 1.5 us, the median small kernel of those steps; graph calls 0.45 ms of host.
+Against gpt-cuda.json (``predictions``) the BF16 step and its phases come within 5 %; amp8's
+forward + backward is modeled 16-18 % short, because the counter reads the bytes of a
+generated C++ kernel's arguments once per call where the GPU runs its loop nests as
+kernels of their own: the FP8 casts re-read an operand for each maximum and cast, about
+38 GB (O1, O2) and 28 GB (O3) more a gpt-1b step than counted (8 GB at O0), 10-14 ms at
+the bandwidth. O3's optimizer is modeled 15 % short of its recorded 40 ms, which no
+optimizer-only record explains. The predictions go to step_profile-<device>.json; other
+presets write step_profile-<preset>-<device>.json with the same constants (their defaults).
 """
 
 from __future__ import annotations
@@ -61,7 +78,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from rich.table import Table
@@ -90,11 +107,10 @@ OPTIMIZER_PARTS = {
     "LowBitAdam.gradient": "gradient read",
     "StoredState.weight": "weight read",
     "adam_group_step": "update",
-    "_store": "moment store",  # amp8.optim.group_step and amp8.optim.fused
+    "step_scalars": "step coefficients",
+    "keep_amaxes": "amaxes kept",
     "StoredState.store_moment": "moment store",
-    "_encode_fp16": "weight store",
-    "_encode_fp8": "weight store",
-    "UpdateGroup.run": "weight store",  # the scales copied back to the layers
+    "UpdateGroup.run": "weight store",  # the plain weights copied back, the layers' casts dropped
     "StoredState.write_weight": "weight store",
     "plain_adam_step": "plain step",
 }
@@ -108,16 +124,22 @@ COUNTS = ("ops", "host_ops", "syncs", "bytes", "fp8_flops", "other_flops", "grap
           "int_ops")
 INTEGER = (torch.int32, torch.int64)  # dtypes whose element operations count as int_ops
 OPTIMIZERS = {"compiled": True, "reference": False}  # --optimizer: LowBitAdam's fused= for O1-O3
-RECORDED = RESULTS / "gpt-cuda.json"
-OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"
+# The H100 records (bench/results/) the model is checked against and measured on:
+RECORDED = RESULTS / "gpt-cuda.json"  # the gpt-1b steps the predictions are checked against
+OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"  # amp8's optimizer-only steps: the optimizer check
+KERNELS_RECORDED = RESULTS / "optimizer_kernels-cuda.json"  # the same steps' kernels, and torch's fused AdamW's
+LINEAR_RECORDED = RESULTS / "linear-cuda.json"  # one layer's forward + backward, nn.Linear and Fp8Linear
 # Host seconds per compiled-graph call on the recorded H100 machine, beyond its kernel
 # launches: the six compiled optimizer-only runs of one graph per tensor (O1-O3, 30M and
 # 300M parameters; bench/results/optimizer-per-tensor-cuda.json) spend 0.28-0.64 ms per
 # graph call more than their counted launches and bytes, 0.45 ms on average; one number
 # for every level and size.
 GRAPH_CALL_S = 0.45e-3
-# The optimizer-only runs (bench/results/optimizer-cuda.json) the integer-op cost is fitted on.
-INT_OP_FIT_MILLIONS = 300
+# Bytes per float32 parameter of torch's fused AdamW (``_fused_adamw_``): it reads the
+# parameter, its gradient and both moments, and writes the parameter and both moments in
+# place. It returns nothing, so the counter sees the 16 read and none of the 12 written.
+ADAMW_READ, ADAMW_WRITTEN = 16, 12
+SMALL_KERNEL_S = 5e-6  # a recorded kernel call shorter than this moves next to nothing (``measured_kernel_s``)
 GPT_1B_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (blocks, batch) the gpt-1b counts are solved from
 
 
@@ -128,45 +150,48 @@ class H100Model:
 
     host time = eager ops * launch_s + host_ops * host_op_s
                 + graph_calls * graph_call_s + graph_kernels * launch_s
-    GPU time  = (eager ops + graph_kernels) * kernel_s + (bytes + graph_bytes) / bandwidth
+    GPU time  = (eager ops + graph_kernels) * kernel_s
+                + (bytes + graph_bytes + unseen_writes - gemm_bytes - amp8_eager_bytes) / bandwidth
+                + amp8_eager_bytes / eager_bandwidth
                 + fp8_flops / fp8_rate + other_flops / bf16_rate + int_ops * int_op_s
-    ``step_seconds`` runs both clocks over a step's stretches between syncs
+    ``gemm_bytes``, ``unseen_writes`` and ``amp8_eager_bytes`` are bytes that the counter
+    cannot tell apart or does not see, set by ``add_modeled_bytes``: the GEMMs' and
+    attention's operands, which move while they compute; torch's fused AdamW's writes; the
+    bytes of the aten kernels amp8's optimizer step launches, which run slower than the
+    rest. ``step_seconds`` runs both clocks over a step's stretches between syncs
     (``StepCounter.stretches``); ``phase_seconds`` reads each phase's time off the GPU's
-    clock, as CUDA events recorded between the phases do."""
+    clock, as CUDA events recorded between the phases do.
 
-    bandwidth: float = 2.8e12  # B/s: 3.35 TB/s HBM3 peak, ~85 % achievable
-    # Share of the dense peaks (989 TFLOP/s BF16, 1979 FP8) the GEMMs and attention reach;
-    # fitted once on the recorded BF16 baseline (``calibrate``).
-    gemm_share: float = 0.65
+    The defaults are the H100 measurements ``measured_model`` and ``measured_int_op_s``
+    read from bench/results/ (rounded; ``int_op_s`` the mean of the levels'), except
+    ``launch_s`` and ``host_op_s``, which no record measures."""
+
+    # GPU: bytes of the memory-bound kernels; torch's fused AdamW's kernels at 300M
+    # parameters (``measured_bandwidth``, optimizer_kernels-cuda.json).
+    bandwidth: float = 2.71e12
+    # GPU: bytes of the aten kernels amp8's optimizer step launches (multi-tensor copies of
+    # FP8 gradients, maxima of their bytes): the amp8 steps' kernels other than the update's
+    # at 300M parameters (``measured_eager_bandwidth``, optimizer_kernels-cuda.json).
+    eager_bandwidth: float = 1.09e12
+    # GPU: GEMM FLOP/s, BF16 and FP8: nn.Linear and Fp8Linear forward + backward, compiled,
+    # at linear-cuda.json's largest shapes (``measured_gemm_rates``); GPT attention runs at the BF16 rate.
+    bf16_rate: float = 644e12
+    fp8_rate: float = 890e12
     # Host: Python and torch's dispatch of one operation plus cudaLaunchKernel, eager or
-    # from inductor's wrapper; the GPU does not wait for it while it has queued work.
+    # from inductor's wrapper; the GPU does not wait for it while it has queued work. Assumed.
     launch_s: float = 6e-6
-    # Host: an operation on CPU scalars (the optimizer's step counts): dispatch, no launch.
+    # Host: an operation on CPU scalars (the optimizer's step counts): dispatch, no launch. Assumed.
     host_op_s: float = 3e-6
     # Host: one compiled-graph call beyond its kernel launches: dynamo's guards on its
     # inputs, the AOT wrapper, and the caller's Python that prepares it.
     graph_call_s: float = GRAPH_CALL_S
-    # GPU: what a kernel costs beyond its bytes and FLOPs (its start on the device, the
-    # ramp-up and tail of its grid), about 2 us back to back on an H100.
-    kernel_s: float = 2e-6
+    # GPU: what a kernel costs beyond its bytes and FLOPs: the median kernel that moves next
+    # to nothing in optimizer_kernels-cuda.json (``measured_kernel_s``).
+    kernel_s: float = 1.5e-6
     # GPU: one integer element operation (the stochastic rounding's 32-bit hash, in int64
-    # words in the compiled update: an H100 has no native int64 multiply); fitted once on
-    # the optimizer-only H100 runs (``fit_int_op_s``).
-    int_op_s: float = 0.0
-
-    @property
-    def bf16_rate(self) -> float:
-        """FLOP/s of BF16 GEMMs and attention."""
-        return self.gemm_share * 989e12
-
-    # FP8 GEMMs' rate over BF16's: 2 at the peaks; ``measured_fp8_speedup`` reads what an
-    # H100 gave (bench/results/linear-cuda.json).
-    fp8_speedup: float = 1979 / 989
-
-    @property
-    def fp8_rate(self) -> float:
-        """FLOP/s of FP8 GEMMs."""
-        return self.fp8_speedup * self.bf16_rate
+    # words in the compiled update: an H100 has no native int64 multiply); the update graph's
+    # kernels in optimizer_kernels-cuda.json beyond their bytes, per level (``measured_int_op_s``).
+    int_op_s: float = 0.52e-12
 
     def host_seconds(self, counts: dict[str, float]) -> float:
         """Host time of ``counts``."""
@@ -175,8 +200,11 @@ class H100Model:
 
     def device_seconds(self, counts: dict[str, float]) -> float:
         """GPU time of ``counts``."""
+        slow = counts.get("amp8_eager_bytes", 0)
+        moved = (counts["bytes"] + counts.get("graph_bytes", 0) + counts.get("unseen_writes", 0)
+                 - counts.get("gemm_bytes", 0) - slow)
         return ((counts["ops"] + counts.get("graph_kernels", 0)) * self.kernel_s
-                + (counts["bytes"] + counts.get("graph_bytes", 0)) / self.bandwidth
+                + moved / self.bandwidth + slow / self.eager_bandwidth
                 + counts["fp8_flops"] / self.fp8_rate + counts["other_flops"] / self.bf16_rate
                 + counts.get("int_ops", 0) * self.int_op_s)
 
@@ -515,43 +543,120 @@ def profile_extrapolated(level: str, config: GPTConfig, batch_size: int, layer_s
     return {"phases": result, "stretches": stretches}
 
 
-def _bisect(error: Callable[[float], float], low: float, high: float) -> float:
-    """The root of ``error``, which rises with its argument, between ``low`` and ``high``."""
-    for _ in range(60):
-        middle = (low + high) / 2
-        if error(middle) < 0:
-            low = middle
-        else:
-            high = middle
-    return (low + high) / 2
+def gemm_operand_bytes(config: GPTConfig, batch_size: int, level: str, layer_selection: str) -> dict[str, float]:
+    """Bytes the GEMMs and attention of one GPT step (``config``, ``batch_size`` sequences)
+    read and write, per phase, as the counter counts them in ``bytes`` and ``graph_bytes``:
+    each GEMM's two operands and its output (forward; the data- and weight-gradient GEMMs
+    backward) and attention's q, k, v and output (forward; those, the output's gradient and
+    the three gradients backward). On an H100 every GEMM and attention of these shapes is
+    compute-bound: its bytes move while it computes, in the time its FLOPs take, so the model
+    takes them out of the bytes it puts at bandwidth. Operands are FP8 (1 byte) in the layers
+    amp8 runs in FP8 at ``level`` under ``layer_selection`` ("cuda": amp8's CUDA speed rule,
+    else every layer), BF16 (2 bytes, autocast) elsewhere; outputs are BF16. The head, tied to
+    the embedding, is a BF16 GEMM. The counter attributes a little more to these operations
+    (their biases, scales and attention's log-sum-exp: 0.1 % at gpt-1b's width)."""
+    tokens, width = batch_size * config.block_size, config.n_embd
+    rule = DEFAULT_RULES["cuda"] if layer_selection == "cuda" else None
+    block = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)]  # (in, out): qkv, proj, MLP
+    layers = [(k, n, level != "O0" and (rule is None or rule.selects(k, n))) for k, n in block] * config.n_layer
+    forward = backward = 0
+    for k, n, fp8 in layers + [(width, config.vocab_size, False)]:
+        size = 1 if fp8 else 2
+        forward += size * (tokens * k + k * n) + 2 * tokens * n  # y = x W
+        backward += size * (tokens * n + k * n) + 2 * tokens * k  # dx = dy W^T
+        backward += size * (tokens * n + tokens * k) + 2 * k * n  # dW = dy^T x
+    attention = 2 * tokens * width * config.n_layer  # one of q, k, v, output (or a gradient) per block, BF16
+    return {"forward": forward + 4 * attention, "backward": backward + 8 * attention}
 
 
-LINEAR_RECORDED = RESULTS / "linear-cuda.json"
+def add_modeled_bytes(level: str, result: dict[str, Any], gemm_bytes: dict[str, float]) -> None:
+    """Set on ``result`` (a level's ``phases``, their parts and ``stretches``, in place) the
+    byte counts the model needs that the counter cannot give:
+    - ``gemm_bytes``: the GEMMs' and attention's bytes per phase (``gemm_operand_bytes``),
+      over a phase's stretches in proportion to their GEMM FLOPs;
+    - ``unseen_writes``: the ``ADAMW_WRITTEN`` bytes torch's fused AdamW writes for each
+      ``ADAMW_READ`` it is counted with, where it runs: the whole optimizer step at O0,
+      amp8's plain step (float32 parameters) at O1-O3, in the optimizer's last stretch
+      (after the finite check's sync);
+    - ``amp8_eager_bytes``: at O1-O3, the bytes of the optimizer's eager operations other
+      than torch's fused AdamW (amp8's finite check, gradient copy, weight stores).
+    Setting them again (counts modeled anew) gives the same values."""
+    phases, stretches = result["phases"], result["stretches"]
+    for phase in PHASES:
+        flops = [s["fp8_flops"] + s["other_flops"] for s in stretches[phase]]
+        phases[phase]["gemm_bytes"] = gemm_bytes[phase] if phase in gemm_bytes and sum(flops) else 0
+        for stretch, share in zip(stretches[phase], flops, strict=True):
+            stretch["gemm_bytes"] = phases[phase]["gemm_bytes"] * share / sum(flops) if share else 0
+    torch_step = "optimizer" if level == "O0" else "optimizer: plain step"  # the row torch's fused AdamW runs in
+    adamw = phases.get(torch_step, {}).get("bytes", 0)
+    optimizer = stretches["optimizer"]
+    for i, stretch in enumerate(optimizer):
+        last = i == len(optimizer) - 1
+        stretch["unseen_writes"] = adamw * ADAMW_WRITTEN / ADAMW_READ if last else 0
+        stretch["amp8_eager_bytes"] = 0 if level == "O0" else stretch["bytes"] - (adamw if last else 0)
+    for name, row in phases.items():
+        if name.startswith("optimizer"):
+            adamw_row = level == "O0" or name == torch_step
+            row["unseen_writes"] = row["bytes"] * ADAMW_WRITTEN / ADAMW_READ if adamw_row else 0
+            row["amp8_eager_bytes"] = 0 if adamw_row else row["bytes"]
+    phases["optimizer"].update({key: sum(stretch[key] for stretch in optimizer)
+                                for key in ("unseen_writes", "amp8_eager_bytes")})
 
 
-def measured_fp8_speedup(record: dict[str, Any]) -> float:
-    """FP8 over BF16 GEMM rate from a bench/linear.py CUDA record: ``Fp8Linear`` compiled
-    against ``nn.Linear`` compiled, forward + backward, at the shape with the most FLOPs.
-    Its casts are in the FP8 time, so this is a lower bound of the GEMMs' own ratio."""
-    row = max(record["rows"], key=lambda row: row["m"] * row["k"] * row["n"])
-    variants = row["variants"]
-    return variants["nn.Linear compiled"]["ms"] / variants["Fp8Linear compiled"]["ms"]
+def measured_gemm_rates(record: dict[str, Any]) -> tuple[float, float]:
+    """(BF16, FP8) GEMM FLOP/s from a bench/linear.py CUDA record: a layer's forward +
+    backward FLOPs over the recorded ms of ``nn.Linear`` compiled (BF16 autocast) and of
+    ``Fp8Linear`` compiled, summed over the rows of the most FLOPs (4096 x 8192 x 16384 and
+    8192^3, where launches are no part of a layer's time). The layer's casts are in it, so
+    this is a lower bound of the GEMMs' own rate: by their bytes, the weight's cast and its
+    gradient's take 7-12 % of nn.Linear's time there, the input's and the output gradient's
+    4-6 % of Fp8Linear's."""
+    most = max(row["flop"] for row in record["rows"])
+    rows = [row for row in record["rows"] if row["flop"] == most]
+
+    def rate(variant: str) -> float:
+        return sum(row["flop"] for row in rows) / (1e-3 * sum(row["variants"][variant]["ms"] for row in rows))
+
+    return rate("nn.Linear compiled"), rate("Fp8Linear compiled")
 
 
-def calibrate(baseline: dict[str, Any], measured_ms: float, model: H100Model | None = None) -> H100Model:
-    """``model`` with the ``gemm_share`` that makes the baseline's (a level's result:
-    phases, stretches) modeled step ``measured_ms``; the step time falls as the share
-    rises, so bisection finds it."""
-    model = model or H100Model()
-    stretches = step_stretches(baseline)
+def _record_parameters(record: dict[str, Any]) -> int:
+    """Parameters of a bench/optimizer_kernels.py record's runs (square layers, as
+    ``optimizer.square_layers`` builds them)."""
+    width = record["width"]
+    return max(1, round(record["millions"] * 1_000_000 / width**2)) * width**2
 
-    def step_ms(share: float) -> float:
-        return 1e3 * dataclasses.replace(model, gemm_share=share).step_seconds(stretches)
 
-    if step_ms(1.0) > measured_ms:
-        raise ValueError(f"measured_ms={measured_ms} is below the {step_ms(1.0):.1f} ms the baseline takes with its "
-                         "GEMMs at the dense peak (gemm_share=1): check that the counts and the recorded run match")
-    return dataclasses.replace(model, gemm_share=_bisect(lambda share: measured_ms - step_ms(share), 1e-3, 1.0))
+def measured_bandwidth(record: dict[str, Any]) -> float:
+    """B/s of torch's fused AdamW in a bench/optimizer_kernels.py CUDA record:
+    ``ADAMW_READ + ADAMW_WRITTEN`` bytes per float32 parameter over its kernels' time."""
+    row = next(row for row in record["rows"] if row["run"] == "torch AdamW fused")
+    return (ADAMW_READ + ADAMW_WRITTEN) * _record_parameters(record) / (1e-3 * row["kernel_ms"])
+
+
+def measured_kernel_s(record: dict[str, Any]) -> float:
+    """GPU seconds of a kernel that moves next to nothing, from a bench/optimizer_kernels.py
+    CUDA record: the median time of the calls shorter than ``SMALL_KERNEL_S`` (scalar
+    updates, memsets, small copies and reductions: 0.7-4 us, median 1.5 us on the H100)."""
+    calls = [kernel["us"] * 1e-6 / kernel["calls"] for row in record["rows"] for kernel in row["kernels"].values()]
+    return statistics.median(seconds for seconds in calls if seconds < SMALL_KERNEL_S)
+
+
+def measured_model(linear: dict[str, Any], kernels: dict[str, Any]) -> tuple[H100Model, list[str]]:
+    """The model with the constants measured on the H100 records ``linear`` (bench/linear.py)
+    and ``kernels`` (bench/optimizer_kernels.py), and where each comes from."""
+    bf16_rate, fp8_rate = measured_gemm_rates(linear)
+    model = H100Model(bandwidth=measured_bandwidth(kernels), bf16_rate=bf16_rate, fp8_rate=fp8_rate,
+                      kernel_s=measured_kernel_s(kernels))
+    return model, [
+        f"bandwidth: torch's fused AdamW kernels, {ADAMW_READ + ADAMW_WRITTEN} bytes per parameter, "
+        f"{KERNELS_RECORDED.name}",
+        f"bf16_rate, fp8_rate: nn.Linear and Fp8Linear compiled, forward + backward at the largest shapes, "
+        f"{LINEAR_RECORDED.name}",
+        f"kernel_s: the median kernel shorter than {SMALL_KERNEL_S * 1e6:.0f} us, {KERNELS_RECORDED.name}",
+        "graph_call_s: compiled optimizer-only runs, one graph per tensor, optimizer-per-tensor-cuda.json",
+        "launch_s, host_op_s: assumed",
+    ]
 
 
 def compiled_row(recorded: dict[str, Any], run: str) -> dict[str, Any]:
@@ -566,12 +671,13 @@ RECORDED_RUNS = {"O0": "baseline", "O1": "amp8 O1", "O2": "amp8 O2", "O3": "amp8
 TIMED = (("step_ms", ()), ("forward_backward_ms", ("forward", "backward")), ("optimizer_ms", ("optimizer",)))
 
 
-def predictions(results: dict[str, Any], model: H100Model, recorded: dict[str, Any]) -> dict[str, Any]:
-    """Modeled gpt-1b ms per level against the recorded ones: the step, forward+backward
-    and the optimizer (on the GPU's clock, as the recorded CUDA events), with each phase's
-    host and GPU time."""
+def predictions(results: dict[str, Any], models: dict[str, H100Model], recorded: dict[str, Any]) -> dict[str, Any]:
+    """Modeled gpt-1b ms per level (each by its model in ``models``) against the recorded
+    ones: the step, forward+backward and the optimizer (on the GPU's clock, as the recorded
+    CUDA events), with each phase's host and GPU time."""
     out = {}
     for level, result in results.items():
+        model = models[level]
         stretches = step_stretches(result)
         run = compiled_row(recorded, RECORDED_RUNS[level])
         row: dict[str, Any] = {"phases_ms": {p: {"host_ms": 1e3 * model.host_seconds(result["phases"][p]),
@@ -628,32 +734,71 @@ def optimizer_check_counts(recorded: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def optimizer_check(model: H100Model, counted: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def optimizer_check(models: dict[str, H100Model], counted: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The modeled compiled optimizer step (wall clock, sync to sync) against
-    bench/optimizer.py's H100 timings (``amp8_fused_ms``) for the counts of ``optimizer_check_counts``."""
+    bench/optimizer.py's H100 timings (``amp8_fused_ms``) for the counts of
+    ``optimizer_check_counts``, each level by its model in ``models``; every eager byte of
+    these steps is amp8's (``amp8_eager_bytes``)."""
     rows = []
     for run in counted:
         total = {key: sum(stretch[key] for stretch in run["stretches"]) for key in COUNTS}
         last = len(run["stretches"]) - 1
-        modeled = 1e3 * model.step_seconds([("optimizer", counts, i < last) for i, counts in enumerate(run["stretches"])])
+        stretches = [("optimizer", {**counts, "amp8_eager_bytes": counts["bytes"]}, i < last)
+                     for i, counts in enumerate(run["stretches"])]
+        modeled = 1e3 * models[run["level"]].step_seconds(stretches)
         rows.append({**run, "graph_calls": total["graph_calls"], "graph_kernels": total["graph_kernels"],
                      "graph_gb": total["graph_bytes"] / 1e9, "eager_ops": total["ops"], "int_ops": total["int_ops"],
                      "modeled_ms": modeled, "error_pct": 100 * (modeled / run["recorded_ms"] - 1)})
     return rows
 
 
-def fit_int_op_s(model: H100Model, counted: list[dict[str, Any]]) -> H100Model:
-    """``model`` with the ``int_op_s`` that makes the modeled optimizer steps of ``counted``
-    (``optimizer_check_counts``) match their recorded times in the mean of their relative
-    errors; the modeled time rises with the cost, so bisection finds it."""
-    def mean_error(cost: float) -> float:
-        rows = optimizer_check(dataclasses.replace(model, int_op_s=cost), counted)
-        return statistics.fmean(row["error_pct"] for row in rows)
+def update_kernel_seconds(row: dict[str, Any]) -> float:
+    """GPU seconds of amp8's compiled update in one amp8 row of a bench/optimizer_kernels.py
+    CUDA record: its generated kernels (``triton_``) and the scatter-reduce it falls back
+    to (the per-tensor maxima, ``_scatter_gather``); the rest are the step's eager kernels."""
+    return 1e-6 * sum(kernel["us"] for name, kernel in row["kernels"].items()
+                      if name.startswith("triton_") or "_scatter_gather" in name)
 
-    if mean_error(0.0) >= 0:
-        raise ValueError("the optimizer steps of the counts are modeled no faster than recorded with free integer "
-                         "operations (int_op_s=0): nothing to fit; check the counts and the recorded runs")
-    return dataclasses.replace(model, int_op_s=_bisect(mean_error, 0.0, 1e-9))
+
+def _counted_steps(record: dict[str, Any],
+                   counted: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The amp8 rows of a bench/optimizer_kernels.py CUDA record, each with the counts of the
+    same optimizer-only step among ``counted`` (``optimizer_check_counts`` rows)."""
+    pairs = []
+    for row in record["rows"]:
+        run = next((run for run in counted if f"amp8 {run['level']}" == row["run"]
+                    and run["millions"] == record["millions"]), None)
+        if run is not None:
+            pairs.append((row, run))
+    if not pairs:
+        raise ValueError(f"no counted optimizer step matches an amp8 row of {KERNELS_RECORDED.name} "
+                         f"({record['millions']}M): count those steps (optimizer_check_counts)")
+    return pairs
+
+
+def measured_eager_bandwidth(record: dict[str, Any], counted: list[dict[str, Any]]) -> float:
+    """B/s of the aten kernels of amp8's optimizer steps (FP8 gradients copied by
+    multi-tensor kernels, maxima of their bytes), from a bench/optimizer_kernels.py CUDA
+    record and the counts of the same steps (``counted``): their eager bytes over the time of
+    the kernels that are not the update's (``update_kernel_seconds``), pooled over the levels
+    (1.09-1.10 TB/s at each of O1-O3 on the H100)."""
+    pairs = _counted_steps(record, counted)
+    moved = sum(stretch["bytes"] for _, run in pairs for stretch in run["stretches"])
+    return moved / sum(1e-3 * row["kernel_ms"] - update_kernel_seconds(row) for row, _ in pairs)
+
+
+def measured_int_op_s(model: H100Model, record: dict[str, Any], counted: list[dict[str, Any]]) -> dict[str, float]:
+    """GPU seconds per integer element operation of amp8's compiled update at each level,
+    from the update's kernels in a bench/optimizer_kernels.py CUDA record
+    (``update_kernel_seconds``) and the counts of the same steps (``counted``): the kernels'
+    time beyond the update graph's bytes at ``model.bandwidth``, over its integer operations.
+    The levels' updates differ by more than their counted operations: 0.40, 0.52 and
+    0.64 ps at O1, O2 and O3 on the H100, with O2 and O3 counted alike."""
+    costs = {}
+    for row, run in _counted_steps(record, counted):
+        update = run["stretches"][-1]  # the update runs after the finite check's sync
+        costs[run["level"]] = (update_kernel_seconds(row) - update["graph_bytes"] / model.bandwidth) / update["int_ops"]
+    return costs
 
 
 def print_table(level: str, phases: dict[str, dict[str, float]], modeled: dict[str, dict[str, float]],
@@ -730,7 +875,11 @@ def main(argv: list[str] | None = None) -> Path:
                                         args.optimizer, args.blocks)
             results[level] = {"phases": phases, "stretches": stretches}
         print(f"{level} done", flush=True)
-    model = H100Model(fp8_speedup=measured_fp8_speedup(json.loads(LINEAR_RECORDED.read_text())))
+    for level, result in results.items():
+        add_modeled_bytes(level, result, gemm_operand_bytes(config, args.batch_size, level, args.layer_selection))
+    kernels = json.loads(KERNELS_RECORDED.read_text())
+    model, calibrated = measured_model(json.loads(LINEAR_RECORDED.read_text()), kernels)
+    models = dict.fromkeys(LEVELS, model)
     payload: dict[str, Any] = {
         "command": "python bench/step_profile.py" + (f" --preset {args.preset}" if args.preset != "small" else ""),
         "preset": args.preset, "config": dataclasses.asdict(config), "batch_size": args.batch_size,
@@ -742,23 +891,31 @@ def main(argv: list[str] | None = None) -> Path:
         "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors; "
                       "graph_bytes: the tensor arguments of each generated kernel and extern call",
     }
-    calibrated = [f"fp8_speedup, measured: Fp8Linear over nn.Linear, compiled, in {LINEAR_RECORDED.name}"]
-    if big and args.optimizer == "compiled":
+    if big and args.optimizer == "compiled":  # constants measured on the optimizer-only steps, with their counts
         saved = earlier.get("optimizer_check", [])
         if not saved or not all("int_ops" in row["stretches"][-1] for row in saved):
             saved = optimizer_check_counts(json.loads(OPTIMIZER_RECORDED.read_text()))
-        model = fit_int_op_s(model, [row for row in saved if row["millions"] == INT_OP_FIT_MILLIONS])
-        calibrated.append(f"int_op_s, on the {INT_OP_FIT_MILLIONS}M optimizer-only runs O1-O3")
-        payload["optimizer_check"] = optimizer_check(model, saved)
+        model = dataclasses.replace(model, eager_bandwidth=measured_eager_bandwidth(kernels, saved))
+        costs = measured_int_op_s(model, kernels, saved)
+        # O0's few integer operations (the embedding's indices) take the levels' mean
+        model = dataclasses.replace(model, int_op_s=statistics.fmean(costs.values()))
+        models = {level: dataclasses.replace(model, int_op_s=costs.get(level, model.int_op_s)) for level in LEVELS}
+        calibrated += [
+            f"eager_bandwidth: amp8's optimizer steps at {kernels['millions']}M parameters, their kernels other than "
+            f"the update's, {KERNELS_RECORDED.name} with the counts of optimizer_check",
+            f"int_op_s: amp8's update kernels at {kernels['millions']}M parameters beyond their bytes, per level "
+            f"(O0: the mean), {KERNELS_RECORDED.name} with the counts of optimizer_check",
+        ]
+        payload["optimizer_check"] = optimizer_check(models, saved)
     if big:
         recorded = json.loads(RECORDED.read_text())
-        if "O0" in results and recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
-            model = calibrate(results["O0"], compiled_row(recorded, "baseline")["step_ms"], model)
-            calibrated.append("gemm_share, on the O0 (BF16) baseline's step")
-            payload["predictions"] = predictions(results, model, recorded)
+        if recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
+            payload["predictions"] = predictions(results, models, recorded)
         payload["solved_from"] = [{"n_layer": l, "batch_size": b} for l, b in GPT_1B_POINTS]
-    payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": calibrated or "not calibrated"}
+    payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": calibrated,
+                             "int_op_s": {level: models[level].int_op_s for level in LEVELS}}
     for level, result in results.items():
+        model = models[level]
         modeled = {name: {"host_ms": 1e3 * model.host_seconds(row), "gpu_ms": 1e3 * model.device_seconds(row)}
                    for name, row in result["phases"].items()}
         result["modeled_h100_ms"] = {**modeled, "step": 1e3 * model.step_seconds(step_stretches(result))}

@@ -69,6 +69,12 @@ def test_compiled_casts_on_cuda_train_as_eager_casts_bit_for_bit(level: str, rec
 
 
 @cuda_fp8
+def test_a_model_on_cuda_takes_compiled_casts_by_default() -> None:
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(64, 64)).cuda(), None, "O1", layer_selection="all")
+    assert model[0].compiled_casts
+
+
+@cuda_fp8
 @pytest.mark.parametrize("recipe_name", RECIPES)
 @pytest.mark.parametrize("level", LEVELS)
 def test_training_on_cuda_follows_the_cpu(level: str, recipe_name: str) -> None:

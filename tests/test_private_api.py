@@ -67,11 +67,12 @@ ALLOWED: dict[str, str] = {
     **{
         f"torch._foreach_{op}": (
             "torch's multi-tensor kernels, one launch over a list of tensors: the step counts of plain "
-            "float32 parameters (amp8/optim/plain_step.py), as torch.optim.Adam(fused=True) advances them, "
+            "float32 parameters (amp8/optim/plain_step.py), as torch.optim.Adam(fused=True) advances them "
+            "(and takes a skipped step back, found_inf), "
             "the copies in and out of its update groups' flat buffers (amp8/optim/update_groups.py), and the "
             "finiteness check of many gradients (amp8/quant/scaling.py); torch has no public multi-tensor API"
         )
-        for op in ("add_", "copy_", "norm")
+        for op in ("add_", "sub_", "copy_", "norm")
     },
     **{
         f"torch._fused_{name}_": (

@@ -23,7 +23,7 @@ from amp8.config.recipe import Recipe, WeightGradScaling
 from amp8.nn.stored_module import StoredWeightModule
 from amp8.nn.swap import embedding_reason
 from amp8.tensor.scaled import ScaledTensor
-from amp8.tensor.weight_grad import GradLayout, WeightGrad, WeightGradInFlight
+from amp8.tensor.weight_grad import GradLayout, GradSlot, WeightGrad, WeightGradInFlight
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,14 @@ class _EmbeddingFunction(torch.autograd.Function):
         weight: torch.Tensor | None,
         table: ScaledTensor,
         config: EmbeddingConfig,
+        grad_slot: GradSlot | None = None,
     ) -> torch.Tensor:
         rows = nn.functional.embedding(ids, table.data)
         ctx.save_for_backward(ids)
         ctx.config = config
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.grad_class = WeightGradInFlight if isinstance(weight, WeightGradInFlight) else WeightGrad
+        ctx.grad_slot = grad_slot
         real = rows.float() / table.scale
         # A cast to the dtype a tensor has returns that tensor, and torch 2.11's Dynamo
         # loses the gradient of a Function whose output is such a cast: cast only if needed.
@@ -74,7 +76,7 @@ class _EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        unused = (None, None)  # table, config
+        unused = (None, None, None)  # table, config, grad_slot
         if not ctx.needs_input_grad[1]:
             return (None, None, *unused)
         (ids,) = ctx.saved_tensors
@@ -83,7 +85,8 @@ class _EmbeddingFunction(torch.autograd.Function):
         grad.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, config.embedding_dim).float())
         if config.padding_idx is not None:
             grad[config.padding_idx] = 0
-        return (None, ctx.grad_class.from_float(grad, config.grad_layout, ctx.weight_dtype), *unused)
+        grad_w = ctx.grad_class.from_float(grad, config.grad_layout, ctx.weight_dtype, slot=ctx.grad_slot)
+        return (None, grad_w, *unused)
 
 
 class LowBitEmbedding(StoredWeightModule):
@@ -136,7 +139,8 @@ class LowBitEmbedding(StoredWeightModule):
         config = EmbeddingConfig(
             self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_layout, self.out_dtype,
         )
-        return _EmbeddingFunction.apply(ids, self._grad_target(), self.stored_weight.stored(), config)
+        slot = None if torch.compiler.is_compiling() else self.stored_weight.grad_slot
+        return _EmbeddingFunction.apply(ids, self._grad_target(), self.stored_weight.stored(), config, slot)
 
     def extra_repr(self) -> str:
         """Shape and storage, for ``print(model)``."""

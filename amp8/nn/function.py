@@ -21,7 +21,7 @@ from amp8.quant.health import GemmOperand, cast_health
 from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, is_column_major, pad_rows
 from amp8.tensor.block_scaled import BlockScaledTensor
 from amp8.tensor.scaled import ScaledTensor
-from amp8.tensor.weight_grad import GradLayout, WeightGrad, WeightGradInFlight
+from amp8.tensor.weight_grad import GradLayout, GradSlot, WeightGrad, WeightGradInFlight
 
 
 
@@ -156,6 +156,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         quantizers: LinearQuantizers,
         config: LinearGemmConfig,
         grad_health: torch.Tensor | None = None,
+        grad_slot: GradSlot | None = None,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, config.in_features)  # (M, K)
         # Under one scale per tensor the forward's cast serves wgrad too: it writes the
@@ -203,7 +204,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.grad_class = WeightGradInFlight if isinstance(weight, WeightGradInFlight) else WeightGrad
         ctx.w8_dgrad, ctx.w_stored = w8_dgrad, w_stored
-        ctx.grad_health = grad_health
+        ctx.grad_health, ctx.grad_slot = grad_health, grad_slot
         return y
 
     @staticmethod
@@ -247,14 +248,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if needs_b else None  # no float32 copy of g2
         if not _graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
             ctx.w8_dgrad = ctx.w_stored = None
-        unused = (None,) * 6  # w8, w8_dgrad, w_stored, quantizers, config, grad_health
+        unused = (None,) * 7  # w8, w8_dgrad, w_stored, quantizers, config, grad_health, grad_slot
         if grad_w is not None:
             if config.weight_transposed:  # the Parameter holds W^T: its gradient is (K, N)
                 grad_w = grad_w.t().contiguous()
             if config.fp8_wgrad:  # the gradient of the real weight, one byte per element
                 value = grad_w
                 grad_w = ctx.grad_class.from_float(
-                    value, config.grad_layout, ctx.weight_dtype, compiled=quantizers.grad_output.compiled
+                    value, config.grad_layout, ctx.weight_dtype, compiled=quantizers.grad_output.compiled,
+                    slot=ctx.grad_slot,
                 )
                 if config.watch_health and ctx.grad_health is not None:
                     watch_weight_grad(ctx.grad_health, value, grad_w)

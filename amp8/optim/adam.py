@@ -6,56 +6,55 @@ stochastically) and second in FP16 at O2 and O3, both with the same scale tiles,
 held to exact Adam's bound on how far one step moves a weight (``amp8.optim.bound``); weights
 of FP8 layers in FP16 with stochastic rounding (O1, O2), or FP8 weights beside FP16
 master weights (O3). A step with any non-finite gradient changes nothing and is counted
-in ``skipped_steps``.
+in ``skipped_steps``; the device decides that, and the host never waits for it.
 
 The optimizer does Adam and nothing else: it reaches FP8 layers' weights only through
 their ``amp8.tensor.StoredWeight`` handles, and in data parallel it calls the object
 attached to average its gradients (an ``amp8.optim.gradients.GradientAverage``, such as
-``amp8.distributed.GradientReduction``) and knows nothing of process groups. Each tensor's update runs
-either as the reference below (``_update``: one eager torch operation at a time) or
-fused (``amp8/optim/fused.py`` compiled by ``torch.compile``). Stochastic rounding draws
-counter-based noise (``amp8/quant/noise.py``): draw number ``n`` of the optimizer uses
+``amp8.distributed.GradientReduction``) and knows nothing of process groups. A parameter's
+update runs in an update group (``amp8.optim.update_groups``: one pass over flat buffers,
+eager or compiled by ``torch.compile``), or alone as the reference step
+(``amp8.optim.reference_step``: one eager operation at a time, the specification), both
+encoding through ``amp8.quant.codec``. Stochastic rounding draws counter-based noise
+(``amp8/quant/noise.py``): draw number ``n`` of the optimizer uses
 ``noise.rounding_key(seed, n)``, whichever path runs, so both paths round alike and a
 checkpoint resumes the same noise from ``(seed, n)``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, ContextManager, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from amp8.config.levels import O1, OptLevel, resolve_level
 from amp8.config.validation import removed_name
-from amp8.optim import checkpoint, layer_state
-from amp8.optim.copies import BOUND_TO_PARAMS, Copies
-from amp8.optim import fused as fused_step
-from amp8.optim import state as state_storage
 from amp8._compiled import cpp_compiler_found
-from amp8.optim.plain_step import plain_adam_step, takes_plain_step
-from amp8.optim.fused_update import fused_update, stored_grad
+from amp8.optim import layer_state
+from amp8.optim.checkpoint import Checkpoints
+from amp8.optim.copies import BOUND_TO_PARAMS, Copies
+from amp8.optim.data_parallel import DataParallel
 from amp8.optim.gradients import GradientAverage
-from amp8.optim.state import MOMENTS
+from amp8.optim.plain_step import plain_adam_step
+from amp8.optim.plan import UpdatePlan, build_plan, step_inputs
+from amp8.optim.reference_step import reference_update
 from amp8.optim.stored_state import StoredState
-from amp8.optim.update_groups import StepInputs, UpdatePlan, build_groups
 from amp8.optim.support import (
     REMOVED_ATTRIBUTES, check_hyperparameters, check_options, check_removed_options, check_state_precision,
     check_supported, torch_groups,
 )
-from amp8.quant import noise, scaling
-from amp8.tensor.scaled import local_tensor
-from amp8.tensor.stored import StoredWeight, float_grad, stored_weight
+from amp8.quant import noise
+from amp8.quant.codec import FLOAT32
+from amp8.tensor.stored import StoredWeight, stored_weight
 
 DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
 # From this many parameter elements on, fused=None compiles the step on the CPU too.
 FUSED_CPU_MIN_ELEMENTS = 1 << 22
-_EXTRA_STATE_KEY = "amp8"
 
 
-class LowBitAdam(Copies, torch.optim.Optimizer):
+class LowBitAdam(Copies, DataParallel, Checkpoints, torch.optim.Optimizer):
     """Adam (``decoupled_weight_decay=False``) or AdamW (True) for amp8 models.
 
     Args:
@@ -67,19 +66,17 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
         state_block_size: elements per scale of low-bit moments (0: one scale per tensor).
         seed: seeds the stochastic rounding of FP16 weights (an int >= 0; saved in
             ``state_dict`` with the count of draws so far).
-        fused: run each tensor's update as one ``torch.compile``d function
-            (``amp8.optim.fused``): True anywhere (the CPU compiles it to C++), False
+        fused: run each update group's step as one ``torch.compile``d function
+            (``amp8.optim.group_step``): True anywhere (the CPU compiles it to C++), False
             never, None (default) for parameters on CUDA, and on the CPU for an
             optimizer over at least ``FUSED_CPU_MIN_ELEMENTS`` elements where a C++
             compiler is found (the compile, a few seconds per kind of tensor, pays for
-            itself within a few hundred steps there, and sooner for larger models: the
-            fused step runs 3-8x faster than the reference on the CPU,
-            ``bench/optimizer.py``). Where the fused step does
-            not apply (the chunks of weights sharded over data-parallel ranks), those
-            tensors take the reference step. Both round with the same noise; they agree
-            up to the compiler's reordering of float32 arithmetic. Plain float32
-            parameters with float32 moments (O1's biases and norms) take torch's fused
-            Adam kernel, all of them in one call (``amp8.optim.plain_step``), either way.
+            itself within a few hundred steps there, and sooner for larger models,
+            ``bench/optimizer.py``). Tensors no group covers take the eager reference
+            step either way. Both round with the same noise; they agree up to the
+            compiler's reordering of float32 arithmetic. Plain float32 parameters with
+            float32 moments (O1's biases and norms) take torch's fused Adam kernel, all of
+            them in one call (``amp8.optim.plain_step``), either way.
         master_weights: ``{weight Parameter: float32 weight}`` to take O3's master
             weights from, where the layers already store less precise FP8 weights
             (default: each layer's stored weight); for a weight sharded over ranks,
@@ -87,8 +84,8 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
         grouped: update the tensors of one kind together, in one call over flat
             buffers that hold their moments and stored weights (``amp8.optim.update_groups``):
             a fixed number of operations (or compiled calls) per step, whatever the number
-            of parameters. False updates each tensor on its own (the same results, bit for
-            bit eagerly; much slower over many tensors). Layouts a group does not cover
+            of parameters. False updates each tensor on its own with the reference step
+            (the same results, bit for bit eagerly; much slower over many tensors). Layouts a group does not cover
             (2-D tiles of scales, E8M0 scales, stacks of experts, sharded weights) take
             their own update either way.
 
@@ -157,7 +154,7 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
         )
         self.grouped = grouped
         self._new_step_functions()
-        self.skipped_steps = 0
+        self._skipped: torch.Tensor | None = None
         self._average: GradientAverage | None = None
         self._stepped = False
         if self.sharded:
@@ -199,135 +196,6 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
             ),
             maximize=defaults.get("maximize", False), level=level, **options,
         )
-
-    # -- data parallel (the attached average averages; the optimizer only calls it) ---
-    def attach_gradient_average(self, average: GradientAverage) -> None:
-        """Have ``average`` average this optimizer's gradients over data-parallel ranks:
-        each step synchronizes it first, skips on every rank when any rank has a
-        non-finite gradient, and ends its round last. ``amp8.initialize`` attaches an
-        ``amp8.distributed.GradientReduction``; for an optimizer built by hand use
-        ``amp8.distributed.GradientReduction.attach``. Attaching the attached one again
-        does nothing.
-
-        Raises:
-            TypeError: ``average`` lacks a method of ``GradientAverage``.
-            RuntimeError: another average is attached already, or the optimizer has taken
-                a step (the ranks' weights may differ already).
-            ValueError: the opt level shards the optimizer (O3) and an FP8 layer's weight
-                is not sharded over the ranks.
-        """
-        if average is self._average:
-            return
-        if not isinstance(average, GradientAverage):
-            raise TypeError(
-                f"attach_gradient_average takes an amp8.optim.gradients.GradientAverage (such as "
-                f"amp8.distributed.GradientReduction), got {type(average).__name__}"
-            )
-        if self._average is not None:
-            raise RuntimeError(
-                f"this LowBitAdam's gradients are averaged by a {type(self._average).__name__} "
-                "already; attach one average per optimizer"
-            )
-        if self._stepped:
-            raise RuntimeError(
-                "attach the gradient average before the optimizer's first step: the ranks "
-                "have stepped on gradients of their own since, and their weights may differ"
-            )
-        if self.level.shard_optimizer:
-            self._check_all_sharded()
-        self._average = average
-
-    @property
-    def gradient_average(self) -> GradientAverage | None:
-        """What averages the gradients over data-parallel ranks (see
-        ``attach_gradient_average``), or None."""
-        return self._average
-
-    @property
-    def sharded(self) -> bool:
-        """Whether FP8 layers' master weights and moments are sharded over ranks: the
-        opt level shards the optimizer and FSDP2 shards the weights."""
-        return self.level.shard_optimizer and any(handle.sharded for handle in self.weights.values())
-
-    def _is_sharded(self, param: nn.Parameter) -> bool:
-        handle = self.weights.get(param)
-        return self.level.shard_optimizer and handle is not None and handle.sharded
-
-    def _check_all_sharded(self) -> None:
-        """Raise unless every FP8 layer's weight (but fixed-storage tables) is sharded."""
-        unsharded = [p for p, handle in self.weights.items() if not (handle.sharded or handle.fixed_storage)]
-        if unsharded:
-            raise ValueError(
-                f"opt level {self.level.name} in data parallel keeps each rank's rows of the FP8 "
-                f"weights, but an FP8 layer's weight of shape {tuple(unsharded[0].shape)} is "
-                "not sharded; let amp8.initialize build the optimizer, or shard the weights "
-                "with amp8.distributed.fsdp.shard_weights first"
-            )
-
-    def no_sync(self) -> ContextManager[None]:
-        """Context for the backward passes of gradient-accumulation micro-batches except
-        the last: they start no communication (as ``DistributedDataParallel.no_sync``)."""
-        return self._average.no_sync() if self._average is not None else contextlib.nullcontext()
-
-    def synchronize(self) -> None:
-        """Average every gradient over the data-parallel ranks (see
-        ``attach_gradient_average``). ``step`` calls this when needed; call it yourself
-        before anything that must see averaged gradients, such as clipping."""
-        if self._average is not None:
-            self._average.synchronize()
-
-    def _sharded_average(self) -> GradientAverage:
-        """The attached average, which the weights sharded over ranks need (their
-        gradients and scales come from all ranks)."""
-        if self._average is None:
-            raise RuntimeError(
-                "this LowBitAdam keeps each rank's rows of FP8 weights that FSDP2 shards over "
-                "data-parallel ranks, and no gradient average is attached to it: before the first "
-                "step call amp8.distributed.GradientReduction.attach(optimizer, "
-                "amp8.distributed.data_parallel_group(model)), or let amp8.initialize build the optimizer"
-            )
-        return self._average
-
-    def _own_chunk(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
-        """The part of ``value`` whose state this rank keeps: all of it, or for a sharded
-        weight this rank's rows, flat (``value`` must hold those rows already, as a
-        sharded ``StoredWeight.read`` returns them)."""
-        if not self._is_sharded(param):
-            return value
-        rows = local_tensor(param)
-        if value.numel() != rows.numel():
-            raise ValueError(
-                f"the weight of shape {tuple(param.shape)} is sharded over data-parallel ranks and "
-                f"this rank holds {rows.numel()} of its elements, but its master weight has "
-                f"{value.numel()}; pass this rank's rows in master_weights"
-            )
-        return value.flatten()
-
-    # -- gradients -------------------------------------------------------------------
-    def gradient(self, param: nn.Parameter) -> torch.Tensor | None:
-        """The float32 gradient of ``param``: its FP8 weight gradient or ``param.grad``
-        (this rank's chunk of the averaged gradient for a sharded weight)."""
-        if self._is_sharded(param):
-            return self._sharded_average().averaged_chunk(param)
-        return float_grad(param)
-
-    def stored_gradients(self) -> list[torch.Tensor]:
-        """Every gradient as stored (FP8 data, ``param.grad``, or the averaged chunk of a
-        sharded weight), for finiteness checks."""
-        stored = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                handle = self.weights.get(param)
-                if self._is_sharded(param):
-                    grad = self._sharded_average().averaged_chunk(param)
-                elif handle is not None:
-                    scaled = handle.grad()
-                    grad = None if scaled is None else scaled.data
-                else:
-                    grad = param.grad
-                if grad is not None:
-                    stored.append(grad)
-        return stored
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` as torch does (the FP8 weight gradients included), and the
@@ -376,7 +244,12 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
     # -- the step --------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """One Adam step over every parameter with a gradient, or none if any overflowed."""
+        """One Adam step over every parameter with a gradient, or none if any overflowed.
+
+        The host does not wait for the device: whether a gradient holds an inf or NaN is
+        decided on the device, and a step that finds one writes back what it read
+        (``skipped_steps`` counts it). With a gradient average attached, the ranks agree
+        on skipping through the host (one sync)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -392,107 +265,68 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
         self.synchronize()
         plan = self._plan_for_step()
         try:
-            nonfinite = not bool(scaling.all_finite(plan.gradients()))
+            skip = plan.nonfinite()
             if self._average is not None:
-                nonfinite = self._average.any_rank(nonfinite)
-            if not nonfinite:
-                self._update_all(plan)
-                if self.sharded:
-                    self.stored.store_sharded_weights(self.state, self._sharded_average().max_over_ranks)
-            else:
-                self.skipped_steps += 1
+                skip = torch.tensor(self._average.any_rank(bool(skip)), device=skip.device)
+            self._update_all(plan, skip)
+            self._skipped = self._skipped + skip.to(self._skipped.device, torch.int64) if self._skipped is not None \
+                else skip.to(torch.int64)
         finally:
             plan.end_step()
         if self._average is not None:
             self._average.end_round()
         return loss
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because a gradient held an inf or NaN (read from the device when asked)."""
+        skipped = self.__dict__.get("_skipped")
+        return 0 if skipped is None else int(skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = None if value == 0 else torch.tensor(int(value), dtype=torch.int64)
+
     def _plan_for_step(self) -> UpdatePlan:
         """This step's plan (``amp8.optim.update_groups``), built again where the last one
         no longer fits, with the gradients of its update groups copied into their buffers."""
-        inputs = self._step_inputs()
+        inputs = step_inputs(self)
         plan = self._plan
         if plan is None or not plan.fits(inputs) or not plan.gather(inputs):
             # The new groups copy from the old ones' views; what the old ones still hold
             # then gets memory of its own.
-            old, plan = plan, self._build_plan(inputs)
+            old, plan = plan, build_plan(self, inputs)
             if old is not None:
                 old.release()
             self._plan = plan
             if not plan.gather(inputs):
                 raise RuntimeError("amp8: an update group does not hold the tensors it was just built from")
-        plan.other_grads = [
-            grad[0] if (grad := inputs.grads[position]) is not None else self.gradient(param)
-            for _, param, position in plan.alone
-        ] + [param.grad for params in plan.plain.values() for param in params]
+        plan.other_grads = [inputs.grads[position] for _, _, position in plan.alone]
+        plan.sharded_grads = [self.gradient(param) for _, param, _ in plan.alone if self._is_sharded(param)]
+        plan.plain_grads = [param.grad for params in plan.plain.values() for param in params]
         return plan
 
-    def _update_all(self, plan: UpdatePlan) -> None:
+    def _update_all(self, plan: UpdatePlan, skip: torch.Tensor) -> None:
         """Every parameter's update with a gradient, each on the path ``plan`` gives it,
-        rounding under the noise key the reference step would draw for it."""
+        rounding under the noise key the reference step would draw for it; nothing is
+        written where ``skip``."""
         first_draw = self.stored.rounding_counter
-        for index, param, _ in plan.alone:
+        for (index, param, position), grad in zip(plan.alone, plan.other_grads):
             self.stored.rounding_counter = first_draw + plan.draws.get(param, 0)
-            group = self.param_groups[index]
-            if self._runs_fused(param) and fused_update(
-                self._fused_steps, param, self.weights.get(param), self.state[param], group,
-                lambda: self.stored.update_noise_key(param),
-            ):
+            if self._is_sharded(param):
+                grad = (self._sharded_average().averaged_chunk(param), None, FLOAT32)
+            if grad is None:
                 continue
-            grad = self.gradient(param)
-            if grad is not None:
-                self._update(param, grad, group)
+            reference_update(self.stored, param, self.state[param], grad, self.param_groups[index], skip)
+        if self.sharded and not bool(skip):  # (the ranks agreed on ``skip`` through the host already)
+            self.stored.store_sharded_weights(self.state, self._sharded_average().max_over_ranks)
         for (index, _), params in plan.plain.items():
-            plain_adam_step(params, [self.state[param] for param in params], self.param_groups[index])
+            plain_adam_step(params, [self.state[param] for param in params], self.param_groups[index], skip)
         seed_part = noise.seed_key(self.seed)
         for update_group in plan.groups:
-            compiled = self._runs_fused(update_group.members[0].param)
-            update_group.run(
-                self._group_steps[compiled], self.param_groups[update_group.key.param_group],
-                seed_part, first_draw, as_tensors=compiled,
-            )
+            steps = self._group_steps[self._compiles(update_group.members[0].param)]
+            update_group.run(steps, self.param_groups[update_group.key.param_group], seed_part, first_draw, skip)
         self.stored.rounding_counter = first_draw + plan.total_draws
-
-    def _step_inputs(self) -> StepInputs:
-        """What each parameter's update is this step, with the stored gradient and state
-        of each "update" one (``StepInputs``). A parameter trainable since the optimizer
-        was built gets its state here."""
-        inputs = StepInputs([], [], [], [])
-        params, kinds, grads, states_now = inputs.params, inputs.kinds, inputs.grads, inputs.states
-        states, weights, shard_optimizer = self.state, self.weights, self.level.shard_optimizer
-        seen: set[nn.Parameter] = set()
-        for group in self.param_groups:
-            for param in group["params"]:
-                param_state = states.get(param)
-                grad = None
-                if param in seen:
-                    kind = "skip"  # listed again: updated once, where it is listed first
-                elif not param_state and not param.requires_grad:
-                    kind = "skip"  # frozen: no state, no update
-                else:
-                    if not param_state:
-                        # Frozen when this optimizer was built, trainable since: its state
-                        # starts now (at O3 its master from the FP8 weight).
-                        param_state = states[param]
-                        self.stored.init(param, param_state, None)
-                    handle = weights.get(param)
-                    if handle is not None and handle.sharded and shard_optimizer:
-                        kind = "sharded" if self.gradient(param) is not None else "skip"
-                    elif handle is None and takes_plain_step(param, param_state):
-                        kind = "plain"
-                    else:
-                        grad = stored_grad(param, handle)
-                        kind = "skip" if grad is None else "update"
-                seen.add(param)
-                params.append(param)
-                kinds.append(kind)
-                grads.append(grad)
-                states_now.append(param_state if grad is not None else None)
-        return inputs
-
-    def _params_in_order(self) -> list[tuple[int, nn.Parameter]]:
-        """``(param group index, param)`` of every parameter, in order."""
-        return [(index, param) for index, group in enumerate(self.param_groups) for param in group["params"]]
 
     def _drop_plan(self) -> None:
         """Forget the update groups, giving their members their own memory back."""
@@ -500,110 +334,9 @@ class LowBitAdam(Copies, torch.optim.Optimizer):
             self._plan.release()
             self._plan = None
 
-    def _build_plan(self, inputs: StepInputs) -> UpdatePlan:
-        """Sort the parameters by their kinds in ``inputs`` into update groups, the plain
-        step and their own updates, and number their noise draws in the reference step's
-        order."""
-        params = self._params_in_order()
-        draws_stochastically = state_storage.rounds_stochastically(MOMENTS[0], self.level.exp_avg)
-        draws: dict[nn.Parameter, int] = {}
-        plain: dict[tuple[int, torch.device], list[nn.Parameter]] = {}
-        candidates, alone = [], []
-        for position, ((index, param), kind) in enumerate(zip(params, inputs.kinds)):
-            if kind == "plain":
-                plain.setdefault((index, param.device), []).append(param)
-                continue
-            if kind == "skip":
-                continue
-            if param in self.weights or draws_stochastically:
-                draws[param] = len(draws)
-            if kind == "update" and self.grouped:
-                candidates.append((
-                    index, param, self.weights.get(param), self.state[param], self.param_groups[index],
-                    draws.get(param, 0), inputs.grads[position], position,
-                ))
-            else:
-                alone.append((index, param, position))
-        groups, ungrouped = build_groups(candidates)
-        alone = sorted(alone + ungrouped, key=lambda entry: entry[2])
-        return UpdatePlan(inputs.params, inputs.kinds, groups, alone, plain, draws, len(draws))
-
-    def _runs_fused(self, param: nn.Parameter) -> bool:
-        """Whether ``param``'s update takes the fused step (see ``fused`` in the class
-        docstring); sharded weights keep the reference step."""
+    def _compiles(self, param: nn.Parameter) -> bool:
+        """Whether the update group of ``param`` runs compiled (see ``fused`` in the class
+        docstring)."""
         if self.fused is not None:
-            wanted = self.fused
-        else:
-            wanted = param.device.type == "cuda" or (param.device.type == "cpu" and self._fused_on_cpu)
-        return wanted and not self._is_sharded(param)
-
-    def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict[str, Any]) -> None:
-        """``param``'s update, one eager operation at a time: the reference step."""
-        param_state = self.state[param]
-        exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in MOMENTS)
-        weight = self.stored.weight(param, param_state)
-        param_state["step"] += 1
-        scalars = fused_step.coefficients(group, float(param_state["step"]), as_tensors=False)
-        # Stored moments: the step is held to exact Adam's bound (amp8.optim.bound).
-        exp_avg, exp_avg_sq, weight = fused_step.adam_arithmetic(
-            grad, exp_avg, exp_avg_sq, weight, scalars,
-            decay=fused_step.decay_of(group), maximize=bool(group["maximize"]),
-            bounded=state_storage.low_bit_moments(param_state),
-        )
-        noise_key = self.stored.update_noise_key(param)
-        for key, value in zip(MOMENTS, (exp_avg, exp_avg_sq)):
-            self.stored.store_moment(param, param_state, key, value, noise_key)
-        self.stored.write_weight(param, param_state, weight, noise_key)
-
-    # -- checkpoints -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus amp8's counters and the stochastic-rounding
-        seed and count of draws (all the noise of the rest of the run depends on). Low-bit
-        state carries a marker that makes ``torch.optim.Adam.load_state_dict`` refuse it
-        (see ``amp8.optim.checkpoint``; ``amp8.optim.to_torch_state_dict`` converts)."""
-        state = super().state_dict()
-        if checkpoint.has_low_bit_state(self.level):
-            state = checkpoint.with_marker(state, self.level)
-        state[_EXTRA_STATE_KEY] = {
-            "skipped_steps": self.skipped_steps,
-            "rounding": {"seed": self.seed, "counter": self.rounding_counter},
-            layer_state.LAYERS_KEY: layer_state.layer_states(self.weights, checkpoint.param_indices(self.param_groups)),
-        }
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore exactly what ``state_dict()`` saved, the FP8 layers' state with it.
-
-        torch's loader casts floating state to each parameter's dtype, which would round
-        FP32 moments to FP16 and break FP8 ones; amp8 restores every tensor as saved. State
-        saved at other precisions (another opt level) is converted to this optimizer's,
-        with a warning that says so. Each FP8 layer takes back its amax histories, GEMM
-        precision and weight scales, its weight re-encoded under those scales from the
-        real values the model holds (``amp8.optim.layer_state``): after the model's plain
-        ``state_dict`` (loaded before or after this), the run resumes bit for bit.
-        """
-        state_dict = checkpoint.without_marker(dict(state_dict))
-        extra = state_dict.pop(_EXTRA_STATE_KEY, {})
-        self._drop_plan()
-        params = [p for group in self.param_groups for p in group["params"]]
-        layer_state.restore_layer_states(self.weights, params, extra.get(layer_state.LAYERS_KEY, {}))
-        super().load_state_dict(state_dict)
-        converted = checkpoint.restore_state(self.state, params, state_dict, self.stored.convert)
-        if converted:
-            warnings.warn(
-                f"amp8: the optimizer checkpoint was saved at other precisions; converted "
-                f"{', '.join(sorted(converted))} to opt level {self.level.name}",
-                stacklevel=2,
-            )
-        self.skipped_steps = int(extra.get("skipped_steps", 0))
-        rounding = extra.get("rounding")
-        if rounding is not None:
-            self.stored.seed, self.stored.rounding_counter = int(rounding["seed"]), int(rounding["counter"])
-        elif "generators" in extra:
-            warnings.warn(
-                "amp8: the optimizer checkpoint holds torch.Generator states for stochastic "
-                "rounding, from an amp8 before counter-based rounding; they are ignored and "
-                f"rounding continues from seed {self.seed}, so the resumed run rounds with "
-                "other random bits than the saved one would have (with the same statistics)",
-                stacklevel=2,
-            )
+            return self.fused
+        return param.device.type == "cuda" or (param.device.type == "cpu" and self._fused_on_cpu)

@@ -10,6 +10,7 @@ empty param group that names what it holds: torch's ``load_state_dict`` refuses 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from amp8.config.levels import OptLevel, Precision
 from amp8.optim import state as state_storage
 from amp8.optim.state import MOMENTS
+from amp8.optim import layer_state
 from amp8.quant.checks import check_loaded_scales
 
 MARKER_KEY = "amp8_low_bit_state"
@@ -110,3 +112,73 @@ def restore_state(
         converted |= convert(param, param_state)
         state[param] = param_state
     return converted
+
+
+EXTRA_STATE_KEY = "amp8"
+"""Where ``LowBitAdam.state_dict`` keeps amp8's counters, the rounding seed and the layers' state."""
+
+
+class Checkpoints:
+    """``LowBitAdam``'s ``state_dict`` and ``load_state_dict``."""
+
+    level: OptLevel
+    param_groups: list[dict[str, Any]]
+    state: Any
+    weights: dict[nn.Parameter, Any]
+    stored: Any
+    skipped_steps: int
+    seed: int
+    rounding_counter: int
+    _drop_plan: Callable[[], None]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict plus amp8's counters and the stochastic-rounding
+        seed and count of draws (all the noise of the rest of the run depends on). Low-bit
+        state carries a marker that makes ``torch.optim.Adam.load_state_dict`` refuse it
+        (see ``amp8.optim.checkpoint``; ``amp8.optim.to_torch_state_dict`` converts)."""
+        state = super().state_dict()  # type: ignore[misc]
+        if has_low_bit_state(self.level):
+            state = with_marker(state, self.level)
+        state[EXTRA_STATE_KEY] = {
+            "skipped_steps": self.skipped_steps,
+            "rounding": {"seed": self.seed, "counter": self.rounding_counter},
+            layer_state.LAYERS_KEY: layer_state.layer_states(self.weights, param_indices(self.param_groups)),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore exactly what ``state_dict()`` saved, the FP8 layers' state with it.
+
+        torch's loader casts floating state to each parameter's dtype, which would round
+        FP32 moments to FP16 and break FP8 ones; amp8 restores every tensor as saved. State
+        saved at other precisions (another opt level) is converted to this optimizer's,
+        with a warning that says so. Each FP8 layer takes back its amax histories, GEMM
+        precision and weight scales, its weight re-encoded under those scales from the
+        real values the model holds (``amp8.optim.layer_state``): after the model's plain
+        ``state_dict`` (loaded before or after this), the run resumes bit for bit.
+        """
+        state_dict = without_marker(dict(state_dict))
+        extra = state_dict.pop(EXTRA_STATE_KEY, {})
+        self._drop_plan()
+        params = [p for group in self.param_groups for p in group["params"]]
+        layer_state.restore_layer_states(self.weights, params, extra.get(layer_state.LAYERS_KEY, {}))
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        converted = restore_state(self.state, params, state_dict, self.stored.convert)
+        if converted:
+            warnings.warn(
+                f"amp8: the optimizer checkpoint was saved at other precisions; converted "
+                f"{', '.join(sorted(converted))} to opt level {self.level.name}",
+                stacklevel=2,
+            )
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        rounding = extra.get("rounding")
+        if rounding is not None:
+            self.stored.seed, self.stored.rounding_counter = int(rounding["seed"]), int(rounding["counter"])
+        elif "generators" in extra:
+            warnings.warn(
+                "amp8: the optimizer checkpoint holds torch.Generator states for stochastic "
+                "rounding, from an amp8 before counter-based rounding; they are ignored and "
+                f"rounding continues from seed {self.seed}, so the resumed run rounds with "
+                "other random bits than the saved one would have (with the same statistics)",
+                stacklevel=2,
+            )

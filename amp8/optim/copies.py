@@ -17,17 +17,16 @@ from typing import Any
 
 import torch
 
-from amp8.optim import fused as fused_step
 from amp8.optim import layer_state
-from amp8.optim.group_step import adam_group_step
+from amp8.optim.group_step import GroupSteps
 from amp8.optim.state import MASTER
 from amp8.optim.stored_state import StoredState
-from amp8.optim.update_groups import UpdatePlan
+from amp8.optim.plan import UpdatePlan
 from amp8.tensor.stored import stored_weight
 
 # What a copy keeps; the rest is rebuilt.
 _COPIED = frozenset({
-    "defaults", "state", "param_groups", "level", "fused", "_fused_on_cpu", "grouped", "skipped_steps", "_stepped",
+    "defaults", "state", "param_groups", "level", "fused", "_fused_on_cpu", "grouped", "_skipped", "_stepped",
 })
 BOUND_TO_PARAMS = frozenset({"weights", "stored", "_layer_modules"})
 """Rebuilt on first use after a copy (``LowBitAdam.__getattr__`` calls ``_bind_to_params``)."""
@@ -55,16 +54,13 @@ class Copies:
         """Rebuild from ``__getstate__``: what refers to the Parameters' handles is bound
         on first use (``_bind_to_params``), once the copied model's layers have bound them."""
         super().__setstate__(state)  # type: ignore[misc]
-        if "_fused_steps" not in self.__dict__:  # a copy (torch's load_state_dict calls this too)
+        if "_group_steps" not in self.__dict__:  # a copy (torch's load_state_dict calls this too)
             self._new_step_functions()
             self._average = None
 
     def _new_step_functions(self) -> None:
         """Fresh compiled steps and no update groups (built again at the next step)."""
-        self._fused_steps = fused_step.FusedAdam()
-        self._group_steps = {
-            compiled: fused_step.FusedAdam(compile=compiled, function=adam_group_step) for compiled in (False, True)
-        }
+        self._group_steps = {compiled: GroupSteps(compile=compiled) for compiled in (False, True)}
         self._plan: UpdatePlan | None = None
 
     def _bind_to_params(self) -> None:

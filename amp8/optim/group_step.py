@@ -1,32 +1,40 @@
-"""Adam's update of many tensors in one call, over flat buffers.
+"""Adam's update of many tensors in one pass over flat buffers.
 
 The tensors of one update group (``amp8.optim.update_groups``: one ``UpdateSpec``, one
 step count, one device) are stored one after another in the rows of 2-D buffers, one
 buffer per stored tensor kind (gradient, each moment, weight): each tensor takes whole
 rows of ``width`` elements, its last row padded with zeros (which stay zero: a zero
-gradient moves nothing). A scale is either per tensor, from the max over the tensor's
-rows' amaxes, or per buffer row, where the storage keeps one scale per row of a matrix
-(``width`` = its columns) or per block of ``width`` elements. Stochastic rounding takes
-each element's noise from its tensor's key and its index in that tensor
-(``amp8.quant.noise.random_bits_at``), so every value is computed by the same operations,
-from the same inputs, as ``amp8.optim.fused.adam_tensor_step`` computes it for the tensor
-alone: run eagerly, the result is the reference step's bit for bit.
+gradient moves nothing). A scale is either per tensor or per buffer row (one per row of a
+matrix, ``width`` = its columns, or per flat block of ``width`` elements).
 
-``adam_group_step`` writes the new moments, weights and scales into its input buffers;
-what is fixed between steps is its ``UpdateSpec``, and everything else is a tensor (or a
-float eagerly), so one compiled graph serves every step and every group size.
+One pass: every element is read once and written once. A per-row scale comes from the
+row's new values within the pass; a per-tensor scale comes from a bound on the tensor's
+new absolute maximum computed before the pass from the old one
+(``amp8.optim.arithmetic.amax_bounds``), and the pass measures the new maximum of what
+it stores for the next step (``GroupTensors``' amaxes). The skip on an inf or NaN
+gradient is a mask on the device (``skip``): a skipped step writes back what it read.
+
+Stochastic rounding takes each element's noise from its tensor's key and its index in that
+tensor (``amp8.quant.noise.update_words``), so every value is computed by the same
+operations, from the same inputs, as ``amp8.optim.reference_step`` computes it for the
+tensor alone: run eagerly, the results are the reference step's bit for bit.
+
+``adam_group_step`` writes into its input buffers; what is fixed between steps is its
+``UpdateSpec``, and everything else is a tensor (or a float eagerly), so one compiled
+graph serves every step and every group size.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from amp8.optim.fused import Coefficients, Storage, UpdateSpec, WeightKind, adam_arithmetic
-from amp8.optim.state import FIRST_MOMENT_STREAM
+from amp8._compiled import compile_privately
+from amp8.optim.arithmetic import Decay, Hyper, StepScalars, adam_arithmetic, amax_bounds, unless_skipped
+from amp8.optim.spec import UpdateSpec, WeightKind
 from amp8.quant import noise, scaling
-from amp8.tensor.stored import FP16_MARGIN
+from amp8.quant.codec import Layout
 
 MAX_ELEMENTS = (1 << 31) - 1
 """The most elements a tensor of an update group may hold (int32 element indices)."""
@@ -35,7 +43,7 @@ MAX_ELEMENTS = (1 << 31) - 1
 class GroupTensors(NamedTuple):
     """One update group's buffers. Data are (rows, width); a scale is (tensors,) where
     the storage scales per tensor, (rows,) where it scales per row, None where it has
-    none."""
+    none; the amaxes are the absolute maxima of what is stored, per tensor."""
 
     grad: torch.Tensor
     grad_scale: torch.Tensor | None
@@ -45,134 +53,152 @@ class GroupTensors(NamedTuple):
     exp_avg_sq_scale: torch.Tensor | None
     weight: torch.Tensor  # FP16 data, FP16 master, or float32 values
     weight_scale: torch.Tensor | None  # per tensor (FP16 storage)
+    amaxes: torch.Tensor  # (3, tensors): what the first moment, second moment and weight store
     fp8_weight: torch.Tensor | None  # O3's FP8 weight (WeightKind.MASTER)
     fp8_weight_scale: torch.Tensor | None
     row_tensor: torch.Tensor  # (rows,) int64: the tensor each row belongs to
-    row_offset: torch.Tensor  # (rows,) int64: the index in its tensor of the row's first element
+    row_offset: torch.Tensor  # (rows,) int32: the index in its tensor of the row's first element
     draw: torch.Tensor  # (tensors,) int64: each tensor's draw number, counted from the step's first
+    steps: torch.Tensor  # (tensors,) float32: Adam's step counts (equal within a group)
 
 
-def scales_per_row(storage: Storage) -> bool:
-    """Whether ``storage`` keeps one scale per buffer row (rows of a matrix, or flat
-    blocks) rather than one per tensor."""
-    return storage.rows or storage.block_size > 0
-
-
-def _row_scales(scale: torch.Tensor, per_row: bool, layout: GroupTensors) -> torch.Tensor:
+def _row_scales(scale: torch.Tensor, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
     """``scale`` as one value per buffer row, shaped (rows, 1) to broadcast."""
-    return (scale if per_row else scale[layout.row_tensor])[:, None]
+    return (scale if layout.per_row else scale[tensors.row_tensor])[:, None]
 
 
-def _load(data: torch.Tensor, scale: torch.Tensor | None, storage: Storage, layout: GroupTensors) -> torch.Tensor:
-    """float32 values of a stored buffer."""
-    if storage.dtype is None or scale is None:
-        return data.float()
-    return scaling.dequantize(data, _row_scales(scale, scales_per_row(storage), layout))
+def _per_tensor_max(row_values: torch.Tensor, tensors: GroupTensors) -> torch.Tensor:
+    """The max over each tensor's rows of ``row_values`` (rows,), (tensors,) float32."""
+    out = tensors.draw.new_zeros(tensors.draw.shape, dtype=torch.float32)
+    return out.scatter_reduce(0, tensors.row_tensor, row_values.float(), "amax")
 
 
-def _tensor_amax(values: torch.Tensor, layout: GroupTensors) -> torch.Tensor:
-    """The absolute maximum of each tensor's values, (tensors,) float32."""
-    row_amax = values.abs().amax(dim=1).float()
-    tensors = layout.draw.new_zeros(layout.draw.shape, dtype=torch.float32)
-    return tensors.scatter_reduce(0, layout.row_tensor, row_amax, "amax")
-
-
-def _bits(keys: torch.Tensor | int, layout: GroupTensors, width: int) -> torch.Tensor:
-    """The noise words of every buffer element under its tensor's key (``keys`` per tensor)."""
-    index = layout.row_offset[:, None] + torch.arange(width, device=layout.row_offset.device)
-    row_keys = keys[layout.row_tensor][:, None] if isinstance(keys, torch.Tensor) else keys
-    return noise.random_bits_at(index, row_keys, MAX_ELEMENTS)
-
-
-def _quantize(
-    values: torch.Tensor, scale: torch.Tensor, per_row: bool, dtype: torch.dtype, layout: GroupTensors,
-    keys: torch.Tensor | None,
-) -> torch.Tensor:
-    """``values`` cast with ``scale``: stochastically under ``keys`` where given."""
-    full_scale = _row_scales(scale, per_row, layout)
-    if keys is None:
-        return scaling.quantize(values, full_scale, dtype)
-    return scaling.quantize_with_noise(values, full_scale, dtype, _bits(keys, layout, values.shape[1]))
+def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
+    """A bound on each tensor's gradient amax, (tensors,): the format's largest value over
+    the scale (what a saturating cast can hold; NaN where the cast saw an inf or NaN), or
+    the amax of a float gradient."""
+    if scale is None:
+        return _per_tensor_max(grad.abs().amax(dim=1), tensors)
+    largest = scaling.max_value(grad.dtype) / scale
+    return _per_tensor_max(largest, tensors) if layout.per_row else largest
 
 
 def _store(
-    values: torch.Tensor, storage: Storage, layout: GroupTensors, keys: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(data, scales)`` storing float32 ``values`` as ``amp8.optim.state.store`` would
-    store each tensor: scales from the amax of each row or tensor."""
-    if storage.dtype is None:
-        return values, None
-    per_row = scales_per_row(storage)
-    amax = values.abs().amax(dim=1).float() if per_row else _tensor_amax(values, layout)
-    scale = scaling.scale_from_amax(amax, storage.dtype)
-    moment_keys = noise.stream_key(keys, FIRST_MOMENT_STREAM) if storage.stochastic and keys is not None else None
-    return _quantize(values, scale, per_row, storage.dtype, layout, moment_keys), scale
+    values: torch.Tensor, layout: Layout, bound: torch.Tensor, previous: torch.Tensor | None,
+    tensors: GroupTensors, words: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(data, scales, each row's amax of what is stored)`` of float32 ``values``:
+    per-row scales from the rows' amaxes, per-tensor ones from ``bound``."""
+    if not layout.scaled:
+        return values, None, values.abs().amax(dim=1)
+    if layout.per_row:
+        scale = layout.scales(values.abs().amax(dim=1).float(), previous)
+    else:
+        scale = layout.scales(bound, previous)
+    row_scale = _row_scales(scale, layout, tensors)
+    data = layout.encode_rows(values, row_scale, words)
+    return data, scale, data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
 
 
-def _encode_fp16(
-    values: torch.Tensor, previous: torch.Tensor, layout: GroupTensors, keys: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``amp8.tensor.stored.encode_fp16`` of each tensor: one power-of-two scale with a
-    binade of headroom (the old one where a tensor is all zeros), stochastic rounding."""
-    scale = scaling.scale_from_amax(
-        _tensor_amax(values, layout), torch.float16, margin=FP16_MARGIN, power_of_2=True, previous=previous
-    )
-    return _quantize(values, scale, False, torch.float16, layout, keys), scale
-
-
-def _encode_fp8(
-    values: torch.Tensor, previous: torch.Tensor | None, spec: UpdateSpec, layout: GroupTensors
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """O3's FP8 weight from its new master values (``StoredWeight.encode``)."""
-    storage = spec.fp8_weight
-    assert storage.dtype is not None  # UpdateSpec construction guarantees it
-    per_row = scales_per_row(storage)
-    amax = values.abs().amax(dim=1).float() if per_row else _tensor_amax(values, layout)
-    scale = scaling.scale_from_amax(
-        amax, storage.dtype, margin=spec.fp8_margin, power_of_2=spec.fp8_power_of_2, previous=previous
-    )
-    return _quantize(values, scale, per_row, storage.dtype, layout, None), scale
+def _write(skip: torch.Tensor, pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
+    """Copy each new tensor into its buffer, unless ``skip``."""
+    for buffer, new in pairs:
+        if buffer is not None and new is not None:
+            buffer.copy_(unless_skipped(skip, buffer, new))
 
 
 def adam_group_step(
-    spec: UpdateSpec, tensors: GroupTensors, scalars: Coefficients, seed_part: torch.Tensor | int,
-    first_draw: torch.Tensor | int,
-) -> None:
-    """One Adam / AdamW update of every tensor in ``tensors``, written into its buffers.
+    spec: UpdateSpec, tensors: GroupTensors, h: Hyper, s: StepScalars, seed_part: torch.Tensor | int,
+    first_draw: torch.Tensor | int, skip: torch.Tensor,
+) -> torch.Tensor:
+    """One Adam / AdamW update of every tensor in ``tensors``, written into its buffers;
+    returns the row amaxes (3, rows) of what it stored, for ``keep_amaxes``
+    (nothing changes where ``skip``, a bool on the device, but the draws counted), with
+    the coefficients ``s`` of step ``steps[0] + 1``.
 
     Tensor ``t`` rounds under the noise key ``noise.rounding_key(seed, first_draw + draw[t])``
     (from ``seed_part = noise.seed_key(seed)``), the key the reference step draws for it.
     """
-    grad = _load(tensors.grad, tensors.grad_scale, spec.grad, tensors)
-    exp_avg = _load(tensors.exp_avg, tensors.exp_avg_scale, spec.exp_avg, tensors)
-    exp_avg_sq = _load(tensors.exp_avg_sq, tensors.exp_avg_sq_scale, spec.exp_avg_sq, tensors)
-    if spec.weight is WeightKind.PLAIN:
-        weight = tensors.weight.float()
-    else:
-        weight = scaling.dequantize(tensors.weight, _row_scales(tensors.weight_scale, False, tensors))
+    grad = spec.grad.decode_rows(tensors.grad, None if tensors.grad_scale is None
+                                 else _row_scales(tensors.grad_scale, spec.grad, tensors))
+    exp_avg = spec.exp_avg.decode_rows(tensors.exp_avg, None if tensors.exp_avg_scale is None
+                                       else _row_scales(tensors.exp_avg_scale, spec.exp_avg, tensors))
+    exp_avg_sq = spec.exp_avg_sq.decode_rows(tensors.exp_avg_sq, None if tensors.exp_avg_sq_scale is None
+                                             else _row_scales(tensors.exp_avg_sq_scale, spec.exp_avg_sq, tensors))
+    weight_layout = spec.weight_layout
+    weight = weight_layout.decode_rows(tensors.weight, None if tensors.weight_scale is None
+                                       else _row_scales(tensors.weight_scale, weight_layout, tensors))
+    exp_avg_amax, exp_avg_sq_amax, weight_amax = tensors.amaxes.unbind()
+    if spec.weight is WeightKind.PLAIN and spec.decay is Decay.L2:  # read here: the model may write it
+        weight_amax = _per_tensor_max(weight.abs().amax(dim=1), tensors)
+    bounds = amax_bounds(grad_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors), exp_avg_amax,
+                         exp_avg_sq_amax, weight_amax, h, s, spec.decay)
     exp_avg, exp_avg_sq, weight = adam_arithmetic(
-        grad, exp_avg, exp_avg_sq, weight, scalars, decay=spec.decay, maximize=spec.maximize, bounded=spec.bounded
+        grad, exp_avg, exp_avg_sq, weight, h, s, decay=spec.decay, maximize=spec.maximize, bounded=spec.bounded
     )
-    stochastic = spec.weight is not WeightKind.PLAIN or spec.exp_avg.stochastic
-    keys = noise.draw_key(seed_part, tensors.draw + first_draw) if stochastic else None
-    for (values, storage), data, scale in zip(
-        ((exp_avg, spec.exp_avg), (exp_avg_sq, spec.exp_avg_sq)),
-        (tensors.exp_avg, tensors.exp_avg_sq), (tensors.exp_avg_scale, tensors.exp_avg_sq_scale),
-    ):
-        new_data, new_scale = _store(values, storage, tensors, keys)
-        data.copy_(new_data)
-        if scale is not None and new_scale is not None:
-            scale.copy_(new_scale)
-    if spec.weight is WeightKind.PLAIN:
-        tensors.weight.copy_(weight)
-        return
-    assert keys is not None and tensors.weight_scale is not None
-    new_weight, new_scale = _encode_fp16(weight, tensors.weight_scale, tensors, keys)
-    tensors.weight.copy_(new_weight)
+    words = None
+    if spec.stochastic:
+        keys = noise.draw_key(seed_part, tensors.draw + first_draw)
+        index = tensors.row_offset[:, None] + torch.arange(tensors.grad.shape[1], dtype=torch.int32,
+                                                           device=tensors.row_offset.device)
+        words = noise.update_words(index, keys[tensors.row_tensor][:, None])
+    m_data, m_scale, m_amax = _store(exp_avg, spec.exp_avg, bounds.exp_avg, tensors.exp_avg_scale, tensors, words)
+    v_data, v_scale, v_amax = _store(exp_avg_sq, spec.exp_avg_sq, bounds.exp_avg_sq, tensors.exp_avg_sq_scale,
+                                     tensors, None)
+    w_data, w_scale, w_amax = _store(weight, weight_layout, bounds.weight, tensors.weight_scale, tensors, words)
+    fp8_data = fp8_scale = None
     if spec.weight is WeightKind.MASTER:
-        assert tensors.fp8_weight is not None and tensors.fp8_weight_scale is not None
         previous = tensors.fp8_weight_scale if spec.fp8_previous_scale else None
-        fp8_weight, fp8_scale = _encode_fp8(weight, previous, spec, tensors)
-        tensors.fp8_weight.copy_(fp8_weight)
-        tensors.fp8_weight_scale.copy_(fp8_scale)
-    tensors.weight_scale.copy_(new_scale)
+        fp8_data, fp8_scale, _ = _store(weight, spec.fp8_weight, bounds.weight, previous, tensors, None)
+    _write(skip, [
+        (tensors.exp_avg, m_data), (tensors.exp_avg_scale, m_scale), (tensors.exp_avg_sq, v_data),
+        (tensors.exp_avg_sq_scale, v_scale), (tensors.weight, w_data), (tensors.weight_scale, w_scale),
+        (tensors.fp8_weight, fp8_data), (tensors.fp8_weight_scale, fp8_scale),
+    ])
+    tensors.steps.add_((~skip).float())
+    return torch.stack([m_amax, v_amax, w_amax])
+
+
+def keep_amaxes(tensors: GroupTensors, row_amaxes: torch.Tensor, skip: torch.Tensor) -> None:
+    """Keep each tensor's amaxes from ``adam_group_step``'s row amaxes (3, rows), unless
+    ``skip``. Outside the compiled step: inductor runs a scatter as a call of its own,
+    and one inside would split the pass that stores the data in two."""
+    index = tensors.row_tensor.expand(row_amaxes.shape)
+    new = tensors.amaxes.new_zeros(tensors.amaxes.shape).scatter_reduce_(1, index, row_amaxes.float(), "amax")
+    tensors.amaxes.copy_(unless_skipped(skip, tensors.amaxes, new))
+
+
+# Inductor otherwise folds ``x.to(float16).float()`` into ``x`` inside a kernel, which
+# would skip the rounding that stochastic rounding brackets.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+
+class GroupSteps:
+    """``adam_group_step(spec, ...)`` compiled once per ``UpdateSpec`` (``torch.compile``,
+    full graph, dynamic shapes), for one optimizer; ``compile=False`` runs it eagerly."""
+
+    def __init__(self, compile: bool) -> None:
+        self.compile = compile
+        self._steps: dict[UpdateSpec, Callable[..., Any]] = {}
+
+    def __call__(self, spec: UpdateSpec, tensors: GroupTensors, *args: Any) -> None:
+        """``adam_group_step(spec, tensors, *args)``, compiled where asked, with the new
+        amaxes written into ``tensors``."""
+        step = self._steps.get(spec)
+        if step is None:
+            step = self._steps[spec] = self._build(spec)
+        keep_amaxes(tensors, step(tensors, *args), args[-1])
+
+    def _build(self, spec: UpdateSpec) -> Callable[..., Any]:
+        def step(*args: Any) -> torch.Tensor:
+            return adam_group_step(spec, *args)
+
+        if not self.compile:
+            return step
+        # Every spec of every optimizer keeps its own graphs and recompile limit.
+        return compile_privately(step, COMPILE_OPTIONS)
+
+    @property
+    def specs(self) -> tuple[UpdateSpec, ...]:
+        """The update specs compiled so far."""
+        return tuple(self._steps)

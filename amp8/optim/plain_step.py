@@ -39,20 +39,23 @@ def takes_plain_step(param: nn.Parameter, param_state: dict[str, Any]) -> bool:
 
 
 @torch.no_grad()
-def plain_adam_step(params: list[nn.Parameter], states: list[dict[str, Any]], group: dict[str, Any]) -> None:
+def plain_adam_step(
+    params: list[nn.Parameter], states: list[dict[str, Any]], group: dict[str, Any], skip: torch.Tensor
+) -> None:
     """One Adam step of ``params`` (all of one param group and device, each passing
-    ``takes_plain_step``), their moments and steps in ``states``, updated in place. The
-    step counts stay float32 CPU tensors (as ``LowBitAdam`` saves them); the kernel reads
-    a copy on the parameters' device."""
+    ``takes_plain_step``), their moments and steps in ``states``, updated in place,
+    unless ``skip`` (a bool on the device: the kernel's ``found_inf``, as torch's
+    ``GradScaler`` passes it). The step counts live on the parameters' device."""
     steps = [state["step"] for state in states]
-    torch._foreach_add_(steps, 1.0)
     device = params[0].device
-    kernel_steps = steps if device.type == "cpu" else list(torch.stack(steps).to(device).unbind())
+    found_inf = skip.to(device, torch.float32)
+    torch._foreach_add_(steps, 1.0)
     (beta1, beta2) = group["betas"]
     kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
     kernel(
         params, [param.grad for param in params], [state[MOMENTS[0]] for state in states],
-        [state[MOMENTS[1]] for state in states], [], kernel_steps,
+        [state[MOMENTS[1]] for state in states], [], steps,
         lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-        amsgrad=False, maximize=group["maximize"], grad_scale=None, found_inf=None,
+        amsgrad=False, maximize=group["maximize"], grad_scale=None, found_inf=found_inf,
     )
+    torch._foreach_sub_(steps, [found_inf] * len(steps))

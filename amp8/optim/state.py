@@ -1,20 +1,20 @@
 """Storage of Adam's moments and master weights at the precisions of the level table.
 
-A tensor kept in FP32 is stored under its key as is. A low-bit one is stored as
-``key`` (FP8 or FP16 data), ``key + "_scale"`` (float32 scales, one per block of
-``block_size`` elements, or one for the tensor when ``block_size`` is 0) and
-``key + "_block_size"`` (that int, so a checkpoint decodes whatever it was saved with).
+A tensor kept in FP32 is stored under its key as is. A low-bit one is stored as ``key``
+(FP8 or FP16 data), ``key + "_scale"`` (its scales) and ``key + "_layout"`` (its
+``amp8.quant.codec.Layout`` as plain values), so a checkpoint decodes as it was saved.
+Checkpoints of amp8 before layouts were saved hold ``key + "_block_size"`` instead; their
+layout is read off the scales' shape once (``layout_of``).
 
-A low-bit matrix may instead take one scale per ``tile`` (rows, columns), the recipe's
-granularity for a weight: its scales are then 2-D, ``(ceil(R / rows), ceil(C / columns))``,
-and ``key + "_block_size"`` holds the larger tile edge. Those scales may be stored as
-one-byte E8M0 powers of two (the MXFP8 recipe's moments). Adam's two moments of one
+Scales are one per tensor, per flat block of ``state_block_size`` elements, per row of a
+matrix, or per tile of a matrix (the recipe's granularity for a weight; those may be
+one-byte E8M0 powers of two, the MXFP8 recipe's moments). Adam's two moments of one
 tensor always take the same tiles (``amp8.optim.stored_state``): a second moment with
 coarser scales than its first flushes a row to zero where the first moment keeps it, and
 ``m / sqrt(v)`` explodes.
 
-An FP8 first moment is rounded stochastically (``rounds_stochastically``), under noise
-stream ``FIRST_MOMENT_STREAM`` of its update's key.
+An FP8 first moment is rounded stochastically (``rounds_stochastically``), with noise
+field 1 of its update's words (``amp8.quant.noise.noise_field``; the weight takes field 0).
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ import torch
 
 from amp8.config.formats import E4M3
 from amp8.config.levels import Precision
-from amp8.quant import noise, scaling
+from amp8.quant.codec import FLOAT32, Layout, Tiling
 
 _STORAGE_DTYPES = {Precision.FP8: E4M3, Precision.FP16: torch.float16}
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's moments, by their keys in the state
 MASTER = "master"  # O3's master weight
 SCALE_SUFFIX = "_scale"
-BLOCK_SUFFIX = "_block_size"
-FIRST_MOMENT_STREAM = 1  # ``noise.stream_key`` stream of the first moment's rounding (the weight's is 0)
+LAYOUT_SUFFIX = "_layout"
+_OLD_BLOCK_SUFFIX = "_block_size"  # checkpoints before layouts were saved
+FIRST_MOMENT_STREAM = 1  # the noise field of the first moment's rounding (the weight's is 0)
 
 
 def rounds_stochastically(key: str, precision: Precision) -> bool:
@@ -45,52 +46,78 @@ def rounds_stochastically(key: str, precision: Precision) -> bool:
     return key == MOMENTS[0] and precision is Precision.FP8
 
 
-def store(
-    state: dict[str, Any],
-    key: str,
-    value: torch.Tensor,
-    precision: Precision,
-    block_size: int,
-    tile: tuple[int, int] | None = None,
-    tile_scale_dtype: torch.dtype = torch.float32,
-    noise_key: torch.Tensor | int | None = None,
-) -> None:
-    """Put float32 ``value`` into ``state[key]`` at ``precision`` (with its scales): one
-    scale per ``tile`` where a tile is given, stored as ``tile_scale_dtype``
-    (E8M0: power-of-two scales in one byte), else per flat block of ``block_size``
-    elements (0: per tensor). Where ``rounds_stochastically(key, precision)`` and a
-    ``noise_key`` (the update's) is given, the values round stochastically under its
-    stream ``FIRST_MOMENT_STREAM``; else to nearest."""
+def moment_layout(
+    key: str, precision: Precision, block_size: int, shape: tuple[int, ...],
+    tile: tuple[int, int] | None = None, tile_scale_dtype: torch.dtype = torch.float32,
+) -> Layout:
+    """The layout of ``state[key]`` (of ``shape``) at ``precision``: one scale per ``tile``
+    where a tile is given (a whole row of a matrix, or a tile kept as
+    ``tile_scale_dtype``), else per flat block of ``block_size`` elements (0: per tensor)."""
     if precision is Precision.FP32:
-        state[key] = value
-        state.pop(key + SCALE_SUFFIX, None)
-        state.pop(key + BLOCK_SUFFIX, None)
-        return
-    if noise_key is not None and rounds_stochastically(key, precision):
-        noise_key = noise.stream_key(noise_key, FIRST_MOMENT_STREAM)
-    else:
-        noise_key = None
+        return FLOAT32
+    dtype = _STORAGE_DTYPES[precision]
+    stream = FIRST_MOMENT_STREAM if rounds_stochastically(key, precision) else None
+    if tile is not None and len(shape) == 2 and tile == (1, shape[1]) and tile_scale_dtype == torch.float32:
+        return Layout(dtype, Tiling.ROWS, stream=stream)
     if tile is not None:
-        power_of_2 = tile_scale_dtype is not torch.float32
-        data, scales = scaling.quantize_tiles(
-            value, _STORAGE_DTYPES[precision], tile, power_of_2=power_of_2, noise_key=noise_key
-        )
-        scales, block_size = scales.to(tile_scale_dtype), max(tile)
+        power_of_2 = tile_scale_dtype != torch.float32
+        return Layout(dtype, Tiling.TILES, tile=tile, power_of_2=power_of_2, scale_dtype=tile_scale_dtype,
+                      stream=stream)
+    if block_size > 0:
+        return Layout(dtype, Tiling.BLOCKS, block=block_size, stream=stream)
+    return Layout(dtype, stream=stream)
+
+
+def store(
+    state: dict[str, Any], key: str, value: torch.Tensor, layout: Layout,
+    scale: torch.Tensor | None = None, words: torch.Tensor | None = None,
+) -> None:
+    """Put float32 ``value`` into ``state[key]`` at ``layout`` (with its scales and the
+    layout): with ``scale`` where given, else scales from its amaxes; stochastically under
+    ``words`` where the layout has a noise stream."""
+    data, scales = layout.encode(value, scale, words)
+    put(state, key, data, scales, layout)
+
+
+def put(state: dict[str, Any], key: str, data: torch.Tensor, scales: torch.Tensor | None, layout: Layout) -> None:
+    """Keep encoded ``data`` and ``scales`` at ``layout`` as ``state[key]``."""
+    state[key] = data
+    state.pop(key + _OLD_BLOCK_SUFFIX, None)
+    if scales is None:
+        state.pop(key + SCALE_SUFFIX, None)
+        state.pop(key + LAYOUT_SUFFIX, None)
+        return
+    state[key + SCALE_SUFFIX], state[key + LAYOUT_SUFFIX] = scales, layout.to_state()
+
+
+def layout_of(state: dict[str, Any], key: str) -> Layout:
+    """The layout ``state[key]`` is stored at: as saved, or for a checkpoint saved before
+    layouts were, read off the dtype and the scales' shape (and saved from then on)."""
+    saved = state.get(key + LAYOUT_SUFFIX)
+    if saved is not None:
+        return Layout.from_state(saved)
+    data, scales = state[key], state.get(key + SCALE_SUFFIX)
+    if scales is None:
+        return FLOAT32
+    block_size = int(state.pop(key + _OLD_BLOCK_SUFFIX, 0))
+    stream = FIRST_MOMENT_STREAM if key == MOMENTS[0] and data.dtype == E4M3 else None
+    power_of_2 = scales.dtype != torch.float32
+    if scales.dim() == 0:
+        layout = Layout(data.dtype, stream=stream)
+    elif scales.dim() == 1:
+        layout = Layout(data.dtype, Tiling.BLOCKS, block=block_size, stream=stream)
+    elif data.dim() == 2 and tuple(scales.shape) == (data.shape[0], 1) and not power_of_2:
+        layout = Layout(data.dtype, Tiling.ROWS, stream=stream)
     else:
-        data, scales = scaling.quantize_blockwise(value, _STORAGE_DTYPES[precision], block_size, noise_key)
-    state[key], state[key + SCALE_SUFFIX], state[key + BLOCK_SUFFIX] = data, scales, block_size
+        layout = Layout(data.dtype, Tiling.TILES, tile=(block_size, block_size), power_of_2=power_of_2,
+                        scale_dtype=scales.dtype, stream=stream)
+    state[key + LAYOUT_SUFFIX] = layout.to_state()
+    return layout
 
 
 def load(state: dict[str, Any], key: str) -> torch.Tensor:
     """The float32 values of ``state[key]``, whatever precision it is stored at."""
-    data = state[key]
-    scales = state.get(key + SCALE_SUFFIX)
-    if scales is None:
-        return data.float()
-    block_size = state.get(key + BLOCK_SUFFIX, 0)
-    if scales.dim() == data.dim() >= 2:  # one scale per tile
-        return scaling.dequantize(data, scaling.expand_scale(scales.float(), tuple(data.shape), block_size))
-    return scaling.dequantize_blockwise(data, scales, block_size)
+    return layout_of(state, key).decode(state[key], state.get(key + SCALE_SUFFIX))
 
 
 def stored_precision(state: dict[str, Any], key: str) -> Precision:

@@ -14,9 +14,11 @@ from torch import nn
 from amp8.config.levels import OptLevel, Precision
 from amp8.optim import state as state_storage
 from amp8.optim.state import MASTER, MOMENTS
+from amp8.optim.arithmetic import unless_skipped
 from amp8.quant import noise
+from amp8.quant.codec import Layout
 from amp8.tensor.scaled import local_tensor
-from amp8.tensor.stored import StoredWeight, encode_fp16
+from amp8.tensor.stored import FP16_LAYOUT, StoredWeight, encode_fp16
 
 
 class StoredState:
@@ -57,12 +59,11 @@ class StoredState:
         for handle in weights.values():
             handle.attach_load_log(self.plain_loads)
 
-    def next_noise_key(self) -> torch.Tensor:
-        """The noise key of the next stochastic rounding (an int64 CPU scalar, which
-        serves tensors on any device), counting the draw."""
+    def next_noise_key(self) -> int:
+        """The noise key of the next stochastic rounding, counting the draw."""
         key = noise.rounding_key(self.seed, self.rounding_counter)
         self.rounding_counter += 1
-        return torch.tensor(key, dtype=torch.int64)
+        return key
 
     def init(self, param: nn.Parameter, param_state: dict[str, Any], master_weight: torch.Tensor | None) -> None:
         """Step 0, zero moments at the level's precisions, and the master weight (from
@@ -73,7 +74,7 @@ class StoredState:
             self.store_master(param_state, self._own_chunk(param, real))
             self.attach_master(param, param_state)
         shape_source = param_state.get(MASTER, param)
-        param_state["step"] = torch.zeros((), dtype=torch.float32)
+        param_state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         for key in MOMENTS:
             zeros = torch.zeros(shape_source.shape, dtype=torch.float32, device=param.device)
             self.store_moment(param, param_state, key, zeros)
@@ -85,14 +86,19 @@ class StoredState:
         return self.level.master_weight is not None and handle is not None and not handle.fixed_storage
 
     def store_master(
-        self, param_state: dict[str, Any], value: torch.Tensor, noise_key: torch.Tensor | None = None
+        self, param_state: dict[str, Any], value: torch.Tensor, words: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
     ) -> None:
-        """Store a master weight as FP16 weights are stored (``encode_fp16``), rounded
-        under ``noise_key``, else a new draw."""
-        param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX] = encode_fp16(
-            value, self.next_noise_key() if noise_key is None else noise_key,
-            previous=param_state.get(MASTER + state_storage.SCALE_SUFFIX),
-        )
+        """Store a master weight as FP16 weights are stored (``FP16_LAYOUT``), rounded
+        stochastically under ``words`` where given, with ``scale`` where given; nothing
+        changes where ``skip`` is set."""
+        key, scale_key = MASTER, MASTER + state_storage.SCALE_SUFFIX
+        previous = param_state.get(scale_key)
+        data, new_scale = FP16_LAYOUT.encode(value, scale, words, previous=previous)
+        if skip is not None and key in param_state:
+            data = unless_skipped(skip, param_state[key], data)
+            new_scale = unless_skipped(skip, param_state[scale_key], new_scale)
+        state_storage.put(param_state, key, data, new_scale, FP16_LAYOUT)
 
     def attach_master(self, param: nn.Parameter, param_state: dict[str, Any]) -> None:
         """Make ``param_state``'s master weight part of ``param``'s stored weight, so that
@@ -112,6 +118,7 @@ class StoredState:
         data, scale = encode_fp16(
             self._own_chunk(param, value.float()), previous=param_state.get(MASTER + state_storage.SCALE_SUFFIX)
         )
+        param_state[MASTER + state_storage.LAYOUT_SUFFIX] = FP16_LAYOUT.to_state()
         with torch.no_grad():
             for key, new in ((MASTER, data), (MASTER + state_storage.SCALE_SUFFIX, scale)):
                 current = param_state[key]
@@ -120,38 +127,47 @@ class StoredState:
                 else:
                     param_state[key] = new
 
-    def update_noise_key(self, param: nn.Parameter) -> torch.Tensor:
+    def update_noise_key(self, param: nn.Parameter) -> int | None:
         """The noise key of one update of ``param``: the next draw where the update rounds
         anything stochastically (an FP16 or FP8 layer's weight or master weight, an FP8
-        first moment), else a zero key that draws nothing. The reference and fused steps
-        both take their key here, so they draw the same noise."""
+        first moment), else None (no draw)."""
         rounds = param in self.weights or state_storage.rounds_stochastically(MOMENTS[0], self.level.exp_avg)
-        return self.next_noise_key() if rounds else torch.zeros((), dtype=torch.int64)
+        return self.next_noise_key() if rounds else None
 
-    def store_moment(
-        self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor,
-        noise_key: torch.Tensor | None = None,
-    ) -> None:
-        """Store a moment at its level's precision. An FP8 first moment is rounded
-        stochastically under ``noise_key`` (the update's) when one is given. Both moments
-        of a matrix take the same scale tiles: those of its FP8 layer's weight scales
-        (rowwise or block recipes), or one scale per row for any other matrix (an
-        embedding: a rare token's row would round to zero under a scale set by the
-        frequent ones). The second moment must not be coarser than the first: where one
-        scale spans rows whose values lie far apart, the FP16 second moment flushes the
-        small rows to zero while the first moment keeps them, and ``m / sqrt(v)`` moves a
-        weight by thousands of learning rates. Other low-bit moments take
-        ``state_block_size``. Scales of tiles are stored as
+    def moment_layout(self, param: nn.Parameter, key: str) -> Layout:
+        """The layout ``param``'s moment ``key`` is stored at. Both moments of a matrix
+        take the same scale tiles: those of its FP8 layer's weight scales (rowwise or block
+        recipes), or one scale per row for any other matrix (an embedding: a rare token's
+        row would round to zero under a scale set by the frequent ones). The second moment
+        must not be coarser than the first: where one scale spans rows whose values lie far
+        apart, the FP16 second moment flushes the small rows to zero while the first moment
+        keeps them, and ``m / sqrt(v)`` moves a weight by thousands of learning rates.
+        Other low-bit moments take ``state_block_size``. Scales of tiles are kept as
         ``StoredWeight.state_scale_dtype`` gives them."""
         handle = self.weights.get(param)
+        shape = tuple(local_tensor(param).shape) if handle is None or not handle.sharded else (-1,)
         if handle is not None:
             tile, scale_dtype = handle.state_tile(), handle.state_scale_dtype()
         else:
             tile = (1, param.shape[1]) if param.dim() == 2 and param.numel() else None
             scale_dtype = torch.float32
-        state_storage.store(
-            param_state, key, value, getattr(self.level, key), self.state_block_size, tile, scale_dtype, noise_key
-        )
+        return state_storage.moment_layout(key, getattr(self.level, key), self.state_block_size, shape, tile,
+                                           scale_dtype)
+
+    def store_moment(
+        self, param: nn.Parameter, param_state: dict[str, Any], key: str, value: torch.Tensor,
+        words: torch.Tensor | None = None, scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+    ) -> None:
+        """Store a moment at its ``moment_layout``: an FP8 first moment rounded
+        stochastically under ``words`` (the update's) where given; with ``scale`` where
+        given; nothing changes where ``skip`` is set."""
+        layout = self.moment_layout(param, key)
+        data, scales = layout.encode(value, scale, words)
+        if skip is not None and key in param_state:
+            data = unless_skipped(skip, param_state[key], data)
+            if scales is not None:
+                scales = unless_skipped(skip, param_state[key + state_storage.SCALE_SUFFIX], scales)
+        state_storage.put(param_state, key, data, scales, layout)
 
     def weight(self, param: nn.Parameter, param_state: dict[str, Any]) -> torch.Tensor:
         """The real float32 values the update starts from: the master weight (this rank's
@@ -163,21 +179,48 @@ class StoredState:
 
     def write_weight(
         self, param: nn.Parameter, param_state: dict[str, Any], value: torch.Tensor,
-        noise_key: torch.Tensor | None = None,
+        words: torch.Tensor | None = None, bound: torch.Tensor | None = None, skip: torch.Tensor | None = None,
     ) -> None:
         """Store float32 ``value`` as ``param``'s new weight: its master weight and FP8
         storage (O3; a sharded weight's FP8 rows are stored after the step, from the amax
-        of all ranks), its FP16 storage with stochastic rounding (O1, O2), or the
-        parameter itself. The rounding takes ``noise_key`` (the update's), else a new draw."""
+        of all ranks), its FP16 storage (O1, O2), or the parameter itself. FP16 rounds
+        stochastically under ``words`` where given (else under a new draw); a per-tensor
+        scale comes from ``bound`` (a bound on the new amax) where given; nothing changes
+        where ``skip`` is set."""
         handle = self.weights.get(param)
+        if words is None and handle is not None:
+            words = noise.update_words(noise.element_index(value.shape, value.device), self.next_noise_key())
         if MASTER in param_state:
-            self.store_master(param_state, value, noise_key)
+            master_scale = self._bound_scale(FP16_LAYOUT, bound, param_state[MASTER + state_storage.SCALE_SUFFIX])
+            self.store_master(param_state, value, words, master_scale, skip)
             if not self._is_sharded(param):
-                handle.store_from_master(*handle.encode(value))  # type: ignore[union-attr]
+                assert handle is not None
+                self._store_handle(handle, value, None, self._bound_scale(handle.layout, bound, handle.scale), skip)
         elif handle is not None:
-            handle.write(value, noise_key=self.next_noise_key() if noise_key is None else noise_key)
+            self._store_handle(handle, value, words, self._bound_scale(handle.layout, bound, handle.scale), skip)
         else:
-            param.copy_(value)
+            param.copy_(unless_skipped(skip, param, value))
+
+    @staticmethod
+    def _bound_scale(layout: Layout, bound: torch.Tensor | None, previous: torch.Tensor) -> torch.Tensor | None:
+        """The per-tensor scale ``layout`` takes from ``bound``; None (scales from the
+        values) for other tilings or without a bound."""
+        if bound is None or not layout.per_tensor:
+            return None
+        return layout.scales(bound, previous.float() if previous.dim() == 0 else None)
+
+    @staticmethod
+    def _store_handle(
+        handle: StoredWeight, value: torch.Tensor, words: torch.Tensor | None, scale: torch.Tensor | None,
+        skip: torch.Tensor | None,
+    ) -> None:
+        """Encode ``value`` into ``handle``'s storage, unless ``skip``."""
+        data, new_scale = handle.encode(value, words, scale=scale)
+        if skip is not None:
+            data = unless_skipped(skip, handle.data, data)
+            new_scale = unless_skipped(skip, handle.scale, new_scale) if handle.scale.shape == new_scale.shape \
+                else new_scale
+        handle.store_from_master(data, new_scale)
 
     def convert(self, param: nn.Parameter, param_state: dict[str, Any]) -> set[str]:
         """Re-store moments and master weights saved at other precisions (another opt
@@ -196,7 +239,8 @@ class StoredState:
         elif MASTER in param_state:
             handle = self.weights.get(param)
             master = state_storage.load(param_state, MASTER)
-            del param_state[MASTER], param_state[MASTER + state_storage.SCALE_SUFFIX]
+            for suffix in ("", state_storage.SCALE_SUFFIX, state_storage.LAYOUT_SUFFIX):
+                param_state.pop(MASTER + suffix, None)
             if handle is not None:
                 handle.write(master)
             converted.add("master weights")

@@ -1,22 +1,21 @@
 """``LowBitAdam``'s update groups: parameters whose updates run as one call over flat
-buffers (``amp8.optim.group_step``), and the plan that says which parameter takes which
-path in a step.
+buffers (``amp8.optim.group_step``); ``amp8.optim.plan`` sorts the parameters into them.
 
 A group holds the parameters of one param group, device, ``UpdateSpec``, row width and
 step count. Their moments (and O3's master weights) live in the group's buffers: each
 parameter's state holds views into them, so checkpoints, ``optimizer.state`` and the
 reference step see ordinary tensors. So does an FP8 layer's stored weight (the
 ``ScaledWeight``'s data is a view into the group's weight buffer, its layer's scale
-buffer a view into the group's scales). Each step copies the gradients in (one copy over
-all of them) and runs one update over the buffers; the work per step is a fixed number of
-tensor operations per group, whatever the number of parameters, and the Python work per
-parameter is a few passes over lists.
+buffer a view into the group's scales), and its FP8 gradient: the layer's backward writes
+it into the group's gradient buffer (``amp8.tensor.weight_grad.GradSlot``). A step runs
+one update over the buffers: a fixed number of tensor operations per group, whatever the
+number of parameters, and a few passes over lists of Python work per parameter.
 
 Anything that replaces a view (``load_state_dict``, a model moved with ``.to()``, a
 layer's scales re-stored at another shape, a parameter that has no gradient this step)
-is found by the next step, which builds the groups again from the tensors in place.
-The copy of the gradients (and of a plain group's weights) holds memory during a step
-only.
+is found by the next step, which builds the groups again from the tensors in place. A
+gradient of its own (a layer called twice, a gradient set by hand) and the float gradients
+and weights of a plain group are copied in, into memory held during a step only.
 """
 
 from __future__ import annotations
@@ -24,49 +23,33 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from amp8.optim import fused
 from amp8.optim import state as state_storage
-from amp8.optim.fused_update import update_inputs
-from amp8.optim.group_step import MAX_ELEMENTS, GroupTensors, adam_group_step, scales_per_row
+from amp8.optim.arithmetic import hyper, step_scalars
+from amp8.optim.group_step import GroupSteps, GroupTensors
+from amp8.optim.spec import GradParts, UpdateSpec, WeightKind
 from amp8.optim.state import MASTER, MOMENTS
-from amp8.tensor.scaled import is_sharded
+from amp8.quant.codec import Layout
 from amp8.tensor.stored import StoredWeight
-
-TENSOR_ROW_WIDTH = 256
-"""Elements per buffer row where every scale is per tensor (for tensors of at least that
-many elements; smaller ones take the power of two that holds them): what a tensor's last
-row may leave unused (zero padding)."""
+from amp8.tensor.weight_grad import GradSlot
 
 _DTYPE = operator.attrgetter("dtype")
 
-GroupStep = Callable[[fused.UpdateSpec, GroupTensors, fused.Coefficients, int, Any], None]
+@dataclass
+class StepInputs:
+    """What each parameter's update is this step, in the optimizer's order: its kind
+    ("skip", "plain", "sharded" or "update") and, for an "update", its stored gradient
+    ``(data, scales, block size)`` and its state (None for the others). Parallel lists,
+    so that a step makes no Python object per parameter beyond what it reads."""
 
-
-def row_width(spec: fused.UpdateSpec, shape: torch.Size) -> int | None:
-    """The buffer row width of a tensor of ``shape`` under ``spec``: its columns where a
-    storage scales per row of a matrix, the block size where one scales per flat block,
-    else ``TENSOR_ROW_WIDTH`` (or the power of two that holds a smaller tensor); None where
-    no width serves every storage (tiles, blocks of two sizes, rows beside blocks)."""
-    storages = [spec.grad, spec.exp_avg, spec.exp_avg_sq]
-    if spec.weight is fused.WeightKind.MASTER:
-        storages.append(spec.fp8_weight)
-    if any(storage.tile for storage in storages):
-        return None
-    blocks = {storage.block_size for storage in storages if storage.block_size > 0}
-    if any(storage.rows for storage in storages):
-        return shape[1] if len(shape) == 2 and not blocks else None
-    if len(blocks) > 1:
-        return None
-    if blocks:
-        return blocks.pop()
-    # A small tensor (a bias, a norm's scale) takes rows of the power of two that holds it,
-    # so a group of them is not mostly padding.
-    return min(TENSOR_ROW_WIDTH, 1 << max(0, shape.numel() - 1).bit_length())
+    params: list[nn.Parameter]
+    kinds: list[str]
+    grads: list[GradParts | None]
+    states: list[dict[str, Any] | None]
 
 
 @dataclass
@@ -89,7 +72,7 @@ class GroupKey:
     """What the parameters of one group share."""
 
     param_group: int
-    spec: fused.UpdateSpec
+    spec: UpdateSpec
     width: int
     device: torch.device
     step: float
@@ -106,83 +89,89 @@ class UpdateGroup:
     ) -> None:
         self.key = key
         spec, width, device = key.spec, key.width, key.device
-        self.step = key.step
         self.members: list[Member] = []
         row_tensor: list[int] = []
         row_offset: list[int] = []
         first = 0
         for index, (param, handle, param_state, position) in enumerate(entries):
             rows = -(-state_shape(param_state, param).numel() // width)
-            grad_scales = rows if scales_per_row(spec.grad) else 1
+            grad_scales = rows if spec.grad.per_row else 1
             self.members.append(
                 Member(param, handle, param_state, first, rows, grad_scales=grad_scales, position=position)
             )
             row_tensor += [index] * rows
             row_offset += range(0, rows * width, width)
             first += rows
-        total = first
+        total, count = first, len(entries)
 
         def buffer(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros((total, width), dtype=dtype, device=device)
 
-        def scales(storage: fused.Storage) -> torch.Tensor | None:
-            if storage.dtype is None:
+        def scales(layout: Layout) -> torch.Tensor | None:
+            if not layout.scaled:
                 return None
-            return torch.ones(total if scales_per_row(storage) else len(entries), device=device)
+            return torch.ones(total if layout.per_row else count, device=device)
 
-        def stored(storage: fused.Storage) -> torch.Tensor:
-            return buffer(storage.dtype or torch.float32)
+        def stored(layout: Layout) -> torch.Tensor:
+            return buffer(layout.dtype or torch.float32)
 
-        weight_dtype = torch.float32 if spec.weight is fused.WeightKind.PLAIN else torch.float16
-        master = spec.weight is fused.WeightKind.MASTER
+        master = spec.weight is WeightKind.MASTER
         self.tensors = GroupTensors(
             grad=stored(spec.grad), grad_scale=scales(spec.grad),
             exp_avg=stored(spec.exp_avg), exp_avg_scale=scales(spec.exp_avg),
             exp_avg_sq=stored(spec.exp_avg_sq), exp_avg_sq_scale=scales(spec.exp_avg_sq),
-            weight=buffer(weight_dtype),
-            weight_scale=None if spec.weight is fused.WeightKind.PLAIN else torch.ones(len(entries), device=device),
+            weight=stored(spec.weight_layout), weight_scale=scales(spec.weight_layout),
+            amaxes=torch.zeros((3, count), device=device),
             fp8_weight=stored(spec.fp8_weight) if master else None,
             fp8_weight_scale=scales(spec.fp8_weight) if master else None,
             row_tensor=torch.tensor(row_tensor, dtype=torch.int64, device=device),
-            row_offset=torch.tensor(row_offset, dtype=torch.int64, device=device),
+            row_offset=torch.tensor(row_offset, dtype=torch.int32, device=device),
             draw=torch.tensor(draws, dtype=torch.int64, device=device),
+            steps=torch.stack([member.state["step"].to(device) for member in self.members]),
         )
-        # The step counts, one vector for the group (what ``run`` advances in one
+        # The step counts, one vector for the group (what a step advances in one
         # operation); each state holds its count as a 0-d view, as torch stores it.
-        self._steps = torch.stack([member.state["step"] for member in self.members])
         for index, member in enumerate(self.members):
             self._pack(index, member)
-            member.state["step"] = member.views["step"] = self._steps[index]
+            member.state["step"] = member.views["step"] = self.tensors.steps[index]
         self._grad_views = [self._view(self.tensors.grad, member, member.param) for member in self.members]
+        self._grad_scale_views = [self._grad_scale_view(index, member) for index, member in enumerate(self.members)]
+        # FP8 gradients land in the buffer (``GradSlot``): the backward writes each where
+        # the step reads it. ``round`` advances at each step, so a slot is taken once between steps.
+        self._round = [0]
+        self._slots = spec.grad.scaled and spec.weight is not WeightKind.PLAIN
+        if self._slots:
+            for member, data, scale in zip(self.members, self._grad_views, self._grad_scale_views):
+                member.handle.grad_slot = GradSlot(member.param, data, scale, self._round)  # type: ignore[union-attr]
         self._weight_views = [self._view(self.tensors.weight, member, member.param) for member in self.members]
         # Each stored weight's scales, where the step writes them: the layers' scale
         # buffers are views into the group's scale vector, as their weights are into its
         # weight buffer.
         self._scale_pieces: list[torch.Tensor] = []
-        if spec.weight is fused.WeightKind.FP16_SCALED:
+        if spec.weight is WeightKind.FP16_SCALED:
             self._scale_pieces = list(self.tensors.weight_scale.unbind())  # type: ignore[union-attr]
-        elif spec.weight is fused.WeightKind.MASTER:
+        elif master:
             fp8_scales = self.tensors.fp8_weight_scale
             assert fp8_scales is not None
             self._scale_pieces = [
-                self._scale_view(
-                    fp8_scales, spec.fp8_weight, index, member, member.handle.stored_scale  # type: ignore[union-attr]
-                )
+                self._scale_view(fp8_scales, spec.fp8_weight, index, member, member.handle.stored_scale)  # type: ignore[union-attr]
                 for index, member in enumerate(self.members)
             ]
         for member, piece in zip(self.members, self._scale_pieces):
             member.handle.place_scale(piece)  # type: ignore[union-attr]
         self._index()
-        # Buffers that hold copies for one step only (the gradients; a plain group's
+        # Buffers that hold copies for one step only (a plain group's gradients and
         # weights): their memory is there from ``gather`` to ``end_step``, not between
-        # steps, so the group keeps no second copy of what the model holds.
-        self._step_buffers = [self.tensors.grad]
-        if spec.weight is fused.WeightKind.PLAIN:
+        # steps, so the group keeps no second copy of what the model holds. FP8 gradients
+        # live in their buffer from the backward that writes them on.
+        self._step_buffers = [] if self._slots else [self.tensors.grad]
+        if spec.weight is WeightKind.PLAIN:
             self._step_buffers.append(self.tensors.weight)
         self._step_bytes = [buffer.untyped_storage().nbytes() for buffer in self._step_buffers]
         # Where a tensor's last row has padding, fresh memory is zeroed: the padding of every
-        # buffer stays zero (the per-tensor amaxes read it).
+        # buffer stays zero.
         self._padded = sum(member.rows for member in self.members) * width != sum(self._numels)
+        self.measure_amaxes()
         self.end_step()
 
     # -- layout ------------------------------------------------------------------------
@@ -192,32 +181,42 @@ class UpdateGroup:
         return buffer.view(-1)[start:start + like.numel()].view(like.shape)
 
     def _scale_view(
-        self, scales: torch.Tensor, storage: fused.Storage, index: int, member: Member, like: torch.Tensor
+        self, scales: torch.Tensor, layout: Layout, index: int, member: Member, like: torch.Tensor
     ) -> torch.Tensor:
         """``member``'s scales in a group scale vector, shaped like ``like`` (its own)."""
-        if scales_per_row(storage):
+        if layout.per_row:
             return scales[member.first_row:member.first_row + member.rows].view(like.shape)
+        return scales[index]
+
+    def _grad_scale_view(self, index: int, member: Member) -> torch.Tensor | None:
+        """``member``'s gradient scales in the group's vector, shaped as a gradient's:
+        (rows, 1) where they are per row, () where per tensor."""
+        scales = self.tensors.grad_scale
+        if scales is None:
+            return None
+        if self.key.spec.grad.per_row:
+            return scales[member.first_row:member.first_row + member.rows].view(member.rows, 1)
         return scales[index]
 
     def _pack(self, index: int, member: Member) -> None:
         """Copy ``member``'s state and stored weight into the buffers and leave views in their place."""
         spec, tensors = self.key.spec, self.tensors
-        for key, data, scales, storage in (
+        for key, data, scales, layout in (
             (MOMENTS[0], tensors.exp_avg, tensors.exp_avg_scale, spec.exp_avg),
             (MOMENTS[1], tensors.exp_avg_sq, tensors.exp_avg_sq_scale, spec.exp_avg_sq),
         ):
             self._adopt(member, key, data)
             if scales is not None:
-                self._adopt_scale(member, key + state_storage.SCALE_SUFFIX, scales, storage, index)
-        if spec.weight is fused.WeightKind.PLAIN:
+                self._adopt_scale(member, key + state_storage.SCALE_SUFFIX, scales, layout, index)
+        if spec.weight is WeightKind.PLAIN:
             return
         handle = member.handle
         assert handle is not None  # FP16_SCALED and MASTER weights are FP8 layers'
-        if spec.weight is fused.WeightKind.MASTER:
+        if spec.weight is WeightKind.MASTER:
             assert tensors.weight_scale is not None and tensors.fp8_weight is not None
             self._adopt(member, MASTER, tensors.weight)
             master_scale = MASTER + state_storage.SCALE_SUFFIX
-            self._adopt_scale(member, master_scale, tensors.weight_scale, fused.Storage(torch.float16), index)
+            self._adopt_scale(member, master_scale, tensors.weight_scale, spec.weight_layout, index)
             member.weight_view = self._view(tensors.fp8_weight, member, handle.data)
         else:
             member.weight_view = self._view(tensors.weight, member, handle.data)
@@ -230,10 +229,10 @@ class UpdateGroup:
         view.copy_(current)
         member.state[key] = member.views[key] = view
 
-    def _adopt_scale(self, member: Member, key: str, scales: torch.Tensor, storage: fused.Storage, index: int) -> None:
+    def _adopt_scale(self, member: Member, key: str, scales: torch.Tensor, layout: Layout, index: int) -> None:
         """Move the scales ``state[key]`` into the group's ``scales`` and put the view in the state."""
         current = member.state[key]
-        view = self._scale_view(scales, storage, index, member, current)
+        view = self._scale_view(scales, layout, index, member, current)
         view.copy_(current)
         member.state[key] = member.views[key] = view
 
@@ -250,6 +249,33 @@ class UpdateGroup:
         for handle, (registry, name), piece in zip(self._handles, self._scale_slots, self._scale_pieces):
             if registry.get(name) is piece:
                 handle.place_scale(piece.clone())
+        for handle in self._handles:
+            handle.grad_slot = None  # (a gradient in the old slot keeps the old buffer alive)
+
+    # -- the amaxes the per-tensor scales are bounded from ---------------------------------
+    def measure_amaxes(self) -> None:
+        """Read the absolute maximum of each member's stored moments and weight off the
+        buffers (a step keeps them current; this is for a new group, and after a write
+        from outside the optimizer)."""
+        spec, tensors = self.key.spec, self.tensors
+        with torch.no_grad():
+            for layout, data, scale, amax in (
+                (spec.exp_avg, tensors.exp_avg, tensors.exp_avg_scale, tensors.amaxes[0]),
+                (spec.exp_avg_sq, tensors.exp_avg_sq, tensors.exp_avg_sq_scale, tensors.amaxes[1]),
+                (spec.weight_layout, tensors.weight, tensors.weight_scale, tensors.amaxes[2]),
+            ):
+                if data is tensors.weight and spec.weight is WeightKind.PLAIN:
+                    continue  # a plain weight is read each step
+                row_scale = None
+                if scale is not None:
+                    row_scale = (scale if layout.per_row else scale[tensors.row_tensor])[:, None]
+                rows = layout.decode_rows(data, row_scale).abs().amax(dim=1)
+                amax.copy_(amax.new_zeros(amax.shape).scatter_reduce(0, tensors.row_tensor, rows, "amax"))
+        self._versions = self._buffer_versions()
+
+    def _buffer_versions(self) -> list[int]:
+        tensors = self.tensors
+        return [tensors.exp_avg._version, tensors.exp_avg_sq._version, tensors.weight._version]
 
     # -- a step --------------------------------------------------------------------------
     def _index(self) -> None:
@@ -314,38 +340,47 @@ class UpdateGroup:
         if list(map(torch.Tensor.numel, datas)) != self._numels:  # (a shape is the param's, or copy_ fails)
             return False
         spec = self.key.spec
-        if spec.grad.dtype is None:
+        if not spec.grad.scaled:
             if not all(map(torch.Tensor.is_floating_point, datas)):
                 return False
         elif set(map(_DTYPE, datas)) != {spec.grad.dtype} or any(map(operator.is_, grad_scales, repeat(None))) \
                 or set(map(_DTYPE, grad_scales)) != {torch.float32} \
                 or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
             return False
+        if self._buffer_versions() != self._versions:  # written from outside the optimizer
+            self.measure_amaxes()
         self._hold_step_buffers()
-        torch._foreach_copy_(self._grad_views, datas)
-        tensors = self.tensors
-        if tensors.grad_scale is not None:
-            if scales_per_row(spec.grad):  # (R, 1) each
-                torch.cat(grad_scales, out=tensors.grad_scale.view(-1, 1))
-            else:  # 0-d each
-                torch.stack(grad_scales, out=tensors.grad_scale)
-        if spec.weight is fused.WeightKind.PLAIN:
+        self._round[0] += 1  # the next backward may take the slots again
+        if all(map(operator.is_, datas, self._grad_views)) and all(map(operator.is_, grad_scales,
+                                                                      self._grad_scale_views)):
+            pass  # every gradient is where the step reads it: no copy
+        elif self._slots:  # a gradient of its own (a layer called twice, a gradient set by hand): copied in
+            moved = [(view, data, scale_view, scale) for view, data, scale_view, scale in zip(
+                self._grad_views, datas, self._grad_scale_views, grad_scales) if data is not view]
+            views, sources, scale_views, scale_sources = map(list, zip(*moved))
+            torch._foreach_copy_(views, sources)
+            torch._foreach_copy_(scale_views, scale_sources)
+        else:
+            torch._foreach_copy_(self._grad_views, datas)
+        if spec.weight is WeightKind.PLAIN:
             torch._foreach_copy_(self._weight_views, self._params)
             return True
         return True
 
-    def run(self, step: GroupStep, group: dict[str, Any], seed_part: int, first_draw: int, as_tensors: bool) -> None:
-        """The update of every member (after ``gather``), then the plain weights copied
-        back to their Parameters (the stored weights and their scales are the buffers'
-        views), the layers told to drop their casts, and the step counts advanced."""
-        self.step += 1
-        scalars = fused.coefficients(group, self.step, as_tensors=as_tensors)
-        if as_tensors:
-            step(self.key.spec, self.tensors, scalars, _int64(seed_part), _int64(first_draw))
+    def run(self, steps: GroupSteps, group: dict[str, Any], seed_part: int, first_draw: int,
+            skip: torch.Tensor) -> None:
+        """The update of every member (after ``gather``), unless ``skip``; then the plain
+        weights copied back to their Parameters (the stored weights and their scales are the
+        buffers' views) and the layers told to drop their casts."""
+        compiled = steps.compile
+        s = step_scalars(hyper(group, as_tensors=False), self.tensors.steps[0] + 1)
+        if compiled:
+            steps(self.key.spec, self.tensors, hyper(group, as_tensors=True), s, _int64(seed_part), _int64(first_draw),
+                  skip)
         else:
-            step(self.key.spec, self.tensors, scalars, seed_part, first_draw)
-        self._steps.add_(1.0)
-        if self.key.spec.weight is fused.WeightKind.PLAIN:
+            steps(self.key.spec, self.tensors, hyper(group, as_tensors=False), s, seed_part, first_draw, skip)
+        self._versions = self._buffer_versions()
+        if self.key.spec.weight is WeightKind.PLAIN:
             torch._foreach_copy_(self._params, self._weight_views)
             return
         for drop_cache in self._drop_caches:  # the layers' casts of the old weights
@@ -361,98 +396,3 @@ def state_shape(param_state: dict[str, Any], param: nn.Parameter) -> torch.Size:
     return param_state.get(MASTER, param).shape
 
 
-def groupable(
-    spec: fused.UpdateSpec, param: nn.Parameter, handle: StoredWeight | None, param_state: dict[str, Any]
-) -> int | None:
-    """The row width ``param``'s update takes in a group, or None where it takes its
-    own update: a layout no width serves, an empty or huge tensor, a ``DTensor`` (FSDP2's
-    shards), weight scales not already of the shape the step writes."""
-    shape = state_shape(param_state, param)
-    if shape.numel() == 0 or shape.numel() > MAX_ELEMENTS or shape != param.shape:
-        return None
-    if is_sharded(param) or (handle is None and is_sharded(param.grad)):  # DTensors keep their own update
-        return None
-    width = row_width(spec, shape)
-    if width is None:
-        return None
-    if spec.weight is fused.WeightKind.FP16_SCALED:
-        if handle is None or handle.stored_scale.shape != () or handle.stored_scale.dtype != torch.float32:
-            return None
-    if spec.weight is fused.WeightKind.MASTER:
-        if handle is None or not spec.fp8_previous_scale or handle.stored_scale.dtype != torch.float32:
-            return None
-    return width
-
-
-def build_groups(
-    candidates: list[tuple[int, nn.Parameter, StoredWeight | None, dict[str, Any], dict[str, Any], int, Any, int]],
-) -> tuple[list[UpdateGroup], list[tuple[int, nn.Parameter, int]]]:
-    """Sort the parameters that may update in groups, each ``(param group index, param,
-    handle, state, param group, draw, stored gradient, position among the optimizer's
-    parameters)``, into update groups; the ``(param group index, param, position)`` of
-    those that take their own update."""
-    grouped: dict[GroupKey, tuple[list[Any], list[int]]] = {}
-    alone = []
-    for index, param, handle, param_state, group, draw, grad, position in candidates:
-        inputs = update_inputs(param, handle, param_state, group, grad)
-        width = None if inputs is None else groupable(inputs[0], param, handle, param_state)
-        if inputs is None or width is None:
-            alone.append((index, param, position))
-            continue
-        key = GroupKey(index, inputs[0], width, param.device, float(param_state["step"]))
-        entries, draws = grouped.setdefault(key, ([], []))
-        entries.append((param, handle, param_state, position))
-        draws.append(draw)
-    return [UpdateGroup(key, entries, draws) for key, (entries, draws) in grouped.items()], alone
-
-
-@dataclass
-class StepInputs:
-    """What each parameter's update is this step, in the optimizer's order: its kind
-    ("skip", "plain", "sharded" or "update") and, for an "update", its stored gradient
-    ``(data, scales, block size)`` and its state (None for the others). Parallel lists,
-    so that a step makes no Python object per parameter beyond what it reads."""
-
-    params: list[nn.Parameter]
-    kinds: list[str]
-    grads: list[tuple[torch.Tensor, torch.Tensor | None, int] | None]
-    states: list[dict[str, Any] | None]
-
-
-@dataclass
-class UpdatePlan:
-    """Which path each parameter's update takes, valid while the parameters and their
-    kinds are those it was built for and the groups hold their members' tensors."""
-
-    params: list[nn.Parameter]
-    kinds: list[str]
-    groups: list[UpdateGroup]
-    alone: list[tuple[int, nn.Parameter, int]]  # (param group index, param, position): their own update
-    plain: dict[tuple[int, torch.device], list[nn.Parameter]]  # torch's fused Adam (amp8.optim.plain_step)
-    draws: dict[nn.Parameter, int]  # each update's noise draw, counted from the step's first
-    total_draws: int
-    other_grads: list[torch.Tensor] = field(default_factory=list)  # this step's gradients outside the groups
-
-    def fits(self, inputs: StepInputs) -> bool:
-        """Whether this plan was built for ``inputs``' parameters and kinds."""
-        return (self.kinds == inputs.kinds and len(self.params) == len(inputs.params)
-                and all(map(operator.is_, self.params, inputs.params)))
-
-    def gradients(self) -> list[torch.Tensor]:
-        """This step's gradients as stored, for the finiteness check: each group's
-        gradient buffer (after ``gather``) and the gradients outside the groups."""
-        return [group.tensors.grad for group in self.groups] + self.other_grads
-
-    def gather(self, inputs: StepInputs) -> bool:
-        """Every group's ``gather`` of this step's ``inputs``; False where one no longer fits."""
-        return all(group.gather(inputs) for group in self.groups)
-
-    def end_step(self) -> None:
-        """Free every group's step buffers (see ``UpdateGroup.end_step``)."""
-        for group in self.groups:
-            group.end_step()
-
-    def release(self) -> None:
-        """Give the members of every group their own memory back (see ``UpdateGroup.release``)."""
-        for group in self.groups:
-            group.release()

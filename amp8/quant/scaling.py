@@ -74,6 +74,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return _saturate(x, scale, dtype).to(dtype)
 
 
+def saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` in float32 clipped to ``dtype``'s finite range (NaN where ``x`` is
+    not finite): what ``quantize`` casts, for a caller that casts into memory it has."""
+    return _saturate(x, scale, dtype)
+
+
 def _saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x * scale`` in float32, clipped to ``dtype``'s finite range where ``x`` is
     finite and NaN where it is not."""
@@ -107,24 +113,30 @@ def quantize_stochastic(
             f"noise_key must be an int or an int64 scalar tensor, got {type(noise_key).__name__}; "
             "stochastic rounding is counter-based: pass amp8.quant.noise.rounding_key(seed, counter)"
         )
-    return quantize_with_noise(x, scale, dtype, noise.random_bits(x.shape, noise_key, x.device))
+    bits = noise.random_bits(x.shape, noise_key, x.device)
+    return quantize_with_noise(x, scale, dtype, noise.top_bits(bits, dropped_bits(dtype)))
 
 
-def quantize_with_noise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
-    """``quantize_stochastic`` with its noise given: ``bits`` holds ``amp8.quant.noise``'s
-    32-bit words for each element of ``x`` (as ``random_bits`` or ``random_bits_at``
-    give them), so many tensors stored in one buffer round as each would alone."""
+def dropped_bits(dtype: torch.dtype) -> int:
+    """The float32 mantissa bits ``dtype`` lacks: 13 (FP16), 16 (BF16), 20 (E4M3), 21 (E5M2)."""
+    return 23 - round(-math.log2(torch.finfo(dtype).eps))
+
+
+def quantize_with_noise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
+    """``quantize_stochastic`` with its noise given: an integer in ``[0, 2**dropped)``
+    per element of ``x`` (``dropped_bits(dtype)``; the top bits of ``amp8.quant.noise``'s
+    words, or an optimizer update's ``noise_field``), so many tensors stored in one buffer
+    round as each would alone."""
     scaled = _saturate(x, scale, dtype)
     info = torch.finfo(dtype)
-    dropped = 23 - round(-math.log2(info.eps))  # float32 mantissa bits dtype lacks: 13 (FP16), 16 (BF16)
+    dropped = dropped_bits(dtype)
     # Below dtype's smallest normal its spacing stays that of the smallest binade: moved up
     # by that binade's power of two, a value rounds like a normal number and moves back exactly.
     offset = (scaled.abs() < info.tiny).to(torch.float32).mul_(info.tiny).copysign_(scaled)
     moved = scaled.add_(offset).view(torch.int32)  # ``scaled`` is this function's own tensor
     # Adding a random integer below the dropped bits' unit to the magnitude, then dropping
     # them, rounds away from zero with probability (dropped bits) / unit: unbiased.
-    noise_bits = noise.top_bits(bits, dropped)
-    rounded = moved.add_(noise_bits.to(torch.int32)).bitwise_and_(~((1 << dropped) - 1)).view(torch.float32)
+    rounded = moved.add_(noise.to(torch.int32)).bitwise_and_(~((1 << dropped) - 1)).view(torch.float32)
     return rounded.sub_(offset).to(dtype)
 
 
@@ -147,7 +159,7 @@ def quantize_blockwise(
     if block_size == 0:
         scale = scale_from_amax(amax(x), dtype)
         return quantize_rounded(x, scale, dtype, noise_key), scale
-    blocks = _as_blocks(x.float(), block_size)
+    blocks = as_blocks(x.float(), block_size)
     scales = scale_from_amax(blocks.abs().amax(dim=1), dtype)
     data = quantize_rounded(blocks, scales[:, None], dtype, noise_key)
     return data.flatten()[: x.numel()].view(x.shape), scales
@@ -157,11 +169,11 @@ def dequantize_blockwise(data: torch.Tensor, scales: torch.Tensor, block_size: i
     """The float32 values of ``quantize_blockwise(x, dtype, block_size)``'s output."""
     if block_size == 0:
         return dequantize(data, scales)
-    blocks = _as_blocks(data.float(), block_size) / scales[:, None]
+    blocks = as_blocks(data.float(), block_size) / scales[:, None]
     return blocks.flatten()[: data.numel()].view(data.shape)
 
 
-def _as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+def as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``x`` flattened, zero-padded to a multiple of ``block_size``, as (blocks, block_size)."""
     flat = x.flatten()
     missing = -flat.numel() % block_size

@@ -30,15 +30,17 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 from torch.utils.hooks import RemovableHandle
 
 from amp8.config.formats import E4M3
 from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe, Scaling
 from amp8.quant import scaling
+from amp8.quant.codec import Layout, Tiling
 from amp8.tensor.scaled import ScaledTensor, is_sharded, local_tensor
 from amp8.tensor.scaled_weight import ScaledWeight, chained_nbytes, drop_chain
-from amp8.tensor.weight_grad import GradLayout, WeightGrad
+from amp8.tensor.weight_grad import GradLayout, GradSlot, WeightGrad
 from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 
 STORAGE_DTYPES = {Precision.FP16: torch.float16, Precision.FP8: E4M3}
@@ -58,17 +60,19 @@ def check_storage(storage: Precision) -> None:
         raise ValueError(f"weight_storage={storage!r} is not valid; use one of {allowed}")
 
 
-def encode_fp16(value: torch.Tensor, noise_key: torch.Tensor | int | None = None,
+FP16_LAYOUT = Layout(torch.float16, Tiling.TENSOR, margin=FP16_MARGIN, power_of_2=True, stream=0)
+"""How the FP16 weights of O1/O2 and O3's FP16 master weights are stored: one power-of-two
+scale with a binade of headroom, rounded stochastically in an optimizer's update (noise
+field 0 of its words)."""
+
+
+def encode_fp16(value: torch.Tensor, words: torch.Tensor | None = None,
                 previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(FP16 data, scale)`` for float ``value`` with one power-of-two scale and a binade
-    of headroom, rounded stochastically under ``noise_key`` when one is given. The FP16
-    weights of O1/O2 and O3's FP16 master weights are stored so."""
-    scale = scaling.scale_from_amax(
-        scaling.amax(value), torch.float16, margin=FP16_MARGIN, power_of_2=True, previous=previous
-    )
-    if noise_key is None:
-        return scaling.quantize(value, scale, torch.float16), scale
-    return scaling.quantize_stochastic(value, scale, torch.float16, noise_key), scale
+    """``(FP16 data, scale)`` for float ``value`` at ``FP16_LAYOUT``, rounded
+    stochastically under ``words`` (``amp8.quant.noise.update_words``) where given."""
+    data, scale = FP16_LAYOUT.encode(value, words=words, previous=previous)
+    assert scale is not None
+    return data, scale
 
 
 def stored_weight(param: torch.Tensor) -> "StoredWeight | None":
@@ -110,6 +114,11 @@ class StoredWeight:
             (``scaling.matrix_tile``).
     """
 
+    grad_slot: GradSlot | None = None
+    """Where the layer's backward writes the weight's FP8 gradient: views of the gradient
+    buffer of the optimizer step that reads it (``amp8.tensor.weight_grad.GradSlot``), or
+    None (memory of its own)."""
+
     def __init__(
         self, module: nn.Module, recipe: Recipe, storage: Precision, *, fixed_storage: bool = False,
         name: str = "weight",
@@ -138,13 +147,13 @@ class StoredWeight:
             self.mark(self.param)
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy (``copy.deepcopy`` of the model) starts with no gradient and no hooks:
-        those belong to the original's optimizer and run. It holds no layer either: the
+        """A copy (``copy.deepcopy`` of the model) starts with no gradient, no gradient
+        slot and no hooks: those belong to the original's optimizer and run. It holds no layer either: the
         copied layer binds it (``bind``), so a copy rebuilds alike whichever of the two
         it reaches first."""
         state = self.__dict__.copy()
         state.update(
-            _held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=None, _master=None,
+            _held_grad=None, _grad_ready_hooks=OrderedDict(), _hooked=None, _module_ref=None, _master=None, grad_slot=None,
             _load_log=None,
         )
         return state
@@ -359,46 +368,67 @@ class StoredWeight:
         outside forward and backward)."""
         return self.stored().dequantize()
 
+    @property
+    def layout(self) -> Layout:
+        """How the stored data encode the weight (``amp8.quant.codec``): FP16 with one
+        power-of-two scale, or FP8 at the recipe's scale tiles; float32 as is for
+        ``AS_IS`` storage."""
+        if self.storage is Precision.FP16:
+            return FP16_LAYOUT
+        if self.storage is not Precision.FP8:
+            return Layout()
+        tile, shape = self.tile(), tuple(self.param.shape)
+        recipe = self.recipe
+        if tile is None:
+            tiling = Tiling.TENSOR
+        elif len(shape) == 2 and tile == (1, shape[1]) and self.scale_dtype == torch.float32:
+            tiling, tile = Tiling.ROWS, None
+        else:
+            tiling = Tiling.TILES
+        return Layout(self.dtype, tiling, tile=tile, margin=recipe.margin, power_of_2=recipe.power_of_2_scales,
+                      scale_dtype=self.scale_dtype)
+
     def encode(
         self,
         value: torch.Tensor,
-        noise_key: torch.Tensor | int | None = None,
+        words: torch.Tensor | None = None,
         amax_value: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(data, scale)`` that store float ``value`` in this weight's storage.
+        """``(data, scale)`` that store float ``value`` in this weight's storage
+        (``layout``), with float32 scales.
 
-        FP16 storage rounds stochastically under ``noise_key`` when one is given; FP8
-        storage takes the recipe's weight scales at its granularity. ``amax_value``
-        replaces the amax of ``value`` (to encode one rank's rows of a sharded weight
-        with the scales of the whole, ``amax_of_rows`` taken over all ranks); the scales
-        returned are the whole weight's.
+        FP16 storage rounds stochastically under ``words`` (an optimizer update's
+        ``amp8.quant.noise.update_words``) where given. ``scale`` replaces the scales
+        from the value's amaxes (an optimizer's scale from a bound); ``amax_value``
+        replaces those amaxes (to encode one rank's rows of a sharded weight with the
+        scales of the whole, ``amax_of_rows`` taken over all ranks); the scales returned
+        are the whole weight's.
         """
         if self.storage is Precision.AS_IS:
             return value.to(self.param.dtype), torch.ones((), device=value.device)
-        previous_for = lambda shape: self.scale if self.scale.shape == shape else None  # noqa: E731
-        if self.storage is Precision.FP16 and amax_value is None:
-            return encode_fp16(value, noise_key, previous_for(torch.Size([])))
-        if self.storage is Precision.FP8:
-            margin, power_of_2, tile = self.recipe.margin, self.recipe.power_of_2_scales, self.tile()
-        else:
-            margin, power_of_2, tile = FP16_MARGIN, True, None
-        amaxes = scaling.tile_amax(value, tile) if amax_value is None else amax_value
-        scale = scaling.scale_from_amax(
-            amaxes, self.dtype, margin=margin, power_of_2=power_of_2, previous=previous_for(amaxes.shape)
-        )
+        layout = self.layout
+        if amax_value is not None:
+            previous = self.scale if self.scale.shape == amax_value.shape else None
+            scale = layout.scales(amax_value, previous)
+        if scale is None and not is_sharded(self.param):
+            data, stored = layout.encode(value, words=words, previous=self.scale)
+            assert stored is not None
+            return data, stored.float()
+        if scale is None:
+            amaxes = layout.amaxes(value)
+            scale = layout.scales(amaxes, self.scale if self.scale.shape == amaxes.shape else None)
         full_scale = scaling.expand_scale(self._scale_of_rows(scale, value), tuple(value.shape), self.block_size)
-        if noise_key is not None and self.storage is Precision.FP16:
-            return scaling.quantize_stochastic(value, full_scale, self.dtype, noise_key), scale
-        return scaling.quantize(value, full_scale, self.dtype), scale
+        return layout.encode(value, full_scale, words)[0], scale
 
-    def write(self, value: torch.Tensor, noise_key: torch.Tensor | int | None = None) -> None:
+    def write(self, value: torch.Tensor, words: torch.Tensor | None = None) -> None:
         """Store float ``value`` as the weight's new real values, in place (stochastically
-        rounded under ``noise_key``): the path of every write from outside the optimizer.
+        rounded under ``words``): the path of every write from outside the optimizer.
         At O3 the optimizer's master weight takes ``value`` first (``attach_master``), and
         the FP8 weight is encoded from it, so the next step starts from what was written."""
         if self._master is not None:
             self._master(value)
-        self.store_from_master(*self.encode(value, noise_key))
+        self.store_from_master(*self.encode(value, words))
 
     def attach_master(self, master_writer: Callable[[torch.Tensor], None] | None) -> None:
         """Make ``master_writer(value)`` (which stores float32 ``value``, this rank's rows,
@@ -444,6 +474,9 @@ class StoredWeight:
                 param._data = data.detach().clone()
             else:
                 param.data = data
+            # A write from a tensor subclass's dispatch runs below autograd, where torch does
+            # not count it: count it, so whatever keys on the version sees it.
+            increment_version([self.data, self.stored_scale])
             self.refresh()
 
     def place(self, memory: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ fakeify a traceable subclass as the ``.grad`` of a plain Parameter). See DESIGN.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,12 +65,21 @@ class GradLayout:
         block_size = block if tile is not None and block in tile else 0
         return cls(recipe.weight_grad_dtype, tile, block_size, recipe.margin, recipe.power_of_2_scales)
 
-    def quantize(self, value: torch.Tensor) -> ScaledTensor:
-        """The float ``value`` in FP8 at this layout, with fresh scales from its amaxes."""
-        data, scale = scaling.quantize_tiles(
-            value, self.dtype, self.tile, margin=self.margin, power_of_2=self.power_of_2
-        )
-        return ScaledTensor(data, scale, self.block_size)
+    def quantize(self, value: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> ScaledTensor:
+        """The float ``value`` in FP8 at this layout, with fresh scales from its amaxes
+        (written into ``out``'s data and scales where given). A scale is NaN where its
+        tile holds an inf or NaN (the data there are NaN too), so an optimizer tells a
+        gradient that must skip its step from the scales alone."""
+        amaxes = scaling.tile_amax(value, self.tile)
+        scale = scaling.scale_from_amax(amaxes, self.dtype, margin=self.margin, power_of_2=self.power_of_2)
+        scale = scale + amaxes * 0.0  # NaN where the amax is inf or NaN, unchanged elsewhere
+        full_scale = scaling.expand_scale(scale, tuple(value.shape), max(self.tile) if self.tile else 0)
+        if out is None:
+            return ScaledTensor(scaling.quantize(value, full_scale, self.dtype), scale, self.block_size)
+        data, scale_out = out
+        data.copy_(scaling.saturate(value, full_scale, self.dtype))
+        scale_out.copy_(scale)
+        return ScaledTensor(data, scale_out, self.block_size)
 
     def scale_shape(self, shape: tuple[int, ...]) -> torch.Size:
         """The shape of the scales of a gradient of ``shape`` (one per ``tile``)."""
@@ -80,6 +90,44 @@ def _quantized_parts(layout: GradLayout, value: torch.Tensor) -> tuple[torch.Ten
     """``layout.quantize(value)`` as (data, scales)."""
     fp8 = layout.quantize(value)
     return fp8.data, fp8.scale
+
+
+def _quantized_into(layout: GradLayout, value: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """``layout.quantize(value)`` written into ``data`` and ``scale``."""
+    fp8 = layout.quantize(value, out=(data, scale))
+    del fp8
+
+
+class GradSlot:
+    """Memory an optimizer keeps for one FP8 weight's gradient (views of its flat gradient
+    buffer), which the layer's backward writes the gradient into: the step then reads it
+    where it is, with no copy.
+
+    A backward takes the slot (``claim``) only where its weight has no gradient
+    (``param.grad is None``: a later micro-batch adds to the one there, in place) and
+    no other backward took it since the optimizer last read it (``round``, which the
+    optimizer advances at each step): a layer called twice in one forward gets its first
+    gradient in the slot and the second in memory of its own. As with DDP's
+    ``gradient_as_bucket_view``, the gradient a step has read is overwritten by the next
+    backward after ``zero_grad``: clone a gradient to keep it."""
+
+    __slots__ = ("data", "scale", "_param", "_round", "_claimed_in")
+
+    def __init__(self, param: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, round: list[int]) -> None:
+        self.data, self.scale = data, scale
+        self._param = weakref.ref(param)
+        self._round = round
+        self._claimed_in = -1
+
+    def claim(self) -> bool:
+        """Whether this backward may write the gradient here (see the class docstring)."""
+        if self._claimed_in == self._round[0]:
+            return False
+        param = self._param()
+        if param is None or param.grad is not None:
+            return False
+        self._claimed_in = self._round[0]
+        return True
 
 
 class WeightGrad(WeightGradDispatch):
@@ -105,10 +153,14 @@ class WeightGrad(WeightGradDispatch):
 
     @classmethod
     def from_float(cls, value: torch.Tensor, layout: GradLayout, dtype: torch.dtype,
-                   compiled: bool = False) -> "WeightGrad":
-        """The float gradient ``value`` stored at ``layout``, reporting ``dtype``; the
+                   compiled: bool = False, slot: GradSlot | None = None) -> "WeightGrad":
+        """The float gradient ``value`` stored at ``layout``, reporting ``dtype``: in
+        ``slot`` where it may be claimed (``GradSlot``), else in memory of its own. The
         quantization runs as compiled kernels as ``compiled`` says
         (``amp8._compiled.runs_compiled``), with the same bits."""
+        if slot is not None and slot.data.shape == value.shape and slot.claim():
+            call_compiled(_quantized_into, layout, value, slot.data, slot.scale, compiled=compiled)
+            return cls(ScaledTensor(slot.data, slot.scale, layout.block_size), dtype, layout)
         data, scale = call_compiled(_quantized_parts, layout, value, compiled=compiled)
         return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
 

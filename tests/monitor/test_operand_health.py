@@ -78,8 +78,8 @@ def test_the_fp8_weight_gradients_cast_is_watched_too(monkeypatch: pytest.Monkey
     seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     original = WeightGrad.from_float.__func__  # type: ignore[attr-defined]
 
-    def recording(cls, value, layout, dtype, compiled=False):  # type: ignore[no-untyped-def]
-        grad = original(cls, value, layout, dtype, compiled)
+    def recording(cls, value, layout, dtype, compiled=False, slot=None):  # type: ignore[no-untyped-def]
+        grad = original(cls, value, layout, dtype, compiled, slot)
         seen[tuple(value.shape)] = (value.detach().float().clone(), grad.dequantize())
         return grad
 

@@ -286,3 +286,17 @@ def test_casts_run_eagerly_under_a_torch_dispatch_mode() -> None:
         assert not _compiled.runs_compiled(x, True)
         out = run_cast(spec, x, None, None, None, compiled=True)  # torch.compile would refuse here
     assert torch.equal(out.rows.view(torch.uint8), run_cast(spec, x, None, None, None).rows.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, False), (True, True), (False, False)])
+def test_compiled_casts_default_to_the_models_device(given: bool | None, expected: bool) -> None:
+    """``compiled_casts=None`` (the default) compiles the casts of a model on CUDA only
+    (tests/test_cuda.py checks that side): on the CPU the layers keep eager casts."""
+    model = nn.Sequential(nn.Linear(32, 32))
+    model, _ = amp8.initialize(model, None, "O1", layer_selection="all", compiled_casts=given)
+    assert model[0].compiled_casts is expected
+
+
+def test_bad_compiled_casts_option() -> None:
+    with pytest.raises(TypeError, match="compiled_casts='yes' is not valid"):
+        amp8.initialize(nn.Sequential(nn.Linear(32, 32)), None, "O1", compiled_casts="yes")

@@ -298,7 +298,8 @@ def test_e8m0_state_scales_store_the_power_of_two_scales_exactly(tile, shape) ->
 
     value = torch.randn(shape) * torch.logspace(-6, 3, shape[1])  # nine decades across columns
     stored: dict = {}
-    state_storage.store(stored, "exp_avg", value, Precision.FP8, 0, tile, E8M0)
+    layout = state_storage.moment_layout("exp_avg", Precision.FP8, 0, tuple(shape), tile, E8M0)
+    state_storage.store(stored, "exp_avg", value, layout)
     data, scales = scaling.quantize_tiles(value, E4M3, tile, power_of_2=True)
     assert stored["exp_avg_scale"].dtype == E8M0 and stored["exp_avg_scale"].shape == scales.shape
     assert_bitwise_equal(stored["exp_avg"], data)

@@ -1,4 +1,4 @@
-"""The fused (torch.compile) optimizer step against the reference step, and the
+"""The compiled grouped optimizer step against the reference step, and the
 counter-based stochastic rounding both use. Compiles run on the CPU through Inductor's
 C++ backend; tensors are small and each test compiles one or two graphs."""
 
@@ -12,7 +12,7 @@ import amp8
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
 from amp8.optim import state as state_storage
-from amp8.optim.fused import COMPILE_OPTIONS
+from amp8.optim.group_step import COMPILE_OPTIONS
 from amp8.quant import noise, scaling
 from amp8.quant.scaling import sqnr
 from amp8.tensor import stored_weight
@@ -104,7 +104,7 @@ def _assert_fused_matches_reference(models: list[nn.Module], optimizers: list[Lo
                 assert error <= 2**-20, f"{key} {name}: error {error:.2e} x amax"
                 assert sqnr(expected, actual) >= 120, f"{key} {name}: SQNR {sqnr(expected, actual):.1f} dB"
             else:
-                assert twin_state[key + "_block_size"] == state[key + "_block_size"], f"{key} {name}"
+                assert twin_state[key + "_layout"] == state[key + "_layout"], f"{key} {name}"
                 measured = sqnr(expected, actual)
                 assert measured >= 60, f"{key} {name}: SQNR {measured:.1f} dB against the reference step"
         if "master" in state:
@@ -114,21 +114,18 @@ def _assert_fused_matches_reference(models: list[nn.Module], optimizers: list[Lo
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-tensor"])
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
-def test_fused_step_matches_the_reference_step(level: str, grouped: bool) -> None:
+def test_fused_step_matches_the_reference_step(level: str) -> None:
     """Four AdamW steps on layers of two shapes, one compiled graph for both (one update
-    group, or one graph called per tensor), each step compared from the same state.
-    Measured on this CPU: a few master or weight values per step one ulp apart (a
-    multiply-add contracted to an FMA), O1's FP32 moments within 1 ulp."""
-    models, optimizers = _twin_optimizers(level, grouped=grouped, lr=1e-2, weight_decay=0.1)
+    group), each step compared from the same state. Measured on this CPU: a few master or
+    weight values per step one ulp apart (a multiply-add contracted to an FMA), O1's FP32
+    moments within 1 ulp."""
+    models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1)
     _step_and_compare(models, optimizers)
-    steps = optimizers[1]._group_steps[True] if grouped else optimizers[1]._fused_steps
-    assert len(steps.specs) == 1, "both shapes should share one graph"
+    assert len(optimizers[1]._group_steps[True].specs) == 1, "both shapes should share one graph"
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-tensor"])
 @pytest.mark.parametrize(
     ("level", "granularity", "options"),
     [
@@ -136,13 +133,13 @@ def test_fused_step_matches_the_reference_step(level: str, grouped: bool) -> Non
         ("O2", "block", dict(adam=True, lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1, maximize=True)),
     ],
 )
-def test_fused_step_with_fine_grained_scales(level: str, granularity: str, options: dict, grouped: bool) -> None:
+def test_fused_step_with_fine_grained_scales(level: str, granularity: str, options: dict) -> None:
     """Rowwise and 16 x 16 block scales on gradients, the FP8 first moment and O3's FP8
     weights; the block case also runs Adam's L2 decay, maximize, and biases (FP32
     parameters with ``param.grad``). Measured: rowwise 1 of 768 master values 1 ulp
     apart, every low-bit moment > 100 dB."""
     recipe = amp8.Recipe(granularity=granularity, block_size=16)
-    models, optimizers = _twin_optimizers(level, recipe, bias=granularity == "block", grouped=grouped, **options)
+    models, optimizers = _twin_optimizers(level, recipe, bias=granularity == "block", **options)
     _step_and_compare(models, optimizers)
 
 
@@ -150,7 +147,7 @@ def test_fused_defaults_to_cuda_only() -> None:
     model, _ = amp8.initialize(nn.Sequential(nn.Linear(32, 16)), recipe=amp8.Recipe())
     optimizer = LowBitAdam(model.parameters())
     assert optimizer.fused is None
-    assert not optimizer._runs_fused(model[0].weight), "CPU parameters take the reference step by default"
+    assert not optimizer._compiles(model[0].weight), "CPU parameters take the eager step by default"
 
 
 @pytest.mark.parametrize("fused", ["yes", 1])
@@ -277,6 +274,6 @@ def test_default_fuses_large_optimizers_on_the_cpu(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(adam, "FUSED_CPU_MIN_ELEMENTS", total if elements_at_least else total + 1)
     optimizer = LowBitAdam(model.parameters(), level="O2")
     expected = elements_at_least and adam.cpp_compiler_found()
-    assert all(optimizer._runs_fused(p) == expected for p in model.parameters())
+    assert all(optimizer._compiles(p) == expected for p in model.parameters())
     explicit = LowBitAdam(model.parameters(), level="O2", fused=False)
-    assert not any(explicit._runs_fused(p) for p in model.parameters())
+    assert not any(explicit._compiles(p) for p in model.parameters())

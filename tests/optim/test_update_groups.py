@@ -16,8 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp8
 from amp8.optim import LowBitAdam
-from amp8.optim import fused
-from amp8.optim.update_groups import TENSOR_ROW_WIDTH, row_width
+from amp8.optim.arithmetic import Decay
+from amp8.optim.spec import UpdateSpec, WeightKind
+from amp8.quant.codec import Layout, Tiling
+from amp8.optim.plan import TENSOR_ROW_WIDTH, row_width
 from conftest import assert_bitwise_equal, compact_state, cuda_fp8
 
 RECIPES = {
@@ -122,7 +124,7 @@ def test_grouped_step_with_block_scaled_moments(state_block_size: int) -> None:
     """Moments with one scale per block of 64 elements take rows of 64: still exact."""
     models, optimizers = _twins("O2", amp8.Recipe(), "adamw", state_block_size=state_block_size)
     _train(models, optimizers, steps=3)
-    widths = {group.key.width for group in optimizers[1]._plan.groups if group.key.spec.weight is not fused.WeightKind.PLAIN}
+    widths = {group.key.width for group in optimizers[1]._plan.groups if group.key.spec.weight is not WeightKind.PLAIN}
     assert widths == {state_block_size or TENSOR_ROW_WIDTH}
     _assert_identical(models, optimizers)
 
@@ -214,9 +216,12 @@ def test_moments_and_weights_live_in_the_group_buffers() -> None:
                 assert member.handle.stored_scale._base is group.tensors.weight_scale
         used = sum(member.param.numel() for member in group.members)
         assert int(group.tensors.exp_avg.float().ne(0).sum()) <= used
-        # The copies of the gradients (and of plain weights) are held for a step only.
-        copies = [group.tensors.grad] + ([group.tensors.weight] if group.key.spec.weight is fused.WeightKind.PLAIN else [])
-        assert all(copy.untyped_storage().nbytes() == 0 for copy in copies)
+        if group.key.spec.weight is WeightKind.PLAIN:  # copies of the gradients and weights, for a step only
+            assert all(copy.untyped_storage().nbytes() == 0 for copy in (group.tensors.grad, group.tensors.weight))
+        else:  # the backward wrote each FP8 gradient into the buffer the step read it from
+            for member in group.members:
+                data, scale, _ = member.param.grad.parts()
+                assert data._base is group.tensors.grad and scale._base is group.tensors.grad_scale
         rows = group.tensors.exp_avg.shape[0]
         assert rows == sum(-(-member.param.numel() // group.key.width) for member in group.members)
 
@@ -238,13 +243,13 @@ def test_a_compact_checkpoint_gives_each_layer_its_own_memory(level: str) -> Non
 
 
 def test_row_width_follows_the_storage() -> None:
-    per_tensor = fused.Storage(torch.float8_e4m3fn)
-    rows = fused.Storage(torch.float8_e4m3fn, rows=True)
-    blocks = fused.Storage(torch.float16, block_size=32)
-    tiles = fused.Storage(torch.float8_e4m3fn, tile=16)
+    per_tensor = Layout(torch.float8_e4m3fn)
+    rows = Layout(torch.float8_e4m3fn, Tiling.ROWS)
+    blocks = Layout(torch.float16, Tiling.BLOCKS, block=32)
+    tiles = Layout(torch.float8_e4m3fn, Tiling.TILES, tile=(16, 16))
 
-    def spec(grad: fused.Storage, moment: fused.Storage) -> fused.UpdateSpec:
-        return fused.UpdateSpec(grad, moment, moment, fused.WeightKind.FP16_SCALED, fused.Decay.NONE, False)
+    def spec(grad: Layout, moment: Layout) -> UpdateSpec:
+        return UpdateSpec(grad, moment, moment, WeightKind.FP16_SCALED, Decay.NONE, False, True)
 
     shape = torch.Size([48, 96])
     assert row_width(spec(per_tensor, per_tensor), shape) == TENSOR_ROW_WIDTH

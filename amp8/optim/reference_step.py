@@ -1,0 +1,65 @@
+"""``LowBitAdam``'s reference step: one parameter's update, one eager operation at a
+time, through the storage codec (``amp8.quant.codec``). It is the specification the
+grouped step (``amp8.optim.group_step``) is held to, bit for bit when that runs eagerly,
+and the step of every tensor a group does not cover (tiles of scales, E8M0 scales, stacks
+of experts, weights sharded over ranks).
+
+Per-tensor scales come from bounds on the new values' absolute maxima
+(``amp8.optim.arithmetic.amax_bounds``), here from the old values themselves; scales per
+row, block or tile from the new values. A skipped step (``skip``, a bool on the device)
+writes back what it read and leaves the step count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp8.optim import state as state_storage
+from amp8.optim.arithmetic import adam_arithmetic, amax_bounds, decay_of, hyper, step_scalars
+from amp8.optim.spec import GradParts
+from amp8.optim.state import MOMENTS
+from amp8.optim.stored_state import StoredState
+from amp8.quant import noise, scaling
+
+
+def grad_amax(grad: GradParts, values: torch.Tensor) -> torch.Tensor:
+    """A bound on the gradient's amax: the largest value its format holds over each scale
+    (NaN where its cast saw an inf or NaN), or the amax of a float gradient ``values``."""
+    data, scale, _ = grad
+    if scale is None:
+        return scaling.amax(values)
+    return (scaling.max_value(data.dtype) / scale.float()).amax()
+
+
+def reference_update(
+    stored: StoredState, param: nn.Parameter, param_state: dict[str, Any], grad: GradParts,
+    group: dict[str, Any], skip: torch.Tensor,
+) -> None:
+    """``param``'s Adam step from its stored ``grad`` under ``group``'s hyperparameters,
+    written into its state and weight unless ``skip``."""
+    grad_values = grad[2].decode(grad[0], grad[1])
+    exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in MOMENTS)
+    weight = stored.weight(param, param_state)
+    h, decay = hyper(group, as_tensors=False), decay_of(group)
+    step = param_state["step"] + 1
+    s = step_scalars(h, step)
+    bounds = amax_bounds(grad_amax(grad, grad_values), scaling.amax(exp_avg), scaling.amax(exp_avg_sq),
+                         scaling.amax(weight), h, s, decay)
+    exp_avg, exp_avg_sq, weight = adam_arithmetic(
+        grad_values, exp_avg, exp_avg_sq, weight, h, s, decay=decay, maximize=bool(group["maximize"]),
+        bounded=state_storage.low_bit_moments(param_state),
+    )
+    key = stored.update_noise_key(param)
+    words = None if key is None else noise.update_words(noise.element_index(weight.shape, weight.device), key)
+    for name, value, bound in ((MOMENTS[0], exp_avg, bounds.exp_avg), (MOMENTS[1], exp_avg_sq, bounds.exp_avg_sq)):
+        layout = stored.moment_layout(param, name)
+        scale = None
+        if layout.per_tensor:
+            previous = param_state.get(name + state_storage.SCALE_SUFFIX)
+            scale = layout.scales(bound, previous if previous is not None and previous.dim() == 0 else None)
+        stored.store_moment(param, param_state, name, value, words, scale, skip)
+    stored.write_weight(param, param_state, weight, words, bounds.weight, skip)
+    param_state["step"].add_((~skip).float())
