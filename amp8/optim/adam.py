@@ -46,7 +46,6 @@ from amp8.optim.support import (
     check_supported, torch_groups,
 )
 from amp8.quant import noise
-from amp8.quant.codec import FLOAT32
 from amp8.tensor.stored import StoredWeight, stored_weight
 
 DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
@@ -314,7 +313,7 @@ class LowBitAdam(Copies, DataParallel, Checkpoints, torch.optim.Optimizer):
         for (index, param, position), grad in zip(plan.alone, plan.other_grads):
             self.stored.rounding_counter = first_draw + plan.draws.get(param, 0)
             if self._is_sharded(param):
-                grad = (self._sharded_average().averaged_chunk(param), None, FLOAT32)
+                grad = (self._sharded_average().averaged_chunk(param), None, None)
             if grad is None:
                 continue
             reference_update(self.stored, param, self.state[param], grad, self.param_groups[index], skip)
@@ -323,9 +322,11 @@ class LowBitAdam(Copies, DataParallel, Checkpoints, torch.optim.Optimizer):
         for (index, _), params in plan.plain.items():
             plain_adam_step(params, [self.state[param] for param in params], self.param_groups[index], skip)
         seed_part = noise.seed_key(self.seed)
+        coefficients: dict[Any, Any] = {}
         for update_group in plan.groups:
             steps = self._group_steps[self._compiles(update_group.members[0].param)]
-            update_group.run(steps, self.param_groups[update_group.key.param_group], seed_part, first_draw, skip)
+            update_group.run(steps, self.param_groups[update_group.key.param_group], seed_part, first_draw, skip,
+                             coefficients)
         self.stored.rounding_counter = first_draw + plan.total_draws
 
     def _drop_plan(self) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from amp8.optim import state as state_storage
 from amp8.optim.arithmetic import adam_arithmetic, amax_bounds, decay_of, hyper, step_scalars
-from amp8.optim.spec import GradParts
+from amp8.optim.spec import GradParts, grad_codec
 from amp8.optim.state import MOMENTS
 from amp8.optim.stored_state import StoredState
 from amp8.quant import noise, scaling
@@ -40,7 +40,7 @@ def reference_update(
 ) -> None:
     """``param``'s Adam step from its stored ``grad`` under ``group``'s hyperparameters,
     written into its state and weight unless ``skip``."""
-    grad_values = grad[2].decode(grad[0], grad[1])
+    grad_values = grad_codec(grad).decode(grad[0], grad[1])
     exp_avg, exp_avg_sq = (state_storage.load(param_state, key) for key in MOMENTS)
     weight = stored.weight(param, param_state)
     h, decay = hyper(group, as_tensors=False), decay_of(group)

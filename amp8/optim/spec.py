@@ -19,8 +19,10 @@ from amp8.quant.codec import FLOAT32, Layout, Tiling
 from amp8.tensor.stored import FP16_LAYOUT, StoredWeight
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 
-GradParts = tuple[torch.Tensor, "torch.Tensor | None", Layout]
-"""A gradient as stored: ``(data, scales, layout)``."""
+GradParts = tuple[torch.Tensor, "torch.Tensor | None", "GradLayout | None"]
+"""A gradient as stored: ``(data, scales, its GradLayout)``, or ``(float gradient, None,
+None)``; ``grad_codec`` gives its codec layout (a step reads thousands: no layout is
+built per gradient and step)."""
 
 
 class WeightKind(str, Enum):
@@ -79,8 +81,14 @@ def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> GradParts |
                 return None
             grad = WeightGrad(scaled, param.dtype, handle.grad_layout)
         data, scale, _ = grad.parts()
-        return data, scale, grad_layout_of(grad.grad_layout, data.shape)
-    return None if param.grad is None else (param.grad, None, FLOAT32)
+        return data, scale, grad.grad_layout
+    return None if param.grad is None else (param.grad, None, None)
+
+
+def grad_codec(grad: GradParts) -> Layout:
+    """The codec layout of a gradient as ``stored_grad`` gives it."""
+    data, _, layout = grad
+    return FLOAT32 if layout is None else grad_layout_of(layout, data.shape)
 
 
 def update_spec(
@@ -102,7 +110,7 @@ def update_spec(
         fp8_previous = handle.stored_scale.shape == fp8_layout.amaxes(torch.empty(handle.data.shape, device="meta")).shape
     exp_avg, exp_avg_sq = (state_storage.layout_of(param_state, key) for key in MOMENTS)
     return UpdateSpec(
-        grad=grad[2], exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, weight=kind, decay=decay_of(group),
+        grad=grad_codec(grad), exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, weight=kind, decay=decay_of(group),
         maximize=bool(group["maximize"]), bounded=exp_avg.scaled or exp_avg_sq.scaled,
         fp8_weight=fp8_layout, fp8_previous_scale=fp8_previous,
     )

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from amp8.config.levels import OptLevel, Precision
 from amp8.optim import state as state_storage
@@ -124,6 +125,8 @@ class StoredState:
                 current = param_state[key]
                 if current.shape == new.shape and current.dtype == new.dtype:
                     current.copy_(new)
+                    # (a write from a weight's dispatch runs below autograd, which counts no version)
+                    increment_version(current)
                 else:
                     param_state[key] = new
 
@@ -193,9 +196,10 @@ class StoredState:
         if MASTER in param_state:
             master_scale = self._bound_scale(FP16_LAYOUT, bound, param_state[MASTER + state_storage.SCALE_SUFFIX])
             self.store_master(param_state, value, words, master_scale, skip)
-            if not self._is_sharded(param):
+            if not self._is_sharded(param):  # the FP8 weight, from the master as stored
                 assert handle is not None
-                self._store_handle(handle, value, None, self._bound_scale(handle.layout, bound, handle.scale), skip)
+                master = state_storage.load(param_state, MASTER)
+                self._store_handle(handle, master, None, self._bound_scale(handle.layout, bound, handle.scale), skip)
         elif handle is not None:
             self._store_handle(handle, value, words, self._bound_scale(handle.layout, bound, handle.scale), skip)
         else:

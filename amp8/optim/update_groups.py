@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from amp8.optim import state as state_storage
-from amp8.optim.arithmetic import hyper, step_scalars
+from amp8.optim.arithmetic import StepScalars, hyper, step_scalars
 from amp8.optim.group_step import GroupSteps, GroupTensors
 from amp8.optim.spec import GradParts, UpdateSpec, WeightKind
 from amp8.optim.state import MASTER, MOMENTS
@@ -255,8 +255,8 @@ class UpdateGroup:
     # -- the amaxes the per-tensor scales are bounded from ---------------------------------
     def measure_amaxes(self) -> None:
         """Read the absolute maximum of each member's stored moments and weight off the
-        buffers (a step keeps them current; this is for a new group, and after a write
-        from outside the optimizer)."""
+        buffers, where they take one scale per tensor (a step keeps them current; this is
+        for a new group, and after a write from outside the optimizer)."""
         spec, tensors = self.key.spec, self.tensors
         with torch.no_grad():
             for layout, data, scale, amax in (
@@ -264,8 +264,9 @@ class UpdateGroup:
                 (spec.exp_avg_sq, tensors.exp_avg_sq, tensors.exp_avg_sq_scale, tensors.amaxes[1]),
                 (spec.weight_layout, tensors.weight, tensors.weight_scale, tensors.amaxes[2]),
             ):
-                if data is tensors.weight and spec.weight is WeightKind.PLAIN:
-                    continue  # a plain weight is read each step
+                if not layout.per_tensor:  # only a per-tensor scale is bounded from its amax
+                    amax.zero_()
+                    continue
                 row_scale = None
                 if scale is not None:
                     row_scale = (scale if layout.per_row else scale[tensors.row_tensor])[:, None]
@@ -368,12 +369,17 @@ class UpdateGroup:
         return True
 
     def run(self, steps: GroupSteps, group: dict[str, Any], seed_part: int, first_draw: int,
-            skip: torch.Tensor) -> None:
+            skip: torch.Tensor, coefficients: dict[Any, StepScalars]) -> None:
         """The update of every member (after ``gather``), unless ``skip``; then the plain
         weights copied back to their Parameters (the stored weights and their scales are the
-        buffers' views) and the layers told to drop their casts."""
+        buffers' views) and the layers told to drop their casts. ``coefficients`` holds this
+        step's for the groups run before: the groups of one plan that were built at one
+        step count and param group have advanced together since, and share them."""
         compiled = steps.compile
-        s = step_scalars(hyper(group, as_tensors=False), self.tensors.steps[0] + 1)
+        shared = (self.key.param_group, self.key.step, self.key.device)
+        s = coefficients.get(shared)
+        if s is None:
+            s = coefficients[shared] = step_scalars(hyper(group, as_tensors=False), self.tensors.steps[0] + 1)
         if compiled:
             steps(self.key.spec, self.tensors, hyper(group, as_tensors=True), s, _int64(seed_part), _int64(first_draw),
                   skip)
