@@ -129,6 +129,10 @@ RECORDED = RESULTS / "gpt-cuda.json"  # the gpt-1b steps the predictions are che
 OPTIMIZER_RECORDED = RESULTS / "optimizer-cuda.json"  # amp8's optimizer-only steps: the optimizer check
 KERNELS_RECORDED = RESULTS / "optimizer_kernels-cuda.json"  # the same steps' kernels, and torch's fused AdamW's
 LINEAR_RECORDED = RESULTS / "linear-cuda.json"  # one layer's forward + backward, nn.Linear and Fp8Linear
+# The gpt-1b counts of the code the H100 records ran (``--measure``), and the constants
+# measured with them: later code is modeled with these constants, unchanged, so that a
+# change of the code, not of the model, moves its modeled time.
+RECORDED_CODE = RESULTS / "step_profile-recorded-code-cpu.json"
 # Host seconds per compiled-graph call on the recorded H100 machine, beyond its kernel
 # launches: the six compiled optimizer-only runs of one graph per tensor (O1-O3, 30M and
 # 300M parameters; bench/results/optimizer-per-tensor-cuda.json) spend 0.28-0.64 ms per
@@ -846,6 +850,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "or eager")
     parser.add_argument("--counts", type=Path, default=None,
                         help="model the counts of this earlier JSON of the same preset instead of profiling")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the model's constants on the H100 records with this run's counts (for the "
+                             f"code those records ran: {RECORDED_CODE.name}); default: take them from that file")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
     big = args.preset == "gpt-1b"
@@ -891,7 +898,15 @@ def main(argv: list[str] | None = None) -> Path:
         "counted_as": "ops: aten operations that run a kernel; bytes: nbytes in + out of each, plain tensors; "
                       "graph_bytes: the tensor arguments of each generated kernel and extern call",
     }
-    if big and args.optimizer == "compiled":  # constants measured on the optimizer-only steps, with their counts
+    fixed = None if args.measure or not RECORDED_CODE.exists() else json.loads(RECORDED_CODE.read_text())
+    if fixed is not None:  # the constants measured once, with the counts of the code the H100 records ran
+        constants = {key: value for key, value in fixed["h100_model"].items() if key not in ("calibrated", "int_op_s")}
+        costs = fixed["h100_model"]["int_op_s"]
+        model = dataclasses.replace(H100Model(**constants), int_op_s=statistics.fmean(costs.values()))
+        models = {level: dataclasses.replace(model, int_op_s=costs[level]) for level in LEVELS}
+        calibrated = [f"every constant as measured in {RECORDED_CODE.name} (--measure measures them anew): "
+                      + "; ".join(fixed["h100_model"]["calibrated"])]
+    elif big and args.optimizer == "compiled":  # constants measured on the optimizer-only steps, with their counts
         saved = earlier.get("optimizer_check", [])
         if not saved or not all("int_ops" in row["stretches"][-1] for row in saved):
             saved = optimizer_check_counts(json.loads(OPTIMIZER_RECORDED.read_text()))
@@ -909,7 +924,8 @@ def main(argv: list[str] | None = None) -> Path:
         payload["optimizer_check"] = optimizer_check(models, saved)
     if big:
         recorded = json.loads(RECORDED.read_text())
-        if recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size:
+        same_run = recorded["config"] == dataclasses.asdict(config) and recorded["batch_size"] == args.batch_size
+        if same_run and fixed is None:  # against the H100 records: for the code they ran only (RECORDED_CODE)
             payload["predictions"] = predictions(results, models, recorded)
         payload["solved_from"] = [{"n_layer": l, "batch_size": b} for l, b in GPT_1B_POINTS]
     payload["h100_model"] = {**dataclasses.asdict(model), "calibrated": calibrated,
