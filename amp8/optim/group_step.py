@@ -62,12 +62,12 @@ class GroupTensors(NamedTuple):
     steps: torch.Tensor  # (tensors,) float32: Adam's step counts (equal within a group)
 
 
-def _row_scales(scale: torch.Tensor, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
+def row_scales(scale: torch.Tensor, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
     """``scale`` as one value per buffer row, shaped (rows, 1) to broadcast."""
     return (scale if layout.per_row else scale[tensors.row_tensor])[:, None]
 
 
-def _per_tensor_max(row_values: torch.Tensor, tensors: GroupTensors) -> torch.Tensor:
+def per_tensor_max(row_values: torch.Tensor, tensors: GroupTensors) -> torch.Tensor:
     """The max over each tensor's rows of ``row_values`` (rows,), (tensors,) float32."""
     out = tensors.draw.new_zeros(tensors.draw.shape, dtype=torch.float32)
     return out.scatter_reduce(0, tensors.row_tensor, row_values.float(), "amax")
@@ -78,9 +78,9 @@ def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, te
     the scale (what a saturating cast can hold; NaN where the cast saw an inf or NaN), or
     the amax of a float gradient."""
     if scale is None:
-        return _per_tensor_max(grad.abs().amax(dim=1), tensors)
+        return per_tensor_max(grad.abs().amax(dim=1), tensors)
     largest = scaling.max_value(grad.dtype) / scale
-    return _per_tensor_max(largest, tensors) if layout.per_row else largest
+    return per_tensor_max(largest, tensors) if layout.per_row else largest
 
 
 def _store(
@@ -102,7 +102,7 @@ def _store(
         scale = layout.scales(bound, previous)
     if previous is not None:
         scale = torch.where(skip, previous, scale)
-    row_scale = _row_scales(scale, layout, tensors)
+    row_scale = row_scales(scale, layout, tensors)
     data = layout.encode_rows(values, row_scale, words)
     if layout.per_row:
         return data, scale, no_amax
@@ -129,17 +129,17 @@ def adam_group_step(
     (from ``seed_part = noise.seed_key(seed)``), the key the reference step draws for it.
     """
     grad = spec.grad.decode_rows(tensors.grad, None if tensors.grad_scale is None
-                                 else _row_scales(tensors.grad_scale, spec.grad, tensors))
+                                 else row_scales(tensors.grad_scale, spec.grad, tensors))
     exp_avg = spec.exp_avg.decode_rows(tensors.exp_avg, None if tensors.exp_avg_scale is None
-                                       else _row_scales(tensors.exp_avg_scale, spec.exp_avg, tensors))
+                                       else row_scales(tensors.exp_avg_scale, spec.exp_avg, tensors))
     exp_avg_sq = spec.exp_avg_sq.decode_rows(tensors.exp_avg_sq, None if tensors.exp_avg_sq_scale is None
-                                             else _row_scales(tensors.exp_avg_sq_scale, spec.exp_avg_sq, tensors))
+                                             else row_scales(tensors.exp_avg_sq_scale, spec.exp_avg_sq, tensors))
     weight_layout = spec.weight_layout
     weight = weight_layout.decode_rows(tensors.weight, None if tensors.weight_scale is None
-                                       else _row_scales(tensors.weight_scale, weight_layout, tensors))
+                                       else row_scales(tensors.weight_scale, weight_layout, tensors))
     exp_avg_amax, exp_avg_sq_amax, weight_amax = tensors.amaxes.unbind()
     if spec.weight is WeightKind.PLAIN and spec.decay is Decay.L2:  # read here: the model may write it
-        weight_amax = _per_tensor_max(weight.abs().amax(dim=1), tensors)
+        weight_amax = per_tensor_max(weight.abs().amax(dim=1), tensors)
     bounds = amax_bounds(grad_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors), exp_avg_amax,
                          exp_avg_sq_amax, weight_amax, h, s, spec.decay)
     new = adam_arithmetic(
@@ -162,7 +162,7 @@ def adam_group_step(
     fp8_data = fp8_scale = None
     if spec.weight is WeightKind.MASTER:  # O3's FP8 weight, from the master as stored
         previous = tensors.fp8_weight_scale if spec.fp8_previous_scale else None
-        master = weight_layout.decode_rows(w_data, _row_scales(w_scale, weight_layout, tensors))
+        master = weight_layout.decode_rows(w_data, row_scales(w_scale, weight_layout, tensors))
         fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, bounds.weight, previous, tensors, None, skip)
     _write([
         (tensors.exp_avg, m_data), (tensors.exp_avg_scale, m_scale), (tensors.exp_avg_sq, v_data),

@@ -28,7 +28,6 @@ TENSOR_ROW_WIDTH = 256
 many elements; smaller ones take the power of two that holds them): what a tensor's last
 row may leave unused (zero padding)."""
 
-_DTYPE = operator.attrgetter("dtype")
 
 def row_width(spec: UpdateSpec, shape: torch.Size) -> int | None:
     """The buffer row width of a tensor of ``shape`` under ``spec``: its columns where a

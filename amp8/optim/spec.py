@@ -15,7 +15,7 @@ from torch import nn
 from amp8.optim import state as state_storage
 from amp8.optim.arithmetic import Decay, decay_of
 from amp8.optim.state import MASTER, MOMENTS
-from amp8.quant.codec import FLOAT32, Layout, Tiling
+from amp8.quant.codec import FLOAT32, Layout
 from amp8.tensor.stored import FP16_LAYOUT, StoredWeight
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 
@@ -61,13 +61,8 @@ class UpdateSpec:
 @functools.lru_cache(maxsize=256)
 def grad_layout_of(layout: GradLayout, shape: torch.Size) -> Layout:
     """The codec layout of an FP8 weight gradient of ``shape`` stored at ``layout``."""
-    if layout.tile is None:
-        tiling, tile = Tiling.TENSOR, None
-    elif len(shape) == 2 and layout.tile == (1, shape[1]):
-        tiling, tile = Tiling.ROWS, None
-    else:
-        tiling, tile = Tiling.TILES, layout.tile
-    return Layout(layout.dtype, tiling, tile=tile, margin=layout.margin, power_of_2=layout.power_of_2)
+    return Layout.for_tile(layout.dtype, layout.tile, tuple(shape), margin=layout.margin,
+                           power_of_2=layout.power_of_2)
 
 
 def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> GradParts | None:

@@ -57,12 +57,9 @@ def moment_layout(
         return FLOAT32
     dtype = _STORAGE_DTYPES[precision]
     stream = FIRST_MOMENT_STREAM if rounds_stochastically(key, precision) else None
-    if tile is not None and len(shape) == 2 and tile == (1, shape[1]) and tile_scale_dtype == torch.float32:
-        return Layout(dtype, Tiling.ROWS, stream=stream)
-    if tile is not None:
-        power_of_2 = tile_scale_dtype != torch.float32
-        return Layout(dtype, Tiling.TILES, tile=tile, power_of_2=power_of_2, scale_dtype=tile_scale_dtype,
-                      stream=stream)
+    if tile is not None:  # E8M0 scales hold powers of two
+        return Layout.for_tile(dtype, tile, shape, power_of_2=tile_scale_dtype != torch.float32,
+                               scale_dtype=tile_scale_dtype, stream=stream)
     if block_size > 0:
         return Layout(dtype, Tiling.BLOCKS, block=block_size, stream=stream)
     return Layout(dtype, stream=stream)

@@ -30,7 +30,7 @@ from torch import nn
 
 from amp8.optim import state as state_storage
 from amp8.optim.arithmetic import StepScalars, hyper, step_scalars
-from amp8.optim.group_step import GroupSteps, GroupTensors
+from amp8.optim.group_step import GroupSteps, GroupTensors, per_tensor_max, row_scales
 from amp8.optim.spec import GradParts, UpdateSpec, WeightKind
 from amp8.optim.state import MASTER, MOMENTS
 from amp8.quant.codec import Layout
@@ -135,12 +135,16 @@ class UpdateGroup:
             self._pack(index, member)
             member.state["step"] = member.views["step"] = self.tensors.steps[index]
         self._grad_views = [self._view(self.tensors.grad, member, member.param) for member in self.members]
-        self._grad_scale_views = [self._grad_scale_view(index, member) for index, member in enumerate(self.members)]
+        grad_scales = self.tensors.grad_scale  # shaped as a gradient's: (rows, 1) per row, () per tensor
+        self._grad_scale_views = [
+            None if grad_scales is None else self._scale_view(grad_scales, spec.grad, index, member, (member.rows, 1))
+            for index, member in enumerate(self.members)
+        ]
         # FP8 gradients land in the buffer (``GradSlot``): the backward writes each where
         # the step reads it. ``round`` advances at each step, so a slot is taken once between steps.
         self._round = [0]
-        self._slots = spec.grad.scaled and spec.weight is not WeightKind.PLAIN
-        if self._slots:
+        slots = spec.grad.scaled and spec.weight is not WeightKind.PLAIN
+        if slots:
             for member, data, scale in zip(self.members, self._grad_views, self._grad_scale_views):
                 member.handle.grad_slot = GradSlot(member.param, data, scale, self._round)  # type: ignore[union-attr]
         self._weight_views = [self._view(self.tensors.weight, member, member.param) for member in self.members]
@@ -154,7 +158,7 @@ class UpdateGroup:
             fp8_scales = self.tensors.fp8_weight_scale
             assert fp8_scales is not None
             self._scale_pieces = [
-                self._scale_view(fp8_scales, spec.fp8_weight, index, member, member.handle.stored_scale)  # type: ignore[union-attr]
+                self._scale_view(fp8_scales, spec.fp8_weight, index, member, member.handle.stored_scale.shape)  # type: ignore[union-attr]
                 for index, member in enumerate(self.members)
             ]
         for member, piece in zip(self.members, self._scale_pieces):
@@ -164,7 +168,7 @@ class UpdateGroup:
         # weights): their memory is there from ``gather`` to ``end_step``, not between
         # steps, so the group keeps no second copy of what the model holds. FP8 gradients
         # live in their buffer from the backward that writes them on.
-        self._step_buffers = [] if self._slots else [self.tensors.grad]
+        self._step_buffers = [] if slots else [self.tensors.grad]
         if spec.weight is WeightKind.PLAIN:
             self._step_buffers.append(self.tensors.weight)
         self._step_bytes = [buffer.untyped_storage().nbytes() for buffer in self._step_buffers]
@@ -181,21 +185,12 @@ class UpdateGroup:
         return buffer.view(-1)[start:start + like.numel()].view(like.shape)
 
     def _scale_view(
-        self, scales: torch.Tensor, layout: Layout, index: int, member: Member, like: torch.Tensor
+        self, scales: torch.Tensor, layout: Layout, index: int, member: Member, shape: tuple[int, ...]
     ) -> torch.Tensor:
-        """``member``'s scales in a group scale vector, shaped like ``like`` (its own)."""
+        """``member``'s scales in a group scale vector: its rows' (shaped ``shape``, as its
+        own) where ``layout`` scales per row, else its one."""
         if layout.per_row:
-            return scales[member.first_row:member.first_row + member.rows].view(like.shape)
-        return scales[index]
-
-    def _grad_scale_view(self, index: int, member: Member) -> torch.Tensor | None:
-        """``member``'s gradient scales in the group's vector, shaped as a gradient's:
-        (rows, 1) where they are per row, () where per tensor."""
-        scales = self.tensors.grad_scale
-        if scales is None:
-            return None
-        if self.key.spec.grad.per_row:
-            return scales[member.first_row:member.first_row + member.rows].view(member.rows, 1)
+            return scales[member.first_row:member.first_row + member.rows].view(shape)
         return scales[index]
 
     def _pack(self, index: int, member: Member) -> None:
@@ -232,7 +227,7 @@ class UpdateGroup:
     def _adopt_scale(self, member: Member, key: str, scales: torch.Tensor, layout: Layout, index: int) -> None:
         """Move the scales ``state[key]`` into the group's ``scales`` and put the view in the state."""
         current = member.state[key]
-        view = self._scale_view(scales, layout, index, member, current)
+        view = self._scale_view(scales, layout, index, member, current.shape)
         view.copy_(current)
         member.state[key] = member.views[key] = view
 
@@ -267,11 +262,8 @@ class UpdateGroup:
                 if not layout.per_tensor:  # only a per-tensor scale is bounded from its amax
                     amax.zero_()
                     continue
-                row_scale = None
-                if scale is not None:
-                    row_scale = (scale if layout.per_row else scale[tensors.row_tensor])[:, None]
-                rows = layout.decode_rows(data, row_scale).abs().amax(dim=1)
-                amax.copy_(amax.new_zeros(amax.shape).scatter_reduce(0, tensors.row_tensor, rows, "amax"))
+                row_scale = None if scale is None else row_scales(scale, layout, tensors)
+                amax.copy_(per_tensor_max(layout.decode_rows(data, row_scale).abs().amax(dim=1), tensors))
         self._versions = self._buffer_versions()
 
     def _buffer_versions(self) -> list[int]:
@@ -352,21 +344,24 @@ class UpdateGroup:
             self.measure_amaxes()
         self._hold_step_buffers()
         self._round[0] += 1  # the next backward may take the slots again
-        if all(map(operator.is_, datas, self._grad_views)) and all(map(operator.is_, grad_scales,
-                                                                      self._grad_scale_views)):
-            pass  # every gradient is where the step reads it: no copy
-        elif self._slots:  # a gradient of its own (a layer called twice, a gradient set by hand): copied in
-            moved = [(view, data, scale_view, scale) for view, data, scale_view, scale in zip(
-                self._grad_views, datas, self._grad_scale_views, grad_scales) if data is not view]
-            views, sources, scale_views, scale_sources = map(list, zip(*moved))
-            torch._foreach_copy_(views, sources)
-            torch._foreach_copy_(scale_views, scale_sources)
-        else:
-            torch._foreach_copy_(self._grad_views, datas)
+        if not (all(map(operator.is_, datas, self._grad_views))
+                and all(map(operator.is_, grad_scales, self._grad_scale_views))):
+            self._copy_grads_in(datas, grad_scales)
         if spec.weight is WeightKind.PLAIN:
             torch._foreach_copy_(self._weight_views, self._params)
-            return True
         return True
+
+    def _copy_grads_in(self, datas: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor | None, ...]) -> None:
+        """Copy into the gradient buffer the gradients that are not already there: float
+        gradients, and FP8 ones in memory of their own (a layer called twice, a gradient
+        set by hand), with their scales."""
+        moved = [(view, data, scale_view, scale) for view, data, scale_view, scale
+                 in zip(self._grad_views, datas, self._grad_scale_views, scales)
+                 if data is not view or scale is not scale_view]
+        views, sources, scale_views, scale_sources = map(list, zip(*moved))
+        torch._foreach_copy_(views, sources)
+        if scale_sources[0] is not None:  # FP8 gradients: all of them have scales
+            torch._foreach_copy_(scale_views, scale_sources)
 
     def run(self, steps: GroupSteps, group: dict[str, Any], seed_part: int, first_draw: int,
             skip: torch.Tensor, coefficients: dict[Any, StepScalars]) -> None:

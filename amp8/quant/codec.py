@@ -54,6 +54,23 @@ class Layout:
     scale_dtype: torch.dtype = torch.float32
     stream: int | None = None  # stochastic rounding's noise field; None: to nearest
 
+    @classmethod
+    def for_tile(
+        cls, dtype: torch.dtype, tile: tuple[int, int] | None, shape: tuple[int, ...], *, margin: int = 0,
+        power_of_2: bool = False, scale_dtype: torch.dtype = torch.float32, stream: int | None = None,
+    ) -> "Layout":
+        """The layout of a tensor of ``shape`` with one scale per ``tile`` (rows, columns):
+        one scale for the tensor where ``tile`` is None, one per row where a tile is a whole
+        row of a matrix (float32 scales), else one per tile."""
+        if tile is None:
+            tiling = Tiling.TENSOR
+        elif len(shape) == 2 and tuple(tile) == (1, shape[1]) and scale_dtype == torch.float32:
+            tiling, tile = Tiling.ROWS, None
+        else:
+            tiling = Tiling.TILES
+        return cls(dtype, tiling, tile=tile, margin=margin, power_of_2=power_of_2, scale_dtype=scale_dtype,
+                   stream=stream)
+
     @property
     def scaled(self) -> bool:
         """Whether the data carry scales (a low-precision dtype)."""
@@ -114,8 +131,7 @@ class Layout:
         if self.dtype is None or scale is None:
             return data.float()
         if self.tiling is Tiling.BLOCKS:
-            blocks = scaling.as_blocks(data.float(), self.block) / scale.float()[:, None]
-            return blocks.flatten()[: data.numel()].view(data.shape)
+            return scaling.dequantize_blockwise(data, scale.float(), self.block)
         return scaling.dequantize(data, self._expand(scale.float(), data))
 
     def _quantize(self, values: torch.Tensor, full_scale: torch.Tensor, words: torch.Tensor | None) -> torch.Tensor:

@@ -71,18 +71,13 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     the cast (the CPU's own cast would saturate an inf to the max of E4M3FN, which has
     no inf).
     """
-    return _saturate(x, scale, dtype).to(dtype)
+    return saturate(x, scale, dtype).to(dtype)
 
 
 def saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x * scale`` in float32 clipped to ``dtype``'s finite range (NaN where ``x`` is
-    not finite): what ``quantize`` casts, for a caller that casts into memory it has."""
-    return _saturate(x, scale, dtype)
-
-
-def _saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x * scale`` in float32, clipped to ``dtype``'s finite range where ``x`` is
-    finite and NaN where it is not."""
+    finite and NaN where it is not: what ``quantize`` casts (a caller that casts into
+    memory it has takes this)."""
     limit = max_value(dtype)
     x = x.float()
     # x * 0 is 0 where x is finite and NaN where it is not: adding it marks the non-finite
@@ -127,7 +122,7 @@ def quantize_with_noise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     per element of ``x`` (``dropped_bits(dtype)``; the top bits of ``amp8.quant.noise``'s
     words, or an optimizer update's ``noise_field``), so many tensors stored in one buffer
     round as each would alone."""
-    scaled = _saturate(x, scale, dtype)
+    scaled = saturate(x, scale, dtype)
     info = torch.finfo(dtype)
     dropped = dropped_bits(dtype)
     # Below dtype's smallest normal its spacing stays that of the smallest binade: moved up

@@ -377,16 +377,9 @@ class StoredWeight:
             return FP16_LAYOUT
         if self.storage is not Precision.FP8:
             return Layout()
-        tile, shape = self.tile(), tuple(self.param.shape)
         recipe = self.recipe
-        if tile is None:
-            tiling = Tiling.TENSOR
-        elif len(shape) == 2 and tile == (1, shape[1]) and self.scale_dtype == torch.float32:
-            tiling, tile = Tiling.ROWS, None
-        else:
-            tiling = Tiling.TILES
-        return Layout(self.dtype, tiling, tile=tile, margin=recipe.margin, power_of_2=recipe.power_of_2_scales,
-                      scale_dtype=self.scale_dtype)
+        return Layout.for_tile(self.dtype, self.tile(), tuple(self.param.shape), margin=recipe.margin,
+                               power_of_2=recipe.power_of_2_scales, scale_dtype=self.scale_dtype)
 
     def encode(
         self,
