@@ -39,6 +39,8 @@ from amp8.optim.data_parallel import DataParallel
 from amp8.optim.gradients import GradientAverage
 from amp8.optim.plain_step import plain_adam_step
 from amp8.optim.plan import UpdatePlan, build_plan, step_inputs
+from amp8.optim.spec import UpdateSpec
+from amp8.optim.update_groups import UpdateGroup
 from amp8.optim.reference_step import reference_update
 from amp8.optim.stored_state import StoredState
 from amp8.optim.support import (
@@ -328,6 +330,25 @@ class LowBitAdam(Copies, DataParallel, Checkpoints, torch.optim.Optimizer):
             update_group.run(steps, self.param_groups[update_group.key.param_group], seed_part, first_draw, skip,
                              coefficients)
         self.stored.rounding_counter = first_draw + plan.total_draws
+
+    @property
+    def update_groups(self) -> tuple[UpdateGroup, ...]:
+        """The update groups the last step ran (empty before the first step), for
+        inspection: each holds its ``key`` (param group, ``UpdateSpec``, row width), its
+        ``members`` and its buffers (``tensors``). A step builds them again when what they
+        hold changes."""
+        return () if self._plan is None else tuple(self._plan.groups)
+
+    @property
+    def own_updates(self) -> tuple[nn.Parameter, ...]:
+        """The parameters the last step updated one at a time with the reference step
+        (layouts no group covers), for inspection."""
+        return () if self._plan is None else tuple(entry.param for entry in self._plan.alone)
+
+    @property
+    def compiled_specs(self) -> tuple[UpdateSpec, ...]:
+        """The ``UpdateSpec``s whose grouped step has been compiled (one graph each)."""
+        return self._group_steps[True].specs
 
     def _drop_plan(self) -> None:
         """Forget the update groups, giving their members their own memory back."""

@@ -132,21 +132,3 @@ class DataParallel:
         if self._is_sharded(param):
             return self._sharded_average().averaged_chunk(param)
         return float_grad(param)
-
-    def stored_gradients(self) -> list[torch.Tensor]:
-        """Every gradient as stored (FP8 data, ``param.grad``, or the averaged chunk of a
-        sharded weight), for finiteness checks."""
-        stored = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                handle = self.weights.get(param)
-                if self._is_sharded(param):
-                    grad = self._sharded_average().averaged_chunk(param)
-                elif handle is not None:
-                    scaled = handle.grad()
-                    grad = None if scaled is None else scaled.data
-                else:
-                    grad = param.grad
-                if grad is not None:
-                    stored.append(grad)
-        return stored

@@ -84,29 +84,27 @@ def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, te
 
 
 def _store(
-    values: torch.Tensor, layout: Layout, bound: torch.Tensor, previous: torch.Tensor | None,
+    values: torch.Tensor, layout: Layout, bound: torch.Tensor, previous: torch.Tensor | None, old: torch.Tensor,
     tensors: GroupTensors, words: torch.Tensor | None, skip: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(data, scales, each row's amax of what is stored)`` of float32 ``values``:
-    per-row scales from the rows' amaxes, per-tensor ones from ``bound``; where ``skip``
-    (``values`` are then the old ones, and ``words`` round to nearest), the old scales,
-    which give back the stored data bit for bit. Only a per-tensor scale needs the amax (the
-    next step's bound starts from it): zeros for the others, so that no second reduction
-    runs over the rows."""
+    per-row scales from the rows' amaxes, per-tensor ones from ``bound``; where ``skip``,
+    the stored data ``old`` and the ``previous`` scales, bit for bit. Only a per-tensor
+    scale needs the amax (the next step's bound starts from it): zeros for the others, so
+    that no second reduction runs over the rows."""
     no_amax = tensors.row_tensor.new_zeros(tensors.row_tensor.shape, dtype=torch.float32)
     if not layout.scaled:
-        return values, None, no_amax
+        return unless_skipped(skip, old, values), None, no_amax
     if layout.per_row:
         scale = layout.scales(values.abs().amax(dim=1).float(), previous)
     else:
         scale = layout.scales(bound, previous)
-    if previous is not None:
-        scale = torch.where(skip, previous, scale)
     row_scale = row_scales(scale, layout, tensors)
     data = layout.encode_rows(values, row_scale, words)
-    if layout.per_row:
-        return data, scale, no_amax
-    return data, scale, data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
+    amax = no_amax if layout.per_row else data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
+    if previous is not None:
+        scale = unless_skipped(skip, previous, scale)
+    return unless_skipped(skip, old, data), scale, amax
 
 
 def _write(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
@@ -145,25 +143,32 @@ def adam_group_step(
     new = adam_arithmetic(
         grad, exp_avg, exp_avg_sq, weight, h, s, decay=spec.decay, maximize=spec.maximize, bounded=spec.bounded
     )
-    # A skipped step stores the old values again, as they were (a select in the pass, not a second pass).
-    exp_avg, exp_avg_sq, weight = (torch.where(skip, old, value) for old, value in zip((exp_avg, exp_avg_sq, weight), new))
+    exp_avg, exp_avg_sq, weight = new
     words = None
     if spec.stochastic:
-        keys = noise.draw_key(seed_part, tensors.draw + first_draw)
-        index = tensors.row_offset[:, None] + torch.arange(tensors.grad.shape[1], dtype=torch.int32,
-                                                           device=tensors.row_offset.device)
-        # A skipped step rounds to nearest: the old values, stored again, round to themselves.
-        words = noise.nearest_where(skip, noise.update_words(index, keys[tensors.row_tensor][:, None]))
-    m_data, m_scale, m_amax = _store(exp_avg, spec.exp_avg, bounds.exp_avg, tensors.exp_avg_scale, tensors, words,
-                                     skip)
+        row_keys = noise.draw_key(seed_part, tensors.draw + first_draw)[tensors.row_tensor]
+        width = tensors.grad.shape[1]
+        columns = torch.arange(width, dtype=torch.int32, device=tensors.row_offset.device)
+        if width & (width - 1) == 0:
+            # A row starts at a multiple of its power-of-two width, so its elements' indices
+            # are its offset's bits with a column's below them: ``(offset + column) ^ key``
+            # is ``column ^ (offset ^ key)``, one operation per element fewer.
+            words = noise.update_words(columns, (row_keys ^ tensors.row_offset.to(torch.int64))[:, None])
+        else:
+            words = noise.update_words(tensors.row_offset[:, None] + columns, row_keys[:, None])
+    # A skipped step writes back the stored data it read (a select in the pass, not a second pass).
+    m_data, m_scale, m_amax = _store(exp_avg, spec.exp_avg, bounds.exp_avg, tensors.exp_avg_scale, tensors.exp_avg,
+                                     tensors, words, skip)
     v_data, v_scale, v_amax = _store(exp_avg_sq, spec.exp_avg_sq, bounds.exp_avg_sq, tensors.exp_avg_sq_scale,
-                                     tensors, None, skip)
-    w_data, w_scale, w_amax = _store(weight, weight_layout, bounds.weight, tensors.weight_scale, tensors, words, skip)
+                                     tensors.exp_avg_sq, tensors, None, skip)
+    w_data, w_scale, w_amax = _store(weight, weight_layout, bounds.weight, tensors.weight_scale, tensors.weight,
+                                     tensors, words, skip)
     fp8_data = fp8_scale = None
     if spec.weight is WeightKind.MASTER:  # O3's FP8 weight, from the master as stored
         previous = tensors.fp8_weight_scale if spec.fp8_previous_scale else None
         master = weight_layout.decode_rows(w_data, row_scales(w_scale, weight_layout, tensors))
-        fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, bounds.weight, previous, tensors, None, skip)
+        fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, bounds.weight, previous, tensors.fp8_weight,
+                                        tensors, None, skip)
     _write([
         (tensors.exp_avg, m_data), (tensors.exp_avg_scale, m_scale), (tensors.exp_avg_sq, v_data),
         (tensors.exp_avg_sq_scale, v_scale), (tensors.weight, w_data), (tensors.weight_scale, w_scale),

@@ -26,10 +26,8 @@ from torch import nn
 
 from amp8.config.levels import Precision
 from amp8.config.recipe_fields import Scaling
-from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.scaled_weight import ScaledWeight
 from amp8.tensor.stored import PLAIN_LOAD_MARK, StoredWeight
-from amp8.quant import scaling
 
 LAYERS_KEY = "layers"
 """The key, inside the ``"amp8"`` entry of the optimizer's state dict, of the layers' state."""
@@ -99,8 +97,7 @@ def _encoded(handle: StoredWeight, scale: torch.Tensor) -> torch.Tensor:
     current = handle.stored_scale
     if current.shape == scale.shape and current.dtype == scale.dtype and torch.equal(current, scale):
         return handle.data.detach().clone()
-    full_scale = ScaledTensor(handle.data.detach(), scale, handle.block_size).full_scale()
-    return scaling.quantize(handle.read(), full_scale, handle.dtype)
+    return handle.encode(handle.read(), scale=scale.float())[0]
 
 
 def restore_layer_states(

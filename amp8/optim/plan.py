@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -15,9 +15,9 @@ from torch import nn
 from amp8.optim import state as state_storage
 from amp8.optim.group_step import MAX_ELEMENTS
 from amp8.optim.plain_step import takes_plain_step
-from amp8.optim.spec import GradParts, UpdateSpec, WeightKind, stored_grad, update_spec
+from amp8.optim.spec import GradParts, StepInputs, StepKind, UpdateSpec, WeightKind, stored_grad, update_spec
 from amp8.optim.state import MOMENTS
-from amp8.optim.update_groups import GroupKey, StepInputs, UpdateGroup, state_shape
+from amp8.optim.update_groups import GroupKey, UpdateGroup, state_shape
 from amp8.quant import scaling
 from amp8.quant.codec import Tiling
 from amp8.tensor.scaled import is_sharded
@@ -76,25 +76,41 @@ def groupable(spec: UpdateSpec, param: nn.Parameter, handle: StoredWeight | None
     return width
 
 
-def build_groups(
-    candidates: list[tuple[int, nn.Parameter, StoredWeight | None, dict[str, Any], dict[str, Any], int, Any, int]],
-) -> tuple[list[UpdateGroup], list[tuple[int, nn.Parameter, int]]]:
-    """Sort the parameters that may update in groups, each ``(param group index, param,
-    handle, state, param group, draw, stored gradient, position among the optimizer's
-    parameters)``, into update groups; the ``(param group index, param, position)`` of
-    those that take their own update."""
+class Candidate(NamedTuple):
+    """A parameter whose update may run in a group, with what sorting it needs."""
+
+    group_index: int  # its param group's index
+    param: nn.Parameter
+    handle: StoredWeight | None
+    state: dict[str, Any]
+    group: dict[str, Any]  # its param group
+    draw: int  # its noise draw, counted from the step's first
+    grad: GradParts  # this step's stored gradient
+    position: int  # its place among the optimizer's parameters
+
+
+class OwnUpdate(NamedTuple):
+    """A parameter that takes its own reference update."""
+
+    group_index: int
+    param: nn.Parameter
+    position: int
+
+
+def build_groups(candidates: list[Candidate]) -> tuple[list[UpdateGroup], list[OwnUpdate]]:
+    """Sort ``candidates`` into update groups; those that take their own update."""
     grouped: dict[GroupKey, tuple[list[Any], list[int]]] = {}
     alone = []
-    for index, param, handle, param_state, group, draw, grad, position in candidates:
-        spec = update_spec(param, handle, param_state, group, grad)
-        width = groupable(spec, param, handle, param_state)
+    for c in candidates:
+        spec = update_spec(c.param, c.handle, c.state, c.group, c.grad)
+        width = groupable(spec, c.param, c.handle, c.state)
         if width is None:
-            alone.append((index, param, position))
+            alone.append(OwnUpdate(c.group_index, c.param, c.position))
             continue
-        key = GroupKey(index, spec, width, param.device, float(param_state["step"]))
+        key = GroupKey(c.group_index, spec, width, c.param.device, float(c.state["step"]))
         entries, draws = grouped.setdefault(key, ([], []))
-        entries.append((param, handle, param_state, position))
-        draws.append(draw)
+        entries.append((c.param, c.handle, c.state, c.position))
+        draws.append(c.draw)
     return [UpdateGroup(key, entries, draws) for key, (entries, draws) in grouped.items()], alone
 
 
@@ -104,9 +120,9 @@ class UpdatePlan:
     kinds are those it was built for and the groups hold their members' tensors."""
 
     params: list[nn.Parameter]
-    kinds: list[str]
+    kinds: list[StepKind]
     groups: list[UpdateGroup]
-    alone: list[tuple[int, nn.Parameter, int]]  # (param group index, param, position): their own update
+    alone: list[OwnUpdate]  # their own reference update
     plain: dict[tuple[int, torch.device], list[nn.Parameter]]  # torch's fused Adam (amp8.optim.plain_step)
     draws: dict[nn.Parameter, int]  # each update's noise draw, counted from the step's first
     total_draws: int
@@ -149,7 +165,7 @@ class UpdatePlan:
 
 def step_inputs(optimizer: Any) -> StepInputs:
     """What each parameter of ``optimizer`` (a ``LowBitAdam``) updates with this step, with
-    the stored gradient and state of each "update" one (``StepInputs``). A parameter
+    the stored gradient and state of each ``UPDATE`` one (``StepInputs``). A parameter
     trainable since the optimizer was built gets its state here."""
     inputs = StepInputs([], [], [], [])
     params, kinds, grads, states_now = inputs.params, inputs.kinds, inputs.grads, inputs.states
@@ -160,9 +176,9 @@ def step_inputs(optimizer: Any) -> StepInputs:
             param_state = states.get(param)
             grad = None
             if param in seen:
-                kind = "skip"  # listed again: updated once, where it is listed first
+                kind = StepKind.SKIP  # listed again: updated once, where it is listed first
             elif not param_state and not param.requires_grad:
-                kind = "skip"  # frozen: no state, no update
+                kind = StepKind.SKIP  # frozen: no state, no update
             else:
                 if not param_state:
                     # Frozen when this optimizer was built, trainable since: its state
@@ -171,12 +187,12 @@ def step_inputs(optimizer: Any) -> StepInputs:
                     optimizer.stored.init(param, param_state, None)
                 handle = weights.get(param)
                 if handle is not None and handle.sharded and shard_optimizer:
-                    kind = "sharded" if optimizer.gradient(param) is not None else "skip"
+                    kind = StepKind.SHARDED if optimizer.gradient(param) is not None else StepKind.SKIP
                 elif handle is None and takes_plain_step(param, param_state):
-                    kind = "plain"
+                    kind = StepKind.PLAIN
                 else:
                     grad = stored_grad(param, handle)
-                    kind = "skip" if grad is None else "update"
+                    kind = StepKind.SKIP if grad is None else StepKind.UPDATE
             seen.add(param)
             params.append(param)
             kinds.append(kind)
@@ -195,20 +211,21 @@ def build_plan(optimizer: Any, inputs: StepInputs) -> UpdatePlan:
     plain: dict[tuple[int, torch.device], list[nn.Parameter]] = {}
     candidates, alone = [], []
     for position, ((index, param), kind) in enumerate(zip(params, inputs.kinds)):
-        if kind == "plain":
+        if kind is StepKind.PLAIN:
             plain.setdefault((index, param.device), []).append(param)
             continue
-        if kind == "skip":
+        if kind is StepKind.SKIP:
             continue
         if param in optimizer.weights or draws_stochastically:
             draws[param] = len(draws)
-        if kind == "update" and optimizer.grouped:
-            candidates.append((
+        grad = inputs.grads[position]
+        if kind is StepKind.UPDATE and optimizer.grouped and grad is not None:
+            candidates.append(Candidate(
                 index, param, optimizer.weights.get(param), optimizer.state[param], optimizer.param_groups[index],
-                draws.get(param, 0), inputs.grads[position], position,
+                draws.get(param, 0), grad, position,
             ))
         else:
-            alone.append((index, param, position))
+            alone.append(OwnUpdate(index, param, position))
     groups, ungrouped = build_groups(candidates)
-    alone = sorted(alone + ungrouped, key=lambda entry: entry[2])
+    alone = sorted(alone + ungrouped, key=lambda entry: entry.position)
     return UpdatePlan(inputs.params, inputs.kinds, groups, alone, plain, draws, len(draws))

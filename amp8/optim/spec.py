@@ -4,7 +4,6 @@ both read it; a group holds parameters of one ``UpdateSpec``."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -19,10 +18,32 @@ from amp8.quant.codec import FLOAT32, Layout
 from amp8.tensor.stored import FP16_LAYOUT, StoredWeight
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 
-GradParts = tuple[torch.Tensor, "torch.Tensor | None", "GradLayout | None"]
+GradParts = tuple[torch.Tensor, torch.Tensor | None, GradLayout | None]
 """A gradient as stored: ``(data, scales, its GradLayout)``, or ``(float gradient, None,
 None)``; ``grad_codec`` gives its codec layout (a step reads thousands: no layout is
 built per gradient and step)."""
+
+
+class StepKind(str, Enum):
+    """Which path a parameter's update takes this step."""
+
+    SKIP = "skip"  # no update: frozen, no gradient, or listed twice (updated where listed first)
+    PLAIN = "plain"  # torch's fused Adam (float32 moments; amp8.optim.plain_step)
+    SHARDED = "sharded"  # its rows of a weight sharded over ranks (the reference step)
+    UPDATE = "update"  # an update group, or its own reference update
+
+
+@dataclass
+class StepInputs:
+    """What each parameter's update is this step, in the optimizer's order: its kind
+    and, for an ``UPDATE``, its stored gradient and its state (None for the others).
+    Parallel lists, so that a step makes no Python object per parameter beyond what it
+    reads."""
+
+    params: list[nn.Parameter]
+    kinds: list[StepKind]
+    grads: list[GradParts | None]
+    states: list[dict[str, Any] | None]
 
 
 class WeightKind(str, Enum):
@@ -58,13 +79,6 @@ class UpdateSpec:
         return self.weight is not WeightKind.PLAIN or self.exp_avg.stream is not None
 
 
-@functools.lru_cache(maxsize=256)
-def grad_layout_of(layout: GradLayout, shape: torch.Size) -> Layout:
-    """The codec layout of an FP8 weight gradient of ``shape`` stored at ``layout``."""
-    return Layout.for_tile(layout.dtype, layout.tile, tuple(shape), margin=layout.margin,
-                           power_of_2=layout.power_of_2)
-
-
 def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> GradParts | None:
     """``(data, scales, layout)`` of ``param``'s gradient as stored (FP8 with scales for an
     FP8 layer's weight, else ``param.grad`` as float), or None without one."""
@@ -83,7 +97,7 @@ def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> GradParts |
 def grad_codec(grad: GradParts) -> Layout:
     """The codec layout of a gradient as ``stored_grad`` gives it."""
     data, _, layout = grad
-    return FLOAT32 if layout is None else grad_layout_of(layout, data.shape)
+    return FLOAT32 if layout is None else layout.codec(data.shape)
 
 
 def update_spec(

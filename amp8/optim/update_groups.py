@@ -31,26 +31,13 @@ from torch import nn
 from amp8.optim import state as state_storage
 from amp8.optim.arithmetic import StepScalars, hyper, step_scalars
 from amp8.optim.group_step import GroupSteps, GroupTensors, per_tensor_max, row_scales
-from amp8.optim.spec import GradParts, UpdateSpec, WeightKind
+from amp8.optim.spec import StepInputs, UpdateSpec, WeightKind
 from amp8.optim.state import MASTER, MOMENTS
 from amp8.quant.codec import Layout
 from amp8.tensor.stored import StoredWeight
 from amp8.tensor.weight_grad import GradSlot
 
 _DTYPE = operator.attrgetter("dtype")
-
-@dataclass
-class StepInputs:
-    """What each parameter's update is this step, in the optimizer's order: its kind
-    ("skip", "plain", "sharded" or "update") and, for an "update", its stored gradient
-    ``(data, scales, block size)`` and its state (None for the others). Parallel lists,
-    so that a step makes no Python object per parameter beyond what it reads."""
-
-    params: list[nn.Parameter]
-    kinds: list[str]
-    grads: list[GradParts | None]
-    states: list[dict[str, Any] | None]
-
 
 @dataclass
 class Member:

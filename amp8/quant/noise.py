@@ -178,18 +178,6 @@ def update_words(index: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
     return ((index.to(torch.int64) ^ key) * _UPDATE_MULTIPLIER) & _MASK32
 
 
-NEAREST_WORD = (1 << 31) | (1 << 18)
-"""The word whose noise fields are half of a unit (stream 0 of any format; stream 1 of the
-FP8 formats, which drop 20 or 21 bits): rounding with it is rounding to nearest, ties up."""
-
-
-def nearest_where(skip: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """``words``, or ``NEAREST_WORD`` where ``skip`` (a bool): a value stored again as it
-    was stored rounds to itself."""
-    nearest = _signed32(NEAREST_WORD) if words.dtype == torch.int32 else NEAREST_WORD
-    return torch.where(skip, nearest, words)
-
-
 def noise_field(words: torch.Tensor, stream: int, dropped: int) -> torch.Tensor:
     """The noise stochastic rounding adds below a format's last kept bit: an integer in
     ``[0, 2**dropped)`` per word of ``update_words``, for the float32 mantissa bits a

@@ -22,6 +22,7 @@ fakeify a traceable subclass as the ``.grad`` of a plain Parameter). See DESIGN.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 from amp8._compiled import call_compiled
 from amp8.config.recipe import Recipe
 from amp8.quant import scaling
+from amp8.quant.codec import Layout
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.weight_grad_ops import WeightGradDispatch
 
@@ -65,25 +67,33 @@ class GradLayout:
         block_size = block if tile is not None and block in tile else 0
         return cls(recipe.weight_grad_dtype, tile, block_size, recipe.margin, recipe.power_of_2_scales)
 
+    def codec(self, shape: tuple[int, ...]) -> Layout:
+        """The storage codec's layout of a gradient of ``shape`` at this layout."""
+        return _codec(self, tuple(shape))
+
     def quantize(self, value: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> ScaledTensor:
         """The float ``value`` in FP8 at this layout, with fresh scales from its amaxes
         (written into ``out``'s data and scales where given). A scale is NaN where its
         tile holds an inf or NaN (the data there are NaN too), so an optimizer tells a
         gradient that must skip its step from the scales alone."""
-        amaxes = scaling.tile_amax(value, self.tile)
-        scale = scaling.scale_from_amax(amaxes, self.dtype, margin=self.margin, power_of_2=self.power_of_2)
-        scale = scale + amaxes * 0.0  # NaN where the amax is inf or NaN, unchanged elsewhere
-        full_scale = scaling.expand_scale(scale, tuple(value.shape), max(self.tile) if self.tile else 0)
-        if out is None:
-            return ScaledTensor(scaling.quantize(value, full_scale, self.dtype), scale, self.block_size)
-        data, scale_out = out
-        data.copy_(scaling.saturate(value, full_scale, self.dtype))
-        scale_out.copy_(scale)
-        return ScaledTensor(data, scale_out, self.block_size)
+        codec = self.codec(tuple(value.shape))
+        amaxes = codec.amaxes(value)
+        scale = codec.scales(amaxes) + amaxes * 0.0  # NaN where the amax is inf or NaN, unchanged elsewhere
+        data, scale = codec.encode(value, scale)
+        if out is not None:
+            out[0].copy_(data)
+            out[1].copy_(scale)
+            data, scale = out
+        return ScaledTensor(data, scale, self.block_size)
 
     def scale_shape(self, shape: tuple[int, ...]) -> torch.Size:
         """The shape of the scales of a gradient of ``shape`` (one per ``tile``)."""
         return scaling.tile_amax(torch.zeros(shape, device="meta"), self.tile).shape
+
+
+@functools.lru_cache(maxsize=256)
+def _codec(layout: GradLayout, shape: tuple[int, ...]) -> Layout:
+    return Layout.for_tile(layout.dtype, layout.tile, shape, margin=layout.margin, power_of_2=layout.power_of_2)
 
 
 def _quantized_parts(layout: GradLayout, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp8
 from amp8.optim import LowBitAdam
-from amp8.optim import state as state_storage
 from conftest import assert_bitwise_equal
 
 aten = torch.ops.aten
@@ -74,10 +73,10 @@ def test_fp8_gradients_are_where_the_step_reads_them(level: str) -> None:
     copies nothing, and ``param.grad`` is still the ``WeightGrad`` of the contract."""
     model, optimizer = _trained(level)
     _backward(model, optimizer)
-    (group,) = optimizer._plan.groups
-    for member, view in zip(group.members, group._grad_views):
+    (group,) = optimizer.update_groups
+    for member in group.members:
         assert type(member.param.grad).__name__ == "WeightGrad"
-        assert member.param.grad.parts()[0] is view
+        assert member.param.grad.parts()[0]._base is group.tensors.grad
     with Operations() as seen:
         optimizer.step()
     assert not [name for name in seen.names if "copy" in name and "foreach" in name], seen.names
@@ -158,7 +157,7 @@ def test_per_tensor_scales_from_bounds_stay_near_the_true_amax(level: str) -> No
                 tokens = torch.randint(0, config.vocab_size, (4, config.block_size + 1))
                 model(tokens[:, :-1], tokens[:, 1:])[1].backward()
             optimizer.step()
-            for group in optimizer._plan.groups:
+            for group in optimizer.update_groups:
                 spec, tensors = group.key.spec, group.tensors
                 for index, (layout, scale) in enumerate(
                     ((spec.exp_avg, tensors.exp_avg_scale), (spec.exp_avg_sq, tensors.exp_avg_sq_scale))

@@ -85,7 +85,7 @@ def test_a_copy_trains_as_the_original_does_and_apart_from_it(level: str, recipe
     assert copied_opt.rounding_counter == optimizer.rounding_counter
     # The copy's update groups were built again over the copied model's tensors.
     copied_params = set(copied.parameters())
-    groups = copied_opt._plan.groups if copied_opt._plan is not None else []
+    groups = copied_opt.update_groups
     assert all(member.param in copied_params for group in groups for member in group.members)
     if level != "O1":
         assert groups, "the default setup updates the FP8 weights in update groups"

@@ -103,7 +103,7 @@ def test_grouped_step_is_the_reference_step_bit_for_bit(level: str, recipe: str,
     inputs: weights, moments, scales, masters and noise draws all equal, step after step."""
     models, optimizers = _twins(level, RECIPES[recipe], optimizer)
     _train(models, optimizers, steps=4)
-    assert optimizers[1]._plan is not None and optimizers[1]._plan.groups, "nothing was grouped"
+    assert optimizers[1].update_groups, "nothing was grouped"
     _assert_identical(models, optimizers)
 
 
@@ -115,7 +115,7 @@ def test_grouped_step_on_cuda_is_the_reference_step_bit_for_bit(level: str, reci
     groups' buffers, views and noise keys on the device."""
     models, optimizers = _twins(level, RECIPES[recipe], "adamw", device="cuda", fused=False)
     _train(models, optimizers, steps=4)
-    assert optimizers[1]._plan is not None and optimizers[1]._plan.groups, "nothing was grouped"
+    assert optimizers[1].update_groups, "nothing was grouped"
     _assert_identical(models, optimizers)
 
 
@@ -124,7 +124,7 @@ def test_grouped_step_with_block_scaled_moments(state_block_size: int) -> None:
     """Moments with one scale per block of 64 elements take rows of 64: still exact."""
     models, optimizers = _twins("O2", amp8.Recipe(), "adamw", state_block_size=state_block_size)
     _train(models, optimizers, steps=3)
-    widths = {group.key.width for group in optimizers[1]._plan.groups if group.key.spec.weight is not WeightKind.PLAIN}
+    widths = {group.key.width for group in optimizers[1].update_groups if group.key.spec.weight is not WeightKind.PLAIN}
     assert widths == {state_block_size or TENSOR_ROW_WIDTH}
     _assert_identical(models, optimizers)
 
@@ -157,7 +157,6 @@ def test_compiled_groups_do_not_recompile_with_an_lr_scheduler(level: str) -> No
     model, _ = amp8.initialize(_model(6), None, level, amp8.Recipe())
     optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), amp8.LEVELS[level], fused=True)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
-    calls: list[int] = []
     for step in range(20):
         optimizer.zero_grad()
         model(torch.randn(4, 32)).square().mean().backward()
@@ -166,10 +165,10 @@ def test_compiled_groups_do_not_recompile_with_an_lr_scheduler(level: str) -> No
         if step == 0:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "a step after the first compiled again"
-    plan = optimizer._plan
-    assert len(optimizer._group_steps[True].specs) == len({group.key.spec for group in plan.groups})
-    members = {id(member.param) for group in plan.groups for member in group.members}
-    assert all(id(param) in members for param in optimizer.weights) and not plan.alone
+    groups = optimizer.update_groups
+    assert len(optimizer.compiled_specs) == len({group.key.spec for group in groups})
+    members = {id(member.param) for group in groups for member in group.members}
+    assert all(id(param) in members for param in optimizer.weights) and not optimizer.own_updates
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
@@ -206,7 +205,7 @@ def test_moments_and_weights_live_in_the_group_buffers() -> None:
     model, _ = amp8.initialize(_model(2), None, "O2", amp8.Recipe())
     optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), amp8.LEVELS["O2"])
     _train([model], [optimizer], steps=2)
-    for group in optimizer._plan.groups:
+    for group in optimizer.update_groups:
         for member in group.members:
             state = optimizer.state[member.param]
             for key in ("exp_avg", "exp_avg_sq"):
