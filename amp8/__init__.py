@@ -3,20 +3,32 @@
     model, optimizer = amp8.initialize(model, optimizer, opt_level="O1")
     amp8.report(model, optimizer).print()
 
-The names below are amp8's public, stable API. Everything else lives in its layer's
-subpackage (``amp8.config``, ``amp8.nn``, ``amp8.optim``, ``amp8.distributed``,
-``amp8.monitor``, ...), importable but free to change between minor releases.
+The names below (``amp8.__all__``) are amp8's public, stable API:
+
+- ``initialize``: apply an opt level to a model and its optimizer;
+- ``OptLevel``, ``LEVELS``: one row of the precision table, and the table by name;
+- ``Recipe``: how the FP8 layers scale and cast their tensors;
+- ``report``, ``ReportLog``, ``watch_operands``, ``what_if``: what every tensor really
+  stores, over a run, each GEMM operand's health, and what other recipes would give;
+- ``Controller``, ``ControllerConfig``: the precision controller and its settings;
+- ``clip_grad_norm_``: gradient clipping that also reaches O3's sharded FP8 gradients;
+- ``compact_state_dict``, ``export``: amp8's bit-exact checkpoint form, and a plain copy
+  of the model;
+- ``count_saved_bytes``: the bytes autograd saves for backward;
+- ``compare``: the same model trained at every opt level, compared;
+- ``__version__``: amp8's version.
+
+Everything else lives in its layer's subpackage (``amp8.config``, ``amp8.nn``,
+``amp8.optim``, ``amp8.distributed``, ``amp8.monitor``, ...), importable but free to
+change between minor releases.
 """
 
-import importlib
 from typing import Any
 
-from amp8 import _old_paths
 from amp8._version import __version__
 from amp8.config.controller import ControllerConfig
 from amp8.config.levels import LEVELS, OptLevel
 from amp8.config.recipe import Recipe
-from amp8.config.validation import moved_name
 from amp8.export import export
 from amp8.frontend import initialize
 from amp8.monitor.controller import Controller
@@ -25,22 +37,8 @@ from amp8.monitor.report import report
 from amp8.monitor.report_log import ReportLog
 from amp8.monitor.what_if import what_if
 from amp8.nn.memory import count_saved_bytes
-from amp8.nn.state_dict_form import compact_state_dict
+from amp8.nn.stored_weights import compact_state_dict
 from amp8.optim.clip import clip_grad_norm_
-
-
-MOVED = {
-    **dict.fromkeys(
-        ("ActivationFormat", "AmaxAlgo", "Fp8Format", "Granularity", "HealthThresholds", "Microscaling", "Move",
-         "Precision", "PrecisionPhase", "RecipeName", "Scaling"), "amp8.config"),
-    "PrecisionReport": "amp8.monitor",
-    "SavedBytes": "amp8.nn.memory",
-    "SpeedRule": "amp8.nn.selection",
-    "StoredWeight": "amp8.tensor",
-    "WeightGrad": "amp8.tensor",
-    "stored_weight": "amp8.tensor",
-}
-"""Names the top level held before 0.2, and the subpackage that holds each now."""
 
 
 def compare(*args: Any, **kwargs: Any) -> Any:
@@ -50,26 +48,6 @@ def compare(*args: Any, **kwargs: Any) -> Any:
     from amp8.tools.experiments.compare import compare as run
 
     return run(*args, **kwargs)
-
-
-_old_paths.install()  # ``import amp8.scaling`` and amp8's other old module paths (see amp8/_old_paths.py)
-
-
-def __getattr__(name: str) -> Any:
-    """A name that moved to a subpackage, or an old module (``amp8.scaling``), with a
-    ``DeprecationWarning`` naming its new home (for one release); a gone module fails
-    naming what to import instead."""
-    if name in MOVED:
-        return moved_name("amp8", name, MOVED)
-    old = f"amp8.{name}"
-    home = _old_paths.moved_home(old)
-    if home is not None:
-        _old_paths.warn_moved(old, home, stacklevel=2)
-        return importlib.import_module(home)
-    error = _old_paths.gone_error(old)
-    if error is not None:
-        raise error
-    raise AttributeError(f"module 'amp8' has no attribute {name!r}")
 
 
 __all__ = [

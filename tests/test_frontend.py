@@ -1,15 +1,12 @@
 import dataclasses
 import importlib
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import amp8
-from amp8 import _old_paths
 from amp8.config.levels import Precision
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
@@ -171,14 +168,11 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
     [
         (lambda: amp8.distributed.DataParallel, ImportError, "DataParallelGroup"),
         (lambda: exec("from amp8.distributed import DataParallel"), ImportError, "DataParallelGroup"),
-        (lambda: _quietly(lambda: amp8.comm.DataParallel), ImportError, "DataParallelGroup"),
-        (lambda: _quietly(lambda: exec("from amp8.comm import DataParallel")), ImportError, "DataParallelGroup"),
         (lambda: amp8.nn.Slot, ImportError, "TensorRole"),
         (lambda: exec("from amp8.nn import Slot"), ImportError, "TensorRole"),
         (lambda: amp8.ops.gemm.GemmRole, ImportError, r"amp8\.config\.Gemm"),
         (lambda: exec("from amp8.ops.gemm import GemmRole"), ImportError, r"amp8\.config\.Gemm"),
-        (lambda: _quietly(lambda: amp8.gemm.GemmRole), ImportError, r"amp8\.config\.Gemm"),
-        (lambda: _quietly(lambda: amp8.formats.support_reason), ImportError, r"E8M0 and FP4 are always torch dtypes"),
+        (lambda: amp8.config.formats.support_reason, ImportError, r"E8M0 and FP4 are always torch dtypes"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).read_weight, AttributeError, "master_weight"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).write_weight, AttributeError, "update_weight"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), fp8_layers=[]), TypeError, "finds the FP8 weights"),
@@ -193,21 +187,13 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).data_parallel, AttributeError,
          r"optimizer\.gradient_average\.data_parallel"),
     ],
-    ids=["DataParallel", "from-import DataParallel", "amp8.comm.DataParallel", "from amp8.comm import DataParallel",
-         "Slot", "from-import Slot", "GemmRole", "from-import GemmRole", "amp8.gemm.GemmRole",
-         "amp8.formats.support_reason", "read_weight", "write_weight",
+    ids=["DataParallel", "from-import DataParallel", "Slot", "from-import Slot", "GemmRole", "from-import GemmRole",
+         "support_reason", "read_weight", "write_weight",
          "fp8_layers", "data_parallel=", "overlap_communication=", "reduction=", ".reduction", ".data_parallel"],
 )
 def test_removed_names_name_their_replacement(use, error: type, replacement: str) -> None:
     with pytest.raises(error, match=f"was removed: .*{replacement}"):
         use()
-
-
-def _quietly(use):
-    """``use()`` with the old path's ``DeprecationWarning`` left out (tested on its own below)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return use()
 
 
 def test_unknown_names_fail_as_python_says() -> None:
@@ -217,97 +203,9 @@ def test_unknown_names_fail_as_python_says() -> None:
         amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters(), betas2=0.9)
 
 
-# -- old names and module paths --------------------------------------------------------------
-
-IMPORT_FORMS = {
-    "import amp8.x": lambda old: __import__(old) and sys.modules[old],  # what the statement runs
-    "from amp8 import x": lambda old: getattr(__import__("amp8", fromlist=[old.split(".")[1]]), old.split(".")[1]),
-    "amp8.x": lambda old: getattr(amp8, old.split(".")[1]),
-}
-"""The ways code reaches a module ``amp8.x`` (``old``)."""
-
-
-@pytest.fixture
-def fresh_old_paths(monkeypatch):
-    """Forget the old paths this process imported (and the attributes the imports set on
-    ``amp8``), so each test imports them as a new program would; restored afterwards."""
-    for name in list(sys.modules):
-        if _old_paths.moved_home(name) is not None:
-            monkeypatch.delitem(sys.modules, name)
-    for old in _old_paths.MOVED_MODULES:
-        if old.split(".")[1] in vars(amp8):
-            monkeypatch.delattr(amp8, old.split(".")[1])
-
-
-@pytest.mark.parametrize("form", list(IMPORT_FORMS))
-@pytest.mark.parametrize(("old", "home"), list(_old_paths.MOVED_MODULES.items()))
-def test_an_old_module_path_gives_the_moved_module_with_a_warning(fresh_old_paths, old: str, home: str,
-                                                                  form: str) -> None:
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {home}; import that") as caught:
-        module = IMPORT_FORMS[form](old)
-    assert module is importlib.import_module(home), "the very module, not a copy"
-    assert {warning.filename for warning in caught} == {__file__}, "the warning points at the caller"
-
-
-@pytest.mark.parametrize(("old", "home"), [
-    ("amp8.comm.fsdp", "amp8.distributed.fsdp"),
-    ("amp8.comm.weight_shard", "amp8.distributed.weight_shard"),
-    ("amp8.experiments.train", "amp8.tools.experiments.train"),
-])
-def test_a_module_under_an_old_package_is_the_moved_module(fresh_old_paths, old: str, home: str) -> None:
-    """Not a second copy of the file run under the old name (its classes would differ)."""
-    with pytest.warns(DeprecationWarning, match=" moved to ") as caught:
-        module = __import__(old) and sys.modules[old]
-    assert module is importlib.import_module(home) and sys.modules[old] is module
-    package, package_home = old.rsplit(".", 1)[0], home.rsplit(".", 1)[0]
-    assert [str(warning.message).split(";")[0] for warning in caught] == [
-        f"{package} moved to {package_home}", f"{old} moved to {home}"]
-
-
-@pytest.mark.parametrize("statement", ["import {old}", "from {old} import anything"])
-@pytest.mark.parametrize(("old", "fix"), [
-    ("amp8.report", r"is the function amp8\.report\(model, optimizer\) now; the module moved to amp8\.monitor\.report"),
-    ("amp8.stored_weight", r"moved to amp8\.tensor\.stored"),
-    ("amp8.integrations", r"was removed: Accelerate needs no adapter.*amp8\.distributed\.register_ddp"),
-    ("amp8.integrations.accelerate", r"amp8\.integrations was removed: .*amp8\.distributed\.register_ddp"),
-])
-def test_a_gone_module_path_fails_naming_what_to_import(old: str, fix: str, statement: str) -> None:
-    with pytest.raises(ModuleNotFoundError, match=fix):
-        exec(statement.format(old=old))
-    assert callable(amp8.report) and amp8.tensor.stored_weight, "the names the old paths would take"
-
-
-def test_from_amp8_import_a_gone_module_fails_naming_what_to_do() -> None:
-    """Where the name is amp8's now, ``from amp8 import`` gives amp8's."""
-    with pytest.raises(ModuleNotFoundError, match=r"amp8\.integrations was removed: Accelerate needs no adapter"):
-        from amp8 import integrations  # noqa: F401
-    from amp8 import report
-
-    assert report is amp8.monitor.report.report
-
-
-def test_the_gone_paths_are_every_old_path_whose_name_amp8_now_holds() -> None:
-    """An alias would rebind ``amp8.<name>`` to the module, so a moved path must not be a
-    name amp8 serves otherwise; every gone path is gone for a reason listed."""
-    taken = set(amp8.__all__) | set(amp8.MOVED)
-    assert {old.split(".")[1] for old in _old_paths.MOVED_MODULES} & taken == set()
-    assert {old.split(".")[1] for old in _old_paths.GONE_MODULES} - taken == {"integrations"}
-
-
-@pytest.mark.parametrize("name", ["json", "torch.nn", "amp8", "amp8.nn.linear", "amp8x.scaling", "scaling",
-                                  "amp8.nothing", "amp8.communication", "amp8.tensor.scaled"])
-def test_the_old_path_finder_answers_for_no_other_name(name: str) -> None:
-    assert _old_paths.OldPathFinder().find_spec(name, None) is None
-
-
-@pytest.mark.parametrize("old", [*_old_paths.MOVED_MODULES, *_old_paths.GONE_MODULES])
-def test_an_old_path_has_no_file_that_would_hide_its_entry(old: str) -> None:
-    path = importlib.util.find_spec("amp8").submodule_search_locations[0] + "/" + "/".join(old.split(".")[1:])
-    assert not (Path(path + ".py").exists() or Path(path).is_dir()), f"{old} is a module again: drop its entry"
-
+# -- old names ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("owner", "name", "home"), [
-    *(("amp8", name, home) for name, home in amp8.MOVED.items()),
     ("amp8.tensor", "is_sharded", "amp8.tensor.scaled"),
     ("amp8.tensor", "local_tensor", "amp8.tensor.scaled"),
 ])

@@ -198,7 +198,7 @@ def test_a_circle_is_found() -> None:
 @pytest.mark.slow  # a fresh Python process
 def test_import_amp8_loads_no_tool() -> None:
     """``import amp8`` in a fresh Python loads neither the tools (the experiments, the
-    command) nor the deprecated ``amp8.comm``, nor matplotlib, which the tools use."""
+    command) nor matplotlib, which the tools use."""
     code = "import sys, amp8; print(sorted(m for m in sys.modules if m.startswith(('amp8.', 'matplotlib'))))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    assert "amp8.tools" not in loaded and "amp8.comm" not in loaded and "matplotlib" not in loaded, loaded
+    assert "amp8.tools" not in loaded and "matplotlib" not in loaded, loaded

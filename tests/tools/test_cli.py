@@ -16,13 +16,11 @@ def test_levels_prints_the_table(capsys) -> None:
 
 
 @pytest.mark.slow  # a fresh Python process
-@pytest.mark.parametrize("module", ["amp8.tools.cli", "amp8.cli"])  # the old path runs too, with a warning
-def test_console_script_module_runs(module: str) -> None:
-    result = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-m", module, "levels"],
+def test_console_script_module_runs() -> None:
+    result = subprocess.run([sys.executable, "-m", "amp8.tools.cli", "levels"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "amp8 opt levels" in result.stdout
-    assert ("amp8.cli moved to amp8.tools.cli" in result.stderr) == (module == "amp8.cli"), result.stderr
 
 
 @pytest.mark.parametrize(
