@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +38,8 @@ from amp8.distributed import WireStats, fp8_all_reduce_mean
 from amp8.distributed.fsdp import ByteAllGather
 from amp8.monitor.console import default_console
 from amp8.quant.scaling import sqnr
-from common import write_result
+from records import write_result
+from timing import time_call
 
 LOOPBACK_TX = Path("/sys/class/net/lo/statistics/tx_bytes")
 MODES = ("fp32_ddp", "bf16_ddp", "fp32_fsdp", "amp8_o1", "amp8_o2", "amp8_o3")
@@ -103,20 +102,22 @@ def _worker(rank: int, world: int, folder: str, width: int, steps: int, mode: st
     else:
         model, optimizer = amp8.initialize(model, optimizer, opt_level=mode[-2:].upper())
         stats = optimizer.gradient_average.data_parallel.stats
-    times, wire_before = [], None
-    for step in range(steps + 2):
-        if step == 2:  # two warm-up steps
-            dist.barrier()
-            counter["bytes"] = 0
-            stats.bytes_by_kind.clear()
-            wire_before = _loopback_bytes()
-        x = torch.randn(32, width, generator=torch.Generator().manual_seed(step * world + rank))
-        start = time.perf_counter()
+    inputs = iter([torch.randn(32, width, generator=torch.Generator().manual_seed(step * world + rank))
+                   for step in range(steps + 2)])
+
+    def train_step() -> None:
+        x = next(inputs)
         optimizer.zero_grad()
         model(x).pow(2).mean().backward()
         optimizer.step()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
+
+    for _ in range(2):  # two warm-up steps, neither timed nor counted
+        train_step()
+    dist.barrier()
+    counter["bytes"] = 0
+    stats.bytes_by_kind.clear()
+    wire_before = _loopback_bytes()
+    step_s = time_call(train_step, torch.device("cpu"), warmup=0, repeats=steps)
     dist.barrier()
     wire_after = _loopback_bytes()
     sent = counter["bytes"] if mode.endswith("ddp") else stats.total
@@ -125,7 +126,7 @@ def _worker(rank: int, world: int, folder: str, width: int, steps: int, mode: st
         "bytes_per_step": sent / steps,
         "bytes_per_step_by_collective": {kind: count / steps for kind, count in by_kind.items()},
         "loopback_bytes_per_step": None if wire_before is None else (wire_after - wire_before) / steps,
-        "step_ms": 1e3 * statistics.median(times),
+        "step_ms": 1e3 * step_s,
         "params": sum(p.numel() for p in model.parameters()),
     }
     torch.save(result, os.path.join(folder, f"{mode}-{rank}.pt"))
@@ -155,13 +156,8 @@ def _collective_worker(rank: int, world: int, folder: str, numel: int, repeats: 
 
     result = {}
     for name, reduce in (("fp32_all_reduce", fp32), ("bf16_all_reduce", bf16), ("amp8_fp8_all_reduce", fp8)):
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            dist.barrier()
-            start = time.perf_counter()
-            mean = reduce()
-            times.append(time.perf_counter() - start)
-        result[name] = {"ms": 1e3 * statistics.median(times[1:]), "mean": mean}
+        seconds = time_call(reduce, torch.device("cpu"), warmup=1, repeats=repeats, before=dist.barrier)
+        result[name] = {"ms": 1e3 * seconds, "mean": reduce()}  # once more, untimed, for its SQNR
     exact = result["fp32_all_reduce"].pop("mean")
     for name in ("bf16_all_reduce", "amp8_fp8_all_reduce"):
         result[name]["sqnr_db"] = sqnr(exact, result[name].pop("mean"))

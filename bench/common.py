@@ -1,32 +1,14 @@
-"""Shared pieces of amp8's benchmarks: timing, device description, JSON output."""
+"""What amp8's benchmarks share in setting up a case: an empty device, a fresh compiler,
+and torchao's float8 training where it imports."""
 
 from __future__ import annotations
 
-import datetime
 import gc
-import json
-import platform
-import statistics
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's architecture and core count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued work on ``device`` (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from records import error_text
 
 
 def free_memory(device: torch.device) -> None:
@@ -36,96 +18,6 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-
-class PhaseClock:
-    """Times consecutive phases of a step on the device's own clock: ``mark()`` at each
-    boundary (CUDA events on CUDA, which add no synchronization inside the step; the host
-    clock elsewhere, where operations finish before they return), then ``phases_ms()``."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> None:
-        """Record the end of one phase and the start of the next."""
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def phases_ms(self) -> list[float]:
-        """Milliseconds between consecutive marks (waits for the device), and forget the marks."""
-        if self.cuda:
-            self.marks[-1].synchronize()
-            spans = [start.elapsed_time(end) for start, end in zip(self.marks, self.marks[1:])]
-        else:
-            spans = [1e3 * (end - start) for start, end in zip(self.marks, self.marks[1:])]
-        self.marks = []
-        return spans
-
-
-def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def time_alternately(first: Callable[[], Any], second: Callable[[], Any], device: torch.device, repeats: int,
-                     rounds: int = 3) -> tuple[float, float]:
-    """Median wall times of ``first()`` and ``second()`` in seconds, timed in turns:
-    ``rounds`` times, one untimed call then ``repeats`` timed calls of ``first``, then the
-    same of ``second``. Whatever else the machine does meanwhile slows both alike, so their
-    ratio holds where either time alone would drift; within a turn each runs warm, with
-    its own data in the caches, as it would alone."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(rounds):
-        for fn, spent in zip((first, second), times):
-            fn()
-            synchronize(device)
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                synchronize(device)
-                spent.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
-
-
-def write_result(name: str, device: torch.device, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
-    """Write ``payload`` with the device, torch version and date to ``out_dir/name-<device>.json``,
-    replacing the file whole."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "benchmark": name,
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        **payload,
-    }
-    tag = "cuda" if device.type == "cuda" else "cpu"
-    path = out_dir / f"{name}-{tag}.json"
-    # Written beside it, then renamed over it: a run stopped mid-write (its time limit in
-    # bench/run_gpu.sh) leaves the last complete file, never half of one.
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(record, indent=2) + "\n")
-    partial.replace(path)
-    return path
-
-
-def error_text(error: BaseException, limit: int = 500) -> str:
-    """``"Type: message"`` of ``error``, cut to ``limit`` characters for the JSON."""
-    text = f"{type(error).__name__}: {error}".strip()
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def torchao_float8() -> tuple[Callable[..., Any] | None, str]:
@@ -158,18 +50,3 @@ def reset_compiler() -> None:
     never falls back to eager on dynamo's recompilation limit."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-
-
-def measure(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
-    """Time ``fn``: ``{"ms", "first_call_s"}`` (the first call includes any compilation),
-    or ``{"error": "Type: message"}`` when a call raises, so one failing case does not
-    end a run."""
-    try:
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        first_call_s = time.perf_counter() - start
-        seconds = time_call(fn, device, warmup, repeats)
-    except Exception as error:  # compile and kernel errors alike are recorded, not raised
-        return {"error": error_text(error)}
-    return {"ms": 1e3 * seconds, "first_call_s": first_call_s}

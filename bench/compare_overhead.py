@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp8
-from common import RESULTS, write_result
+from records import RESULTS, write_result
+from timing import time_once
 
 
 def build(width: int) -> nn.Module:
@@ -48,14 +48,12 @@ def measure(steps: int, width: int, plot: bool, device: str) -> dict[str, Any]:
     """One comparison's total wall time, its runs' wall times and their training time."""
     data, val = batches(steps, 0), batches(4, 1)
     with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
-        result = amp8.compare(
+        total, result = time_once(lambda: amp8.compare(
             model=lambda: build(width), data=data, eval_data=val, steps=steps, device=device,
             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
             loss=lambda model, batch: F.mse_loss(model(batch[0]), batch[1]),
             out_dir=Path(out), progress=False, plot=plot,
-        )
-        total = time.perf_counter() - start
+        ), torch.device(device))
     runs = sum(run.wall_s or 0.0 for run in result.runs)
     train = sum(run.train_s or 0.0 for run in result.runs)
     return {

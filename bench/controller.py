@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,8 @@ import amp8
 from amp8.monitor.console import default_console
 from amp8.tools.experiments.corpus import CorpusConfig, load_corpus, sample_batch
 from amp8.tools.experiments.gpt import GPT, PRESETS
-from common import RESULTS, synchronize, write_result
+from records import RESULTS, write_result
+from timing import time_once
 
 VARIANTS: dict[str, amp8.ControllerConfig | None] = {
     "off": None,
@@ -51,15 +51,16 @@ def _build(preset: str, config: amp8.ControllerConfig | None, compiled: bool, de
 def _steps(run: dict[str, Any], batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
     """Mean seconds per training step over ``batches``."""
     model, optimizer = run["model"], run["optimizer"]
-    synchronize(device)
-    start = time.perf_counter()
-    for x, y in batches:
-        optimizer.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-    synchronize(device)
-    return (time.perf_counter() - start) / len(batches)
+
+    def train() -> None:
+        for x, y in batches:
+            optimizer.zero_grad()
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+
+    seconds, _ = time_once(train, device)
+    return seconds / len(batches)
 
 
 def measure(preset: str, batch_size: int, steps: int, rounds: int, compiled: bool, device: torch.device) -> dict[str, Any]:

@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import dataclasses
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable, Union
 
@@ -53,10 +52,9 @@ from amp8.monitor.console import default_console
 from amp8.tools.experiments.gpt import PRESETS as GPT_PRESETS
 from amp8.tools.experiments.gpt import GPTConfig
 from amp8.tools.experiments.llama import LlamaSpec
-from common import (
-    RESULTS, PhaseClock, device_name, error_text, free_memory, graph_break_count, reset_compiler, synchronize,
-    torchao_float8, write_result,
-)
+from common import free_memory, graph_break_count, reset_compiler, torchao_float8
+from records import RESULTS, device_name, error_text, write_result
+from timing import PhaseClock, time_once
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Config = Union[GPTConfig, LlamaSpec]
@@ -147,10 +145,7 @@ def time_steps(step: Callable[[Batch, PhaseClock], float], batches: list[Batch],
     times, phases, loss = [], [], float("nan")
     first_step_s = 0.0
     for index, batch in enumerate(batches):
-        synchronize(device)
-        start = time.perf_counter()
-        loss = step(batch, clock)  # float() waits for the device
-        elapsed = time.perf_counter() - start
+        elapsed, loss = time_once(lambda: step(batch, clock), device)
         spans = clock.phases_ms()
         if index == 0:
             first_step_s = elapsed

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS, time_call, write_result
+from records import RESULTS, write_result
+from timing import time_call
 
 LEVELS = ("O1", "O2", "O3")
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,10 +39,9 @@ from amp8 import Recipe
 from amp8.monitor.console import default_console
 from amp8.nn import Fp8Linear
 from amp8.nn.selection import SpeedRule
-from common import (
-    RESULTS, device_name, error_text, graph_break_count, measure, reset_compiler, torchao_float8,
-    write_result,
-)
+from common import graph_break_count, reset_compiler, torchao_float8
+from records import RESULTS, device_name, error_text, write_result
+from timing import measure
 
 Shape = tuple[int, int, int]
 

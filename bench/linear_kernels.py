@@ -5,7 +5,7 @@ the least a layer must do.
     python bench/linear_kernels.py --shape 64 256 512 --recipes rowwise --levels O2
 
 The layer is warmed up by one step (its weight cast is cached, as in training), then one
-forward and one backward under ``bench/step_profile.py``'s counter, BF16 autocast as
+forward and one backward under ``bench/counting.py``'s counter, BF16 autocast as
 on CUDA: eagerly, every aten operation that runs a kernel counts one; compiled
 (``torch.compile`` of the layer, or amp8's own compiled casts in an eager layer), each
 graph counts the GPU kernels its generated code
@@ -24,7 +24,6 @@ cache on disk) is recorded too. Results go to ``--out``/linear_kernels-<device>.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,10 @@ from torch import nn
 
 import amp8
 from amp8.monitor.console import default_console
-from common import RESULTS, reset_compiler, write_result
-from step_profile import StepCounter
+from common import reset_compiler
+from counting import StepCounter
+from records import RESULTS, write_result
+from timing import time_once
 
 LEVELS = ("O1", "O2")
 RECIPES = ("tensorwise", "rowwise")
@@ -79,9 +80,7 @@ def count(level: str, recipe: str, mode: str, shape: tuple[int, int, int]) -> di
             out = run(x)
         out.backward(grad.to(out.dtype))
 
-    started = time.perf_counter()
-    step()  # compiles, and caches the weight's cast
-    first_step_s = time.perf_counter() - started
+    first_step_s, _ = time_once(step, torch.device("cpu"))  # compiles, and caches the weight's cast
     # As in training: gradients set to None after the step, so none is accumulated into.
     x.grad = None
     layer.zero_grad(set_to_none=True)

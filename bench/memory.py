@@ -32,7 +32,7 @@ from torch import nn
 import amp8
 from amp8.monitor.console import default_console
 from amp8.tools.experiments.gpt import GPT, PRESETS
-from common import write_result
+from records import write_result
 
 LLAMA = "llama"
 GRANULARITIES = {

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,7 +42,8 @@ from amp8 import Recipe
 from amp8.config.levels import Precision
 from amp8.monitor.console import default_console
 from amp8.nn import Fp8Experts, Fp8Linear
-from common import RESULTS, synchronize, write_result
+from records import RESULTS, write_result
+from timing import time_in_turns
 
 # (label, tokens, hidden H, intermediate I, experts E, top_k, routing)
 CASES = [
@@ -190,15 +189,8 @@ def measure(case: tuple, device: torch.device, warmup: int, rounds: int) -> dict
     for call in calls.values():
         for _ in range(warmup):
             call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            synchronize(device)
-            start = time.perf_counter()
-            call()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
+    seconds = time_in_turns(list(calls.values()), device, repeats=1, rounds=rounds, warmup=0)
+    ms = {name: 1e3 * median for name, median in zip(calls, seconds, strict=True)}
     counts = torch.bincount(index.flatten(), minlength=experts)
     ratios = {name: ms[name] / ms[BASELINE] for name in (GROUPED, *CANDIDATES)}
     dense_ratios = {name: ms[name] / ms[DENSE] for name in DENSE_FP8}

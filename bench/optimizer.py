@@ -23,7 +23,6 @@ go to ``--out`` (bench/results/)/optimizer-<device>.json.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,9 @@ from torch import nn
 import amp8
 from amp8.monitor.console import default_console
 from amp8.optim import LowBitAdam
-from common import RESULTS, free_memory, reset_compiler, synchronize, time_call, write_result
+from common import free_memory, reset_compiler
+from records import RESULTS, write_result
+from timing import time_call, time_once
 
 LEVELS = ("O1", "O2", "O3")
 
@@ -54,14 +55,6 @@ def fill_gradients(layers: nn.Sequential, device: torch.device) -> None:
     x = torch.randn(16, width, device=device, generator=generator)
     grad = 1e-3 * torch.randn(16, width, device=device, generator=generator)
     sum((layer(x) * grad).sum() for layer in layers).backward()
-
-
-def first_call_s(fn: Any, device: torch.device) -> float:
-    """Seconds of one call of ``fn``, the device's work included."""
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def step_row(millions: int, width: int, level: str, device: torch.device, repeats: int,
@@ -86,7 +79,7 @@ def step_row(millions: int, width: int, level: str, device: torch.device, repeat
                            "parameters": sum(p.numel() for p in model.parameters()), "level": level,
                            "torch_adamw_ms": 1e3 * torch_s}
     fused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True)
-    first_s = first_call_s(fused.step, device)
+    first_s, _ = time_once(fused.step, device)
     fused_s = time_call(fused.step, device, warmup=2, repeats=repeats)
     row.update({"amp8_fused_ms": 1e3 * fused_s, "fused_ratio": fused_s / torch_s,
                 "fused_first_step_s": first_s, "fused_compile_s": max(0.0, first_s - fused_s)})

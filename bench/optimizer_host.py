@@ -12,8 +12,8 @@ and the compiled group step (``fused=True``, compiled outside the timing, where 
 compiler is found), each timed in turns with torch's step (a few warm steps of one, then
 of the other, three times over) so that their ratio (``*_vs_torch``) holds on a busy
 machine; and each tensor on its own (``grouped=False``, the reference; a few steps,
-against torch's first time). It also counts the aten operations one step dispatches (a
-dispatch mode; a compiled graph counts as one call): what a GPU would launch, and what
+against torch's first time). It also counts the aten operations one step dispatches
+(``counting.dispatched_operations``; a compiled graph counts as one call): what a GPU would launch, and what
 must not grow with the number of parameters. Results go to bench/results/optimizer_host-<device>.json.
 """
 
@@ -21,60 +21,22 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from rich.table import Table
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp8
 from amp8.monitor.console import default_console
 from amp8.optim import LowBitAdam
 from amp8._compiled import cpp_compiler_found
-from common import RESULTS, time_alternately, time_call, write_result
-from compiled_graphs import GraphCalls
+from counting import dispatched_operations
+from records import RESULTS, write_result
+from timing import time_call, time_in_turns
 
 WIDTH = 32
 LEVELS = ("O1", "O2", "O3")
-
-
-class OperationCount(TorchDispatchMode):
-    """Counts the aten operations dispatched while active, a compiled graph's call as one
-    (its kernels run as generated code; ``compiled_graphs.GraphCalls`` sees the call)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self._graphs = GraphCalls(self._graph_call)
-
-    @classmethod
-    def is_infra_mode(cls) -> bool:
-        """True: compiled graphs then run compiled under this mode, as in training."""
-        return True
-
-    def _graph_call(self, call: Any) -> None:
-        self.count += 1
-
-    def __enter__(self) -> "OperationCount":
-        self._graphs.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._graphs.__exit__(*exc)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if not self._graphs.inside:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def operations(step: Callable[[], Any]) -> int:
-    """Aten operations (and compiled-graph calls) one call of ``step`` dispatches."""
-    with OperationCount() as counter:
-        step()
-    return counter.count
 
 
 def small_layers(layers: int) -> nn.Module:
@@ -106,7 +68,7 @@ def row(layers: int, repeats: int, compiled: bool) -> dict[str, Any]:
     result: dict[str, Any] = {
         "layers": layers, "parameters": 2 * layers,
         "torch_fused_adamw_ms": 1e3 * time_call(torch_adamw.step, device, 2, repeats),
-        "torch_fused_adamw_ops": operations(torch_adamw.step),
+        "torch_fused_adamw_ops": dispatched_operations(torch_adamw.step),
     }
     for level in LEVELS:
         variants = {"grouped": {}, "per_tensor": {"grouped": False}}
@@ -118,11 +80,11 @@ def row(layers: int, repeats: int, compiled: bool) -> dict[str, Any]:
                 ms = 1e3 * time_call(optimizer.step, device, 1, max(1, repeats // 10))
                 torch_ms = result["torch_fused_adamw_ms"]
             else:  # timed in turn with torch's step, so the ratio holds on a busy machine
-                torch_s, amp8_s = time_alternately(torch_adamw.step, optimizer.step, device, max(1, repeats // 3))
+                torch_s, amp8_s = time_in_turns([torch_adamw.step, optimizer.step], device, max(1, repeats // 3))
                 ms, torch_ms = 1e3 * amp8_s, 1e3 * torch_s
             result[f"{level}_{name}_ms"] = ms
             result[f"{level}_{name}_vs_torch"] = ms / torch_ms
-            result[f"{level}_{name}_ops"] = operations(optimizer.step)
+            result[f"{level}_{name}_ops"] = dispatched_operations(optimizer.step)
     return result
 
 

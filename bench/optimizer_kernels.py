@@ -16,7 +16,6 @@ on the CPU) over float32 layers of the same shapes is the first row. Results go 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import amp8
 from amp8.optim import LowBitAdam
-from common import RESULTS, free_memory, reset_compiler, synchronize, write_result
+from common import free_memory, reset_compiler
+from records import RESULTS, write_result
+from timing import synchronize, time_once
 from optimizer import LEVELS, fill_gradients, square_layers
 
 
@@ -40,14 +41,15 @@ def kernel_table(step: Callable[[], Any], device: torch.device, warmup: int, ste
     wall ms and its kernels (or, on the CPU, top-level operators) by name, per step."""
     for _ in range(warmup):
         step()
-    synchronize(device)
+    synchronize(device)  # the warm-up's work ends before the profile starts
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
+
+    def run() -> None:
         for _ in range(steps):
             step()
-        synchronize(device)
-        wall_s = time.perf_counter() - start
+
+    with profile(activities=activities) as prof:
+        wall_s, _ = time_once(run, device)
     kernels: dict[str, dict[str, float]] = {}
     for event in prof.events():
         on_device = event.device_type == torch.autograd.DeviceType.CUDA

@@ -23,7 +23,8 @@ import amp8
 from amp8.monitor.operand_health import watch_operands
 from amp8.monitor.report_log import DEFAULT_EVERY
 from amp8.tools.experiments.gpt import GPT, GPTConfig
-from common import RESULTS, time_call, write_result
+from records import RESULTS, write_result
+from timing import time_call
 
 LEVELS = ("O1", "O2")
 

@@ -35,7 +35,7 @@ import amp8
 from amp8.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, WireStats
 from amp8.monitor.console import default_console
 from amp8.quant.scaling import sqnr
-from common import write_result
+from records import write_result
 
 WORLD = 2
 MODES: dict[str, tuple[str | None, Any]] = {

@@ -33,6 +33,7 @@ if XDIST_WORKER:
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 EXAMPLES = ROOT / "examples"
 BENCH = ROOT / "bench"
+STUDIES = ROOT / "studies"
 
 
 # Files whose every test is of one kind, marked here rather than in the file.
@@ -137,6 +138,14 @@ def load_bench(name: str) -> ModuleType:
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     return _load_script(BENCH / f"{name}.py", f"bench_{name}")
+
+
+def load_study(name: str) -> ModuleType:
+    """Import ``studies/<name>.py`` as a module, with studies/ on the path for the modules
+    it builds on (it puts bench/ there itself, for its records)."""
+    if str(STUDIES) not in sys.path:
+        sys.path.insert(0, str(STUDIES))
+    return _load_script(STUDIES / f"{name}.py", f"study_{name}")
 
 
 def train_steps(model: nn.Module, optimizer: Any, batches: list[torch.Tensor]) -> list[float]:

@@ -1,4 +1,4 @@
-"""FP8-LM's automatic pre-scaling against amp8's per-piece scales (bench/prescale.py): a
+"""FP8-LM's automatic pre-scaling against amp8's per-piece scales (studies/prescale.py): a
 power-of-two factor is a bit-exact no-op for amp8, the factor follows the paper's rule,
 the single-process simulation is amp8's own all-reduce, and the study writes its JSON."""
 
@@ -16,9 +16,9 @@ from amp8.distributed import fp8_all_reduce_mean
 from amp8.distributed.fp8_collectives import _quantize_pieces
 from amp8.distributed.layout import ShardLayout
 from amp8.quant import scaling
-from conftest import assert_bitwise_equal, load_bench
+from conftest import assert_bitwise_equal, load_study
 
-prescale = load_bench("prescale")
+prescale = load_study("prescale")
 
 POWERS_OF_TWO = (2.0**-12, 2.0**-5, 0.5, 2.0, 2.0**7)
 NUMEL = 2**14

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp8
 from amp8.optim import LowBitAdam
@@ -20,7 +19,9 @@ from amp8.optim.arithmetic import Decay
 from amp8.optim.spec import UpdateSpec, WeightKind
 from amp8.quant.codec import Layout, Tiling
 from amp8.optim.plan import TENSOR_ROW_WIDTH, row_width
-from conftest import assert_bitwise_equal, compact_state, cuda_fp8
+from conftest import assert_bitwise_equal, compact_state, cuda_fp8, load_bench
+
+counting = load_bench("counting")
 
 RECIPES = {
     "tensorwise": amp8.Recipe(),
@@ -31,18 +32,6 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "adam-l2-maximize": (torch.optim.Adam, dict(lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1, maximize=True)),
 }
-
-
-class OperationCount(TorchDispatchMode):
-    """Counts the aten operations dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model(layers: int = 2, width: int = 32) -> nn.Module:
@@ -141,9 +130,7 @@ def test_operations_per_step_do_not_grow_with_the_parameters(level: str) -> None
         optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), amp8.LEVELS[level])
         model(torch.randn(4, 32)).square().mean().backward()
         optimizer.step()
-        with OperationCount() as counter:
-            optimizer.step()
-        counts.append(counter.count)
+        counts.append(counting.dispatched_operations(optimizer.step))
     assert counts[0] == counts[1], f"operations per step: {counts[0]} for 4 layers, {counts[1]} for 40"
 
 

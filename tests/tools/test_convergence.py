@@ -27,7 +27,7 @@ code configuration's first seed.
 
 Sized for CI: 100 steps of 16 sequences of 64 bytes on the 2-layer, 64-wide GPT (10 runs
 per configuration, about 70 s of one CPU thread). The GPT with its head tied to the
-embedding, where the head never runs in FP8, is held in ``bench/numerics_ablation.py``
+embedding, where the head never runs in FP8, is held in ``studies/numerics_ablation.py``
 (``gpt-tied-stdlib``) with the longer study (300 steps, more configurations, one source
 of error at a time).
 """

@@ -23,7 +23,7 @@ from amp8.tools.experiments.stress import (
     IGNORE_INDEX, OutlierInjection, OutlierStress, UnderflowProbe, mask_position, stressed_layer, underflow_share,
 )
 from amp8.tools.experiments.token_stress import IGNORED_SHARE, TokenRun, TokenSetup, TokenStress, train
-from conftest import load_bench
+from conftest import load_study
 
 TINY = PRESETS["tiny"]
 CORPUS = CorpusConfig(max_bytes=64 * 1024)
@@ -178,7 +178,7 @@ def test_cli_stress_flag(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_writes_losses_gaps_and_underflow(tmp_path: Path) -> None:
-    bench = load_bench("stress")
+    bench = load_study("stress")
     path = bench.main(["--preset", "tiny", "--steps", "4", "--seeds", "0", "--probe-every", "2",
                        "--variants", "O0", "O1-tensorwise", "--out", str(tmp_path)])
     record = json.loads(path.read_text())

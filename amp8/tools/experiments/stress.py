@@ -50,7 +50,7 @@ stay far from float32's overflow also after LayerNorm squares them."""
 class OutlierStress:
     """Where the outlier goes and how it grows.
 
-    The defaults (``bench/stress.py``, ``bench/results/stress-cpu.md``, on the default
+    The defaults (``studies/stress.py``, ``studies/results/stress-cpu.md``, on the default
     ``amp8 compare`` setup) make O1 with one scale per tensor end 4-7 % above O0 in
     validation loss (O0's seed spread: 0.3 %). Why these numbers: E4M3 flushes what lies
     more than about 2**17.8 below a scale's amax (2**15 of normal range below its max

@@ -10,7 +10,7 @@ output, which the loss leaves out, and its gradient is zero; in FP8 the outlier 
 the scales that run along tokens (wgrad's, and every scale under one per tensor), so
 every gap to the unstressed run is FP8's.
 
-``bench/stress_tokens.py`` runs the study (outliers at 1/64, 1/16 and 1/4 of the tokens,
+``studies/stress_tokens.py`` runs the study (outliers at 1/64, 1/16 and 1/4 of the tokens,
 in one layer or in most, rowwise and tensorwise starts); ``tests/monitor`` trains a small
 one.
 """

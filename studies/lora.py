@@ -1,8 +1,8 @@
 """LoRA fine-tuning on an amp8 base: bytes per frozen base parameter, and a paired study
 of the final validation loss against a float32 base.
 
-    python bench/lora.py                                  # 3 seeds, about 4 minutes on 2 CPU cores
-    python bench/lora.py --seeds 0 1 2 3 4 --finetune-steps 200
+    python studies/lora.py                                  # 3 seeds, about 4 minutes on 2 CPU cores
+    python studies/lora.py --seeds 0 1 2 3 4 --finetune-steps 200
 
 Model: the byte-level Llama of the experiments (``LlamaSpec()``: 2 layers, width 128,
 untied head), LoRA (Hugging Face PEFT, rank 8, alpha 16) on every projection of its
@@ -22,7 +22,7 @@ The gap is ``100 * (loss - loss_fp32) / loss_fp32`` of the final validation loss
 seed, then mean and standard error over seeds. Bytes: what ``amp8.report`` reads for the
 frozen base weights of the FP8 layers and for the whole frozen base, against a bfloat16
 base (2 bytes) and QLoRA's 4-bit NF4 (0.5 bytes, quantization constants aside).
-Results go to bench/results/lora-<device>.json.
+Results go to studies/results/lora-<device>.json.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ import argparse
 import copy
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +45,11 @@ import amp8
 from amp8.tools.experiments.corpus import ByteCorpus, CorpusConfig, load_corpus, sample_batch
 from amp8.tools.experiments.llama import LlamaSpec
 from amp8.tools.experiments.paired import standard_error
-from common import write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 LEVELS = ("O1", "O2", "O3")
 VARIANTS = ("fp32", "null", "bf16", *LEVELS)
@@ -208,7 +214,7 @@ def main() -> None:
         **result,
         "seconds": time.perf_counter() - start,
     }
-    print(f"wrote {write_result('lora', torch.device('cpu'), payload)}")
+    print(f"wrote {write_result('lora', torch.device('cpu'), payload, RESULTS)}")
 
 
 if __name__ == "__main__":

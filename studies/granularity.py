@@ -1,8 +1,8 @@
 """SQNR of tensorwise, rowwise and block FP8 scaling and of the MXFP8 and NVFP4 recipes,
 on well-behaved and outlier inputs.
 
-    python bench/granularity.py               # M=1024, K=1024, N=768 on the CPU
-    python bench/granularity.py --m 4096 --k 4096 --n 4096 --device cuda
+    python studies/granularity.py               # M=1024, K=1024, N=768 on the CPU
+    python studies/granularity.py --m 4096 --k 4096 --n 4096 --device cuda
 
 The three FP8 granularities use E4M3 for every tensor and power-of-two scales, so only
 the granularity differs; "mxfp8" and "nvfp4" are ``Recipe.preset``'s microscaled
@@ -14,12 +14,15 @@ operand cast with scales along its contraction dimension) and an Fp8Linear's out
 input gradient and (FP8-stored) weight gradient. Two numbers per cell: the SQNR of the
 whole tensor, and the median over rows of each row's SQNR (what a typical token or
 output feature sees: a whole-tensor SQNR is dominated by the outliers' energy).
-Results go to bench/results/granularity-<device>.json.
+Results go to studies/results/granularity-<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
 import torch
 from rich.table import Table
 from torch import nn
@@ -30,7 +33,11 @@ from amp8.monitor.console import default_console
 from amp8.nn import Fp8Linear, TensorRole
 from amp8.ops.gemm import fp8_gemm
 from amp8.quant.scaling import sqnr
-from common import device_name, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import device_name, write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 GRANULARITIES = ("tensorwise", "rowwise", "block")
 NVFP4 = Recipe.preset("nvfp4")
@@ -147,7 +154,7 @@ def main() -> None:
                   **{c: {"sqnr_db": row[c][0], "median_row_sqnr_db": row[c][1]} for c in COLUMNS}}
                  for row in rows],
     }
-    path = write_result("granularity", device, payload)
+    path = write_result("granularity", device, payload, RESULTS)
     print(f"wrote {path}")
 
 

@@ -1,9 +1,9 @@
 """Does FP8-LM's automatic pre-scaling help an FP8 gradient all-reduce? amp8's per-piece
 scales against FP8-LM's shared scale, with and without the pre-scaling factor.
 
-    python bench/prescale.py                              # 2-32 simulated ranks, 2**17 values, 8 steps
-    python bench/prescale.py --ranks 4 64 --numel 1048576 --steps 40 --seed 1
-    python bench/prescale.py --growth-interval 4          # let the factor grow back within a run
+    python studies/prescale.py                              # 2-32 simulated ranks, 2**17 values, 8 steps
+    python studies/prescale.py --ranks 4 64 --numel 1048576 --steps 40 --seed 1
+    python studies/prescale.py --growth-interval 4          # let the factor grow back within a run
 
 N ranks are simulated in one process: row ``r`` of an ``(N, numel)`` float32 tensor is
 rank ``r``'s gradient, and collectives are done by indexing. Each step draws fresh
@@ -35,7 +35,7 @@ values: the SQNR, ``10 log10(sum ref^2 / sum (ref - x)^2)``; the fraction that s
 mu`` drives ``mu``); the fraction where a cast flushed a nonzero input to zero; the
 fraction that came out zero while the exact mean is not (flushing, or rounded values that
 cancel exactly). The table gives the median SQNR over steps and the worst step, which
-catches the steps before ``mu`` has adapted. Results go to ``--out`` (bench/results/):
+catches the steps before ``mu`` has adapted. Results go to ``--out`` (studies/results/):
 prescale-cpu.json, with every step's numbers.
 """
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,11 @@ from amp8.distributed.fp8_collectives import WIRE_DTYPE, _dequantize_pieces, _qu
 from amp8.distributed.layout import ShardLayout
 from amp8.monitor.console import default_console
 from amp8.quant import scaling
-from common import RESULTS, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 REGIMES = ("gaussian", "student-t3", "loud-rank")
 SCHEMES = ("amp8", "amp8 + mu", "shared", "shared / N", "shared + mu")

@@ -1,9 +1,9 @@
 """Token outliers at 1/64, 1/16 and 1/4 of the tokens: does the controller ever end worse
 than no controller, and how close does it come to the unstressed run?
 
-    OMP_NUM_THREADS=1 python bench/stress_tokens.py                 # 54 runs, about 10 min on one core
-    OMP_NUM_THREADS=1 python bench/stress_tokens.py --seeds 0 --shares 0.0625 --placements most --starts rowwise
-    OMP_NUM_THREADS=1 python bench/stress_tokens.py --name stress-tokens-probe --shares 0.0625 --placements most \
+    OMP_NUM_THREADS=1 python studies/stress_tokens.py                 # 54 runs, about 10 min on one core
+    OMP_NUM_THREADS=1 python studies/stress_tokens.py --seeds 0 --shares 0.0625 --placements most --starts rowwise
+    OMP_NUM_THREADS=1 python studies/stress_tokens.py --name stress-tokens-probe --shares 0.0625 --placements most \
         --starts rowwise --steps 300 --widths 256 512 512 512 256 --batch-size 16    # the reported probe's size
 
 The model (``amp8.tools.experiments.token_stress``) is a token-wise MLP of four Linears
@@ -16,7 +16,7 @@ input) or in most (the second Linear's input: it and the two after it). For ever
 stress, start (the default O1 recipe, rowwise, and the same recipe tensorwise) and seed:
 stressed O1 with and without ``amp8.Controller()``, and the unstressed O1 and O0 runs
 (O0 trains alike with and without the stress, in exact arithmetic). Writes
-bench/results/stress-tokens-cpu.json: per run the final validation loss, and for the
+studies/results/stress-tokens-cpu.json: per run the final validation loss, and for the
 controlled runs the moves and the share of GEMM FLOPs left in FP8; per case the gaps
 to unstressed O1 (percent, mean over seeds) and whether the controller meets its target.
 """
@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -37,7 +38,11 @@ import amp8
 from amp8 import ControllerConfig
 from amp8.frontend import default_recipe
 from amp8.tools.experiments.token_stress import TokenRun, TokenSetup, TokenStress, train
-from common import write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 NAME = "stress-tokens"
 SETUP = TokenSetup(widths=(128, 256, 256, 256, 128), batch_size=8, steps=200)
@@ -140,13 +145,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"O0 seed spread {summary['o0_seed_spread_percent']:.2f} %; unstressed O1 to O0 "
           f"{summary['unstressed_o1_gap_to_o0_percent']}")
     path = write_result(args.name, torch.device("cpu"), {
-        "command": " ".join(["OMP_NUM_THREADS=1 python bench/stress_tokens.py",
+        "command": " ".join(["OMP_NUM_THREADS=1 python studies/stress_tokens.py",
                              *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),
         "threads": torch.get_num_threads(), "setup": setup.__dict__, "seeds": args.seeds,
         "max_log2_gain": TokenStress().log2_gain, "ramp_fraction": TokenStress().ramp_fraction,
         "summary": summary, "o0": o0, "unstressed_o1": unstressed,
         "cases": [{key: value for key, value in case.items()} for case in cases],
-    })
+    }, RESULTS)
     print(f"wrote {path}")
 
 

@@ -1,10 +1,10 @@
 """Where FP8 error enters training: paired gaps to O0, one source at a time.
 
-    python bench/numerics_ablation.py --configs docs-lr3e-3 --variants O1-e5m2 O2-e5m2 O3-e5m2
-    python bench/numerics_ablation.py --configs docs-lr3e-3 --variants sources
-    python bench/numerics_ablation.py --configs all --variants levels --steps 600 --seeds 0 1 2 3 4
-    python bench/numerics_ablation.py --configs docs-lr0.003 stdlib-lr0.003 --variants gradients --gradients
-    python bench/numerics_ablation.py --table      # the recorded results as markdown
+    python studies/numerics_ablation.py --configs docs-lr3e-3 --variants O1-e5m2 O2-e5m2 O3-e5m2
+    python studies/numerics_ablation.py --configs docs-lr3e-3 --variants sources
+    python studies/numerics_ablation.py --configs all --variants levels --steps 600 --seeds 0 1 2 3 4
+    python studies/numerics_ablation.py --configs docs-lr0.003 stdlib-lr0.003 --variants gradients --gradients
+    python studies/numerics_ablation.py --table      # the recorded results as markdown
 
 Every configuration trains the byte-level GPT (``small`` preset, 16 sequences of 64 bytes
 per step) at O0 and at each variant from the same seeds, on the same batches; a variant's
@@ -13,174 +13,40 @@ Variants change one thing at a time against O1 with the 0.1 recipe's weight grad
 (E5M2, one scale per tensor): one GEMM in high precision, the weight gradient's storage,
 the gradient format, the scale granularity; the O2 and O3 rows add the low-bit moments
 and the FP8 weights beside FP16 masters. Results are merged into
-bench/results/numerics_ablation-<device>.json (each configuration's O0 losses are kept
+studies/results/numerics_ablation-<device>.json (each configuration's O0 losses are kept
 and reused), so a study can be run in parts.
+
+The configurations, the variants and their named groups are in studies/ablation_cases.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import fcntl
 import subprocess
 import json
 import statistics
+import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from amp8 import Recipe, initialize
-from amp8.config.levels import FP8_COMPUTE_ONLY, override
+from ablation_cases import BASE, CONFIGS, GROUPS, REALISTIC_CONFIGS, TARGET_CONFIGS, VARIANTS
+from amp8 import initialize
 from amp8.monitor.console import default_console
 from amp8.quant.scaling import sqnr
 from amp8.tensor.stored import stored_weight
 from amp8.tools.experiments.compare import _param_groups
-from amp8.tools.experiments.compare import CompareConfig
 from amp8.tools.experiments.corpus import load_corpus, sample_batch
-from amp8.tools.experiments.corpus import CorpusConfig
-from amp8.tools.experiments.gpt import GPT
-from amp8.tools.experiments.gpt import PRESETS, GPTConfig
-from amp8.tools.experiments.llama import LlamaSpec
-from amp8.tools.experiments.paired import (
-    BASELINE, NULL, PairedResult, Variant, null_variant, paired_runs, standard_error,
-)
-from common import RESULTS, write_result
+from amp8.tools.experiments.paired import BASELINE, PairedResult, paired_runs, standard_error
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 NAME = "numerics_ablation"
-_BASE = CompareConfig(
-    model=PRESETS["small"], steps=300, batch_size=16, eval_interval=300, eval_batches=32,
-    seeds=1, ablation=False, torchao=False,
-)
-
-
-def _config(corpus: str, lr: float, warmup: bool, decay: bool) -> CompareConfig:
-    return _BASE.replace(
-        corpus=CorpusConfig(source=corpus), lr=lr, warmup_steps=20 if warmup else 0,
-        weight_decay=0.1 if decay else 0.0,
-    )
-
-
-REALISTIC_MODELS: Mapping[str, GPTConfig | LlamaSpec] = {
-    "gpt-untied": dataclasses.replace(PRESETS["small"], tie_head=False),
-    "gpt-tied": PRESETS["small"],
-    "llama": LlamaSpec(),
-    "moe": LlamaSpec(n_expert=8, expert_top_k=2),
-}
-"""The models of the realistic studies: the small GPT with an output head of its own (as
-most Llama-style models have) and with its head tied to the embedding, a byte-level
-Llama from transformers (RMSNorm, rotary positions, grouped-query attention, gated MLP,
-untied head), and its mixture-of-experts sibling, a Mixtral of the same shape with 8
-experts, 2 a token."""
-
-
-REALISTIC_LR = {"gpt-untied": 1e-3, "gpt-tied": 1e-3, "llama": 1e-3, "moe": 1e-3}
-"""Peak learning rate per model, where runs are stable rather than chaotic: at 3e-3 over
-300 steps the GPT's null variant alone moves 0.3 %, and one FP8 run of the Llama lands
-2 % from O0 while its null variant stays within 0.02 %."""
-
-
-def _realistic(model: str, corpus: str) -> CompareConfig:
-    """Training as it is done: the model's peak lr (``REALISTIC_LR``) after 30 steps of
-    warm-up, cosine decay to a tenth, AdamW decay 0.1 on matrices."""
-    return _BASE.replace(
-        model=REALISTIC_MODELS[model], corpus=CorpusConfig(source=corpus), lr=REALISTIC_LR[model], warmup_steps=30,
-        min_lr_ratio=0.1, weight_decay=0.1,
-    )
-
-
-CONFIGS: Mapping[str, CompareConfig] = {
-    **{
-        f"{corpus}-lr{lr:g}{'-warmup' if warmup else ''}{'-wd' if decay else ''}": _config(corpus, lr, warmup, decay)
-        for corpus in ("docs", "stdlib") for lr in (3e-3, 1e-3)
-        for warmup, decay in ((False, False), (True, True), (True, False), (False, True))
-    },
-    **{f"{model}-{corpus}": _realistic(model, corpus) for model in REALISTIC_MODELS for corpus in ("docs", "stdlib")},
-}
-"""Corpus x peak learning rate x (warm-up, weight decay) on the tied-head GPT, and the
-realistic configurations ``<model>-<corpus>`` (see ``_realistic`` and ``REALISTIC_MODELS``).
-"docs-lr0.003" (no warm-up, no decay, the language reference's prose) is the held-out
-check; "stdlib-lr0.001-warmup-wd" is ``amp8 compare``'s old setting."""
-REALISTIC_CONFIGS = tuple(name for name in CONFIGS if name.split("-")[0] in ("gpt", "llama", "moe"))
-
-DEFAULT = Recipe.preset("rowwise").replace(output_head="high")
-"""What ``initialize`` uses without a recipe (but for sharded O3): E4M3 everywhere,
-power-of-two scales, one per row along each GEMM's contraction dimension, the output head
-in high precision."""
-HYBRID_ROWWISE = Recipe(granularity="rowwise", output_head="high")
-"""Rowwise scales with HYBRID formats (E5M2 output gradients)."""
-FIRST_LAYERS = ("blocks.0.attn.qkv", "lm.model.layers.0.self_attn.[qkv]_proj")
-"""The first FP8 GEMMs of the GPT and of the Llama."""
-E5M2_GRADS = Recipe(weight_grad_format="gradient", weight_grad_scaling="weight")
-"""Weight gradients as amp8 0.1 stored them: E5M2, one scale per tensor."""
-E4M3_GRADS = Recipe(weight_grad_format="E4M3", weight_grad_scaling="rowwise")
-"""Weight gradients in E4M3 with one scale per output feature."""
-
-VARIANTS: Mapping[str, Variant] = {variant.name: variant for variant in (
-    null_variant(),
-    Variant("O1-e5m2", "O1", E5M2_GRADS),
-    Variant("O2-e5m2", "O2", E5M2_GRADS),
-    Variant("O3-e5m2", "O3", E5M2_GRADS),
-    Variant("O1", "O1", Recipe()),
-    Variant("O2", "O2", Recipe()),
-    Variant("O3", "O3", Recipe()),
-    # one source at a time, against O1-e5m2
-    Variant("fprop-high", "O1", E5M2_GRADS.replace(override_linear_precision=(True, False, False))),
-    Variant("dgrad-high", "O1", E5M2_GRADS.replace(override_linear_precision=(False, True, False))),
-    Variant("wgrad-high", "O1", E5M2_GRADS.replace(override_linear_precision=(False, False, True))),
-    Variant("wgrad-e4m3-tensor", "O1", E5M2_GRADS.replace(weight_grad_format="E4M3")),
-    Variant("wgrad-e4m3-rowwise", "O1", E4M3_GRADS),
-    Variant("storage-high", FP8_COMPUTE_ONLY, Recipe()),
-    Variant("grads-e4m3", "O1", E5M2_GRADS.replace(fp8_format="E4M3")),
-    Variant("rowwise", "O1", E5M2_GRADS.replace(granularity="rowwise")),
-    Variant("O2-fp32-moments", override("O2", exp_avg="fp32", exp_avg_sq="fp32"), E5M2_GRADS),
-    *(Variant(f"{level}-act8", level, Recipe(activations="fp8")) for level in ("O1", "O2", "O3")),
-    # the defaults: which layers stay high precision, the scale granularity, the formats
-    Variant("O1-head-fp8", "O1", Recipe(output_head="fp8")),
-    Variant("O1-head-high", "O1", Recipe(output_head="high")),
-    Variant("O1-rowwise-head-fp8", "O1", DEFAULT.replace(output_head="fp8")),
-    Variant("O1-rowwise-hybrid", "O1", HYBRID_ROWWISE),
-    *(Variant(f"default-{level}", level, DEFAULT) for level in ("O1", "O2", "O3")),
-    *(Variant(f"tensorwise-{level}", level, Recipe()) for level in ("O2", "O3")),
-    Variant("default-O2-fp32-m", override("O2", exp_avg="fp32"), DEFAULT),
-    Variant("default-O2-fp32-v", override("O2", exp_avg_sq="fp32"), DEFAULT),
-    # one source at a time, against the default
-    Variant("default-compute-only", FP8_COMPUTE_ONLY, DEFAULT),
-    Variant("default-fprop-high", "O1", DEFAULT.replace(override_linear_precision=(True, False, False))),
-    Variant("default-dgrad-high", "O1", DEFAULT.replace(override_linear_precision=(False, True, False))),
-    Variant("default-wgrad-high", "O1", DEFAULT.replace(override_linear_precision=(False, False, True))),
-    Variant("default-first-layer-high", "O1", DEFAULT.replace(high_precision_layers=FIRST_LAYERS)),
-    # the same sources against rowwise scales with HYBRID formats
-    Variant("hybrid-compute-only", FP8_COMPUTE_ONLY, HYBRID_ROWWISE),
-    Variant("hybrid-wgrad-high", "O1", HYBRID_ROWWISE.replace(override_linear_precision=(False, False, True))),
-    Variant("torchao-tensorwise", "O0", torchao="tensorwise"),
-    Variant("torchao-rowwise", "O0", torchao="rowwise"),
-)}
-GROUPS: Mapping[str, tuple[str, ...]] = {
-    "before": ("O1-e5m2", "O2-e5m2", "O3-e5m2"),
-    "levels": ("O1", "O2", "O3"),
-    "targets": (NULL, "O1", "O2", "O3"),
-    "activations": ("O1-act8", "O2-act8", "O3-act8"),
-    "sources": ("grads-e4m3", "wgrad-high", "fprop-high", "storage-high", "wgrad-e4m3-rowwise", "dgrad-high"),
-    "defaults": (NULL, "default-O1", "default-O2", "default-O3", "torchao-rowwise"),
-    "tensorwise": ("tensorwise-O2", "tensorwise-O3"),
-    "first-moment": ("default-O2", "default-O2-fp32-m", "default-O2-fp32-v"),
-    "head-and-scales": ("O1-head-fp8", "O1-head-high", "O1-rowwise-head-fp8", "O1-rowwise-hybrid",
-                        "torchao-tensorwise"),
-    "default-sources": ("default-compute-only", "default-wgrad-high", "default-fprop-high",
-                        "default-dgrad-high", "default-first-layer-high"),
-    "gradients": ("O1-e5m2", "O1", "fprop-high", "dgrad-high", "wgrad-high", "wgrad-e4m3-tensor",
-                  "wgrad-e4m3-rowwise", "grads-e4m3", "rowwise"),
-}
-"""Named lists of variants: the levels before and after the fix, the levels beside the
-null variant (O0 from initial weights perturbed by 1e-6: the drift of runs that differ
-by rounding alone), the levels with FP8 activations, the per-source study, the one-step
-gradient study (``--gradients``)."""
-TARGET_CONFIGS = tuple(f"{corpus}-lr{lr:g}{warmup}" for corpus in ("docs", "stdlib")
-                       for lr in (3e-3, 1e-3) for warmup in ("", "-warmup"))
-"""The configurations of the targets: two corpora, peak lr 3e-3 and 1e-3, with and
-without warm-up, no weight decay (``--configs targets``)."""
 
 
 def _path(device: torch.device) -> Path:
@@ -222,7 +88,7 @@ def run(config_names: list[str], variant_names: list[str], seeds: list[int], ste
     already there are not trained again); returns the merged studies. ``tag`` names a
     separate study of the same configuration (another version of amp8, say)."""
     console = default_console()
-    device = torch.device(_BASE.device)
+    device = torch.device(BASE.device)
     path = _path(device)
     studies: dict[str, Any] = json.loads(path.read_text())["studies"] if path.is_file() else {}
     for config_name in config_names:
@@ -379,7 +245,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["before"],
                         help=f"variants or groups ({', '.join(GROUPS)}); choices: {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=_BASE.steps)
+    parser.add_argument("--steps", type=int, default=BASE.steps)
     parser.add_argument("--tag", default="", help="keep these runs apart from the untagged study of each configuration")
     parser.add_argument("--gradients", action="store_true",
                         help="measure one step's gradient error per variant instead of training runs")
@@ -388,7 +254,7 @@ def main() -> None:
     args = parser.parse_args()
     configs = {"all": list(CONFIGS), "targets": list(TARGET_CONFIGS), "realistic": list(REALISTIC_CONFIGS)}.get(" ".join(args.configs), args.configs)
     if args.table:
-        path = _path(torch.device(_BASE.device))
+        path = _path(torch.device(BASE.device))
         chosen = None if args.configs == parser.get_default("configs") else configs
         print(markdown(json.loads(path.read_text()), chosen) if path.is_file() else f"{path} does not exist yet")
         return
@@ -406,7 +272,7 @@ def measure_gradients(configs: list[str], variants: list[str], seeds: list[int],
                       train_steps: int = 100, batches: int = 4) -> None:
     """Run ``gradient_error`` per configuration and seed, print it, merge it into the JSON."""
     console = default_console()
-    device = torch.device(_BASE.device)
+    device = torch.device(BASE.device)
     path = _path(device)
     previous = json.loads(path.read_text()) if path.is_file() else {"studies": {}}
     probes = previous.setdefault("gradient_error", {})
@@ -449,7 +315,7 @@ def _write(device: torch.device, **sections: Any) -> None:
     path = _path(device)
     data = json.loads(path.read_text()) if path.is_file() else {}
     kept = {key: data[key] for key in ("studies", "gradient_error") if key in data}
-    write_result(NAME, device, {"method": __doc__.split("\n\n")[2].replace("\n", " "), **kept, **sections})
+    write_result(NAME, device, {"method": __doc__.split("\n\n")[2].replace("\n", " "), **kept, **sections}, RESULTS)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The speed price of amp8's default recipe, in GEMM FLOPs and in an expected H100 ratio.
 
-    python bench/defaults_price.py
+    python studies/defaults_price.py
 
 For each model, counts the GEMM FLOPs per token of its ``nn.Linear`` layers (forward and
 both backward GEMMs: 6 x in x out) and the share the default leaves in high precision:
@@ -14,7 +14,10 @@ BF16, every Linear in FP8) with the FLOPs left in high precision taken out of th
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +26,11 @@ from torch import nn
 from amp8.nn.swap import high_precision_reason, output_heads, shared_weight_names
 from amp8.tools.experiments.gpt import PRESETS
 from amp8.tools.experiments.llama import LlamaSpec
-from common import write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 PUBLISHED = {"tensorwise": 1.25, "rowwise": 1.10}
 """torchao float8 training, Llama-3-8B on H100s: step-time speedup over BF16."""
@@ -70,7 +77,11 @@ def price(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> Path:
+    """Price the default recipe on every model; returns the path of the JSON written."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
+    args = parser.parse_args(argv)
     results = {}
     for name, build in MODELS.items():
         with torch.device("meta"):
@@ -80,9 +91,9 @@ def main() -> None:
         print(f"{name:26s} head {100 * row['head_share']:5.2f}% of GEMM FLOPs, FP8 {100 * row['fp8_share']:6.2f}%; "
               f"expected vs BF16: rowwise {expected['rowwise']:.3f}x, tensorwise {expected['tensorwise']:.3f}x "
               f"(published with every Linear in FP8: {PUBLISHED['rowwise']}x, {PUBLISHED['tensorwise']}x)")
-    write_result("defaults_price", torch.device("cpu"), {
+    return write_result("defaults_price", torch.device("cpu"), {
         "method": __doc__.split("\n\n")[1].replace("\n", " "), "published": PUBLISHED, "models": results,
-    })
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Token outliers in many layers: what the controller keeps in FP8, and at what loss.
 
-    OMP_NUM_THREADS=1 python bench/stress_layers.py               # 7 variants x seeds 0-3, ~15 min on one core
-    OMP_NUM_THREADS=1 python bench/stress_layers.py --seeds 0 --variants O1 O1-stressed-controller
+    OMP_NUM_THREADS=1 python studies/stress_layers.py               # 7 variants x seeds 0-3, ~15 min on one core
+    OMP_NUM_THREADS=1 python studies/stress_layers.py --seeds 0 --variants O1 O1-stressed-controller
 
 The model is a token-wise MLP: each position's logits come from the bytes of its own
 window (the last ``CONTEXT`` bytes, their embeddings side by side), through four
@@ -20,7 +20,7 @@ tokens split off everywhere (``Recipe(wgrad_outlier_split=True)``), and with the
 ``amp8.Controller`` with and without its outlier rung. Every run trains 300 steps of
 16 x 64 bytes of the standard library's code, AdamW at lr 2e-3 with 30 steps of warm-up
 and cosine decay to 10 %, from the seed's weights and batch order, and is measured on
-the same held-out batches. Writes bench/results/stress-layers-<device>.json: per run the
+the same held-out batches. Writes studies/results/stress-layers-<device>.json: per run the
 final validation loss, its gap to O0 of the same seed, the controller's moves and the
 share of GEMM FLOPs left in FP8; per variant the mean gap and its standard error.
 """
@@ -31,8 +31,10 @@ import argparse
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -43,9 +45,13 @@ import amp8
 from amp8 import ControllerConfig, Recipe
 from amp8.frontend import default_recipe
 from amp8.tools.experiments.corpus import CorpusConfig, load_corpus, sample_batch
-from amp8.tools.experiments.stress import IGNORE_INDEX, mask_position
+from amp8.tools.experiments.stress import IGNORE_INDEX, OutlierInjection, OutlierStress, mask_position
 from amp8.tools.experiments.train import evaluate, warmup_cosine_lr
-from common import write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 NAME = "stress-layers"
 CONTEXT = 8
@@ -74,10 +80,6 @@ class Setup:
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak."""
         return warmup_cosine_lr(step, self.lr, self.warmup, self.steps, self.min_lr_ratio)
-
-    def gain(self, step: int) -> float:
-        """The outlier's gain at ``step``."""
-        return 2.0 ** (MAX_LOG2_GAIN * min(1.0, step / (self.ramp_fraction * self.steps)))
 
 
 class Block(nn.Module):
@@ -120,23 +122,22 @@ class TokenwiseMLP(nn.Module):
         return logits, loss
 
 
-class Injection:
-    """Multiplies position 0's row of a module's input by the current gain (a forward
-    pre-hook); ``step`` is set by the loop."""
-
-    def __init__(self, setup: Setup) -> None:
-        self.setup, self.step = setup, 0
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        factor = torch.ones(x.shape[-2], 1, dtype=x.dtype, device=x.device)
-        factor[0] = self.setup.gain(self.step)
-        return (x * factor, *args[1:])
+def outlier_injection(setup: Setup) -> OutlierInjection:
+    """The outlier on position 0, its gain ramped from 1 to ``2**MAX_LOG2_GAIN`` over the
+    first ``setup.ramp_fraction`` of the steps (``amp8.tools.experiments.stress``); the
+    loop sets its ``step``."""
+    return OutlierInjection(OutlierStress(max_log2_gain=MAX_LOG2_GAIN, ramp_fraction=setup.ramp_fraction), setup.steps)
 
 
 def stressed_modules(model: TokenwiseMLP) -> list[nn.Module]:
     """The Linears whose input carries the outlier: both of each stressed block."""
     return [layer for index in STRESSED_BLOCKS for layer in (model.blocks[index].fc, model.blocks[index].proj)]
+
+
+def attach(injection: OutlierInjection, model: TokenwiseMLP) -> None:
+    """Scale the input of every stressed module by ``injection`` (forward pre-hooks)."""
+    for module in stressed_modules(model):
+        module.register_forward_pre_hook(lambda _module, args: (injection.scale(args[0]), *args[1:]))
 
 
 @dataclass(frozen=True)
@@ -174,10 +175,9 @@ def run(name: str, seed: int, setup: Setup, corpus: Any, val: list[tuple[torch.T
     if variant.level != "O0":
         model, optimizer = amp8.initialize(model, optimizer, variant.level, recipe=variant.recipe,
                                            controller=controller)
-    injection = Injection(setup)
+    injection = outlier_injection(setup)
     if variant.stressed:
-        for module in stressed_modules(model):
-            module.register_forward_pre_hook(injection)
+        attach(injection, model)
     generator = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     for step in range(setup.steps):
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     path = write_result(NAME, torch.device("cpu"), {
         "setup": dataclasses.asdict(setup), "stressed_blocks": list(STRESSED_BLOCKS), "max_log2_gain": MAX_LOG2_GAIN,
         "context": CONTEXT, "seeds": args.seeds, "summary": summary, "runs": runs,
-    })
+    }, RESULTS)
     print(f"wrote {path}")
 
 

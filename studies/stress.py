@@ -1,9 +1,9 @@
 """The FP8 outlier stress case: what one scale per tensor loses, and what repairs it.
 
-    OMP_NUM_THREADS=1 python bench/stress.py                  # 4 variants x seeds 0 1 2, ~9 min on one core
-    OMP_NUM_THREADS=1 python bench/stress.py --seeds 0 --variants O0 O1-tensorwise
-    python bench/stress.py --table                          # the markdown again from the recorded JSON
-    OMP_NUM_THREADS=1 python bench/stress.py --name stress-microscaled \
+    OMP_NUM_THREADS=1 python studies/stress.py                  # 4 variants x seeds 0 1 2, ~9 min on one core
+    OMP_NUM_THREADS=1 python studies/stress.py --seeds 0 --variants O0 O1-tensorwise
+    python studies/stress.py --table                          # the markdown again from the recorded JSON
+    OMP_NUM_THREADS=1 python studies/stress.py --name stress-microscaled \
         --variants O0 O1-mxfp8 O1-mxfp8-controller O1-nvfp4 O1-nvfp4-controller   # ~20 min
 
 Every variant trains the byte GPT of ``amp8 compare`` (``CompareConfig()``: "small"
@@ -14,7 +14,7 @@ over the first 30 % of the steps, and position 0 is left out of the loss. O0 is
 unchanged by it in exact arithmetic. Each run records its final validation loss, its gap
 to O0 from the same seed, and, every ``--probe-every`` steps, the share of the stressed
 input's nonzero values that each FP8 input cast (``stress.CASTS``) flushes to zero,
-measured on that run's own tensor. Writes bench/results/stress-<device>.json and a
+measured on that run's own tensor. Writes studies/results/stress-<device>.json and a
 markdown table beside it.
 
 A variant is a name -> (opt level, recipe, controller settings or None) entry of
@@ -39,7 +39,11 @@ from amp8.tools.experiments.compare import CompareConfig, RunSpec, _recipe_dict,
 from amp8.tools.experiments.corpus import load_corpus
 from amp8.tools.experiments.gpt import PRESETS
 from amp8.tools.experiments.stress import CASTS, OutlierStress, UnderflowProbe
-from common import RESULTS, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 NAME = "stress"
 BASELINE = "O0"
@@ -54,7 +58,7 @@ DEFAULT_VARIANTS: dict[str, Variant] = {
     "O1-rowwise-wgrad-high": ("O1", Recipe(granularity="rowwise", override_linear_precision=(False, False, True)), None),
     "O1-controller": ("O1", Recipe(), ControllerConfig()),
 }
-"""The study the bench runs by default: name -> (opt level, recipe, the settings of an
+"""The variants the study runs by default: name -> (opt level, recipe, the settings of an
 ``amp8.Controller`` or None)."""
 MICROSCALED_VARIANTS: dict[str, Variant] = {
     "O1-mxfp8": ("O1", Recipe.preset("mxfp8"), None),
@@ -199,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             runs.append(run)
     model = config.model
     record = {
-        "command": " ".join(["OMP_NUM_THREADS=" + str(torch.get_num_threads()), "python", "bench/stress.py",
+        "command": " ".join(["OMP_NUM_THREADS=" + str(torch.get_num_threads()), "python", "studies/stress.py",
                              *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),
         "threads": torch.get_num_threads(),
         "config": {"preset": args.preset, "steps": config.steps, "batch_size": config.batch_size, "lr": config.lr,

@@ -4,8 +4,8 @@ against the same run with it kept high (``output_head="high"``, the default reci
 which finds it by ``amp8.nn.swap.classification_head``), and at O0 for scale; paired seeds
 (same init, same data), final held-out loss mean and standard error, beside a null variant.
 
-    python bench/classifier_head.py                  # 3 seeds, 800 steps: bench/results/classifier_head-cpu.json
-    python bench/classifier_head.py --steps 20 --seeds 1 --out-dir /tmp
+    python studies/classifier_head.py                  # 3 seeds, 800 steps: studies/results/classifier_head-cpu.json
+    python studies/classifier_head.py --steps 20 --seeds 1 --out-dir /tmp
 
 The task: 32 tokens from a vocabulary of 256, each voting for class ``token % labels``:
 random but for ``planted`` (10) positions that vote for one class drawn at random; the label
@@ -27,13 +27,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
+import amp8
+from amp8.frontend import default_recipe
+from amp8.config.levels import resolve_level
+from amp8.tools.experiments.train import warmup_cosine_lr
 
-import amp8  # noqa: E402
-from amp8.frontend import default_recipe  # noqa: E402
-from amp8.config.levels import resolve_level  # noqa: E402
-from amp8.tools.experiments.train import warmup_cosine_lr  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/records.py writes the results
+from records import write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,11 @@
+"""bench/layer_host.py: one forward timed per level."""
+
+from __future__ import annotations
+
+from conftest import load_bench
+
+
+def test_layer_host_times_one_forward_per_level() -> None:
+    layer_host = load_bench("layer_host")
+    times = layer_host.measure(repeats=3)
+    assert set(times) == set(layer_host.LEVELS) and all(0 < t < 1 for t in times.values())

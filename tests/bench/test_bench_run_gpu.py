@@ -1,0 +1,40 @@
+"""bench/run_gpu.sh: its CPU check runs every Python step; bad arguments are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.mark.slow  # every Python step of the GPU script, at tiny sizes on the CPU
+def test_run_gpu_cpu_check_runs_every_python_step(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--cpu-check", "--quick", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "run_gpu.log").read_text()
+    for step in ("optimizer", "gpt", "llama", "linear", "kernels", "sweep"):
+        assert re.search(rf"^== {step}: \d+ s, ok$", log, re.MULTILINE), f"{step} did not pass:\n{log[-2000:]}"
+    assert "== cuda-tests: skipped" in log
+    written = {path.name for path in tmp_path.glob("*.json")}
+    assert written == {"optimizer-cpu.json", "gpt-cpu.json", "gpt-llama-tiny-cpu.json", "linear-cpu.json",
+                       "optimizer_kernels-cpu.json", "linear-sweep-cpu.json"}, written
+    llama = json.loads((tmp_path / "gpt-llama-tiny-cpu.json").read_text())
+    assert llama["runs"]["amp8 O2"]["eager"]["optimizer_ms"] > 0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--budget", "soon"], "--budget takes whole seconds"), (["--quick"], "--quick goes with --cpu-check"),
+    (["--fast"], "unknown option --fast"),
+])
+def test_run_gpu_refuses_bad_arguments(tmp_path: Path, arguments: list[str], message: str) -> None:
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *arguments, str(tmp_path)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 64 and message in done.stderr, (done.returncode, done.stderr)
