@@ -24,7 +24,7 @@ from amp8.nn.experts import Fp8Experts
 from amp8.nn.gemm_share import GemmShare
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.selection import LayerSelection, resolve_selection
-from amp8.nn.stored_module import StoredWeightModule
+from amp8.nn.single_weight import SingleStoredWeightModule
 from amp8.nn.swap import ModuleFilter, swap_embeddings, swap_experts, swap_linear_layers
 from amp8.ops.gemm import check_fp8_device
 from amp8.optim.adam import LowBitAdam
@@ -74,7 +74,7 @@ def _check_call(
     for device_type in {param.device.type for param in model.parameters()}:
         resolve_selection(layer_selection, device_type)  # a wrong value fails before any change
     already = next(
-        ((name, m) for name, m in model.named_modules() if isinstance(m, (StoredWeightModule, Fp8Experts))), None
+        ((name, m) for name, m in model.named_modules() if isinstance(m, (SingleStoredWeightModule, Fp8Experts))), None
     )
     if already is not None:
         raise ValueError(
@@ -307,7 +307,7 @@ def _own_rows(real: torch.Tensor, data_parallel: DataParallelGroup) -> torch.Ten
 
 def default_recipe(level: OptLevel, distributed: bool = False) -> Recipe:
     """The recipe ``initialize`` uses when it is given none, chosen by the defaults study
-    (``bench/numerics_ablation.py --configs realistic``): ``Recipe.preset("rowwise")``
+    (``studies/numerics_ablation.py --configs realistic``): ``Recipe.preset("rowwise")``
     (E4M3, power-of-two scales, one per row) with the output head in high precision, at
     every level; ``Recipe()`` (one scale per tensor) for O3 in a process group
     (``distributed``), whose sharded optimizer amp8 builds for one scale per tensor only.

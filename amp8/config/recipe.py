@@ -77,7 +77,7 @@ class Recipe:
             stochastically (unbiased), with noise keyed by the gradient's own bits.
         wgrad_outlier_split: the weight-gradient GEMM takes its outlier tokens out: the
             tokens whose input or output-gradient row amax exceeds the median row's more
-            than ``amp8.nn.function.OUTLIER_ROW_RATIO`` (2**8) times, at most
+            than ``amp8.nn.outlier_split.OUTLIER_ROW_RATIO`` (2**8) times, at most
             ``wgrad_outlier_share`` of them, are multiplied in float32, the rest in FP8,
             whose scales along tokens the outliers then no longer set. Needs a
             granularity finer than tensorwise (the casts along tokens are made for

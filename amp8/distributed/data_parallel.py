@@ -21,7 +21,7 @@ from torch import nn
 
 from amp8.distributed.fp8_collectives import WireStats
 from amp8.distributed.layout import ShardLayout
-from amp8.nn.state_dict_form import compact_state_dict
+from amp8.nn.stored_weights import compact_state_dict
 from amp8.tensor.stored import StoredWeight
 
 

@@ -26,10 +26,10 @@ from torch.distributed.fsdp import fully_shard
 
 from amp8.distributed.data_parallel import DataParallelGroup
 from amp8.distributed.weight_shard import Fp8WeightShard
-from amp8.nn.stored_module import StoredWeightsModule
+from amp8.nn.stored_weights import StoredWeightsBase
 
 
-def shard_weights(model: nn.Module, layers: Iterable[StoredWeightsModule], data_parallel: DataParallelGroup) -> None:
+def shard_weights(model: nn.Module, layers: Iterable[StoredWeightsBase], data_parallel: DataParallelGroup) -> None:
     """Apply ``fully_shard`` to each of ``layers`` for its stored weights alone (an
     ``Fp8Linear``'s ``weight``, an ``Fp8Experts``' two stacks, which FSDP2 splits by
     expert), and to ``model`` for none of its parameters (the root that runs FSDP2's

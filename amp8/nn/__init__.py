@@ -8,13 +8,16 @@ from amp8.nn.experts import Fp8Experts
 from amp8.nn.experts_layout import ExpertsLayout
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
-from amp8.nn.stored_module import StoredWeightModule
+from amp8.nn.single_weight import SingleStoredWeightModule
 from amp8.nn.swap import (
     ModuleFilter, embedding_reason, high_precision_reason, shared_weight_names, swap_embeddings, swap_experts,
     swap_linear_layers,
 )
 
-_REMOVED = {"Slot": "use amp8.nn.TensorRole (INPUT, WEIGHT, GRAD_OUTPUT), which Fp8Linear.cast and friends take"}
+_REMOVED = {
+    "Slot": "use amp8.nn.TensorRole (INPUT, WEIGHT, GRAD_OUTPUT), which Fp8Linear.cast and friends take",
+    "StoredWeightModule": "renamed amp8.nn.SingleStoredWeightModule (the base of the layers with one stored weight)",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -31,7 +34,7 @@ __all__ = [
     "LowBitEmbedding",
     "ModuleFilter",
     "Quantizer",
-    "StoredWeightModule",
+    "SingleStoredWeightModule",
     "TensorRole",
     "adapter_modules",
     "embedding_reason",

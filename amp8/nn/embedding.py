@@ -20,7 +20,7 @@ from torch import nn
 
 from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe, WeightGradScaling
-from amp8.nn.stored_module import StoredWeightModule
+from amp8.nn.single_weight import SingleStoredWeightModule
 from amp8.nn.swap import embedding_reason
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.weight_grad import GradLayout, GradSlot, WeightGrad, WeightGradInFlight
@@ -50,7 +50,7 @@ class _EmbeddingFunction(torch.autograd.Function):
 
     Arguments of ``apply``: ``ids`` (integer indices); ``weight``, the tensor that takes
     the weight gradient (the Parameter, or a stand-in: see
-    ``StoredWeightModule._grad_target``; None when none is needed); ``table`` (the
+    ``SingleStoredWeightModule._grad_target``; None when none is needed); ``table`` (the
     stored table with its scale); the ``EmbeddingConfig``.
     """
 
@@ -89,7 +89,7 @@ class _EmbeddingFunction(torch.autograd.Function):
         return (None, grad_w, *unused)
 
 
-class LowBitEmbedding(StoredWeightModule):
+class LowBitEmbedding(SingleStoredWeightModule):
     """``nn.Embedding`` with its table in FP16 (one scale) and its gradient in FP8 (one
     scale per row), for opt levels that store weights in low precision.
 

@@ -26,9 +26,10 @@ from amp8.config.levels import Precision
 from amp8.config.recipe import Recipe, Scaling
 from amp8.nn.experts_function import _Fp8ExpertsFunction
 from amp8.nn.experts_layout import ExpertsLayout, experts_layout, experts_reason
-from amp8.nn.function import LinearGemmConfig, output_dtype
+from amp8.nn.gemm_config import LinearGemmConfig, output_dtype
+from amp8.nn.grad_routes import grad_sink
 from amp8.nn.quantizer import CastRule, LinearQuantizers, Quantizer, TensorRole
-from amp8.nn.stored_module import StoredWeightsModule, grad_sink
+from amp8.nn.stored_weights import StoredWeightsBase
 from amp8.ops.grouped_gemm import ExpertGroups
 from amp8.quant.hadamard import random_hadamard
 from amp8.tensor.stored import StoredWeight
@@ -72,7 +73,7 @@ class Routing:
         return cls(groups, source, rows)
 
 
-class Fp8Experts(StoredWeightsModule):
+class Fp8Experts(StoredWeightsBase):
     """A mixture-of-experts layer's experts whose GEMMs run in FP8, grouped per expert.
 
     Build one with ``Fp8Experts.from_module(experts, recipe, weight_storage)``;
@@ -152,7 +153,7 @@ class Fp8Experts(StoredWeightsModule):
     _GRAD_ROUTES = ("_grad_sinks",)
 
     def _build_grad_routes(self) -> None:
-        """A grad sink per weight FSDP2 shards (``amp8.nn.stored_module.grad_sink``): it
+        """A grad sink per weight FSDP2 shards (``amp8.nn.grad_routes.grad_sink``): it
         takes the gradient from backward and hands it to the weight's handle."""
         self._grad_sinks = {handle.name: grad_sink(handle) for handle in self._stored if handle.sharded}
 

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from amp8.config.gemms import Gemm
-from amp8.nn.function import LinearGemmConfig, _graph_retained, wgrad_operands
+from amp8.nn.function import graph_retained
+from amp8.nn.gemm_config import LinearGemmConfig
 from amp8.nn.quantizer import LinearQuantizers, Quantizer
+from amp8.nn.wgrad import wgrad_operands
 from amp8.ops.grouped_gemm import (
     ExpertGroups, Operand, expert_matrices, expert_rows, grouped_fp8_gemm, grouped_fp8_wgrad,
 )
@@ -104,7 +106,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
             ctx.x8_block_size = next(part.block_size for part in x8 if part is not None) if groups.active else 0
         ctx.save_for_backward(*saved, weight if config.high_dgrad else None)
         ctx.groups, ctx.quantizers, ctx.config = groups, quantizers, config
-        ctx.x_dtype, ctx.weight_dtype, ctx.weight_shape = x.dtype, weight_param.dtype, tuple(weight.shape)
+        ctx.x_dtype, ctx.weight_dtype = x.dtype, weight_param.dtype
         ctx.grad_class = WeightGradInFlight if isinstance(weight_param, WeightGradInFlight) else WeightGrad
         return y
 
@@ -136,7 +138,7 @@ class _Fp8ExpertsFunction(torch.autograd.Function):
                 )
             else:
                 grad_w = grad_w.to(ctx.weight_dtype)
-        if not _graph_retained():  # free the FP8 weights now, as autograd frees saved tensors
+        if not graph_retained():  # free the FP8 weights now, as autograd frees saved tensors
             ctx.w8_dgrad = None
         return grad_x, grad_w, None, None, None, None
 

@@ -6,122 +6,20 @@ frozen settings) and a frozen ``LinearGemmConfig``; never the layer.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from amp8.config.gemms import Gemm
-from amp8.config.recipe import ActivationFormat, Granularity, Recipe
-from amp8.nn.quantizer import LinearQuantizers, Quantizer
+from amp8.nn.gemm_config import LinearGemmConfig
+from amp8.nn.quantizer import LinearQuantizers
+from amp8.nn.wgrad import real_values, wgrad_operands
 from amp8.ops.gemm import fp8_gemm, rounded_dtype
 from amp8.quant import scaling
 from amp8.quant.health import GemmOperand, cast_health
-from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, is_column_major, pad_rows
-from amp8.tensor.block_scaled import BlockScaledTensor
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, pad_rows
 from amp8.tensor.scaled import ScaledTensor
-from amp8.tensor.weight_grad import GradLayout, GradSlot, WeightGrad, WeightGradInFlight
-
-
-
-@dataclass(frozen=True)
-class LinearGemmConfig:
-    """What one call of ``_Fp8LinearFunction`` needs to know besides its tensors.
-
-    Attributes:
-        in_features: K, the input's last dim.
-        out_features: N, the output's last dim.
-        high_fprop: the forward GEMM runs in float32 on the real weight.
-        high_dgrad: the input-gradient GEMM runs in float32 on the real weight.
-        high_wgrad: the weight-gradient GEMM runs in float32.
-        tensorwise: one scale per tensor, so the forward's FP8 input serves wgrad too.
-        fp8_wgrad: the weight gradient leaves backward in FP8, a ``WeightGrad`` at
-            ``grad_layout``; otherwise in the weight's dtype, as ``nn.Linear``'s.
-        fp8_saved_input: finer-than-tensorwise granularities keep the forward's FP8
-            input for wgrad (re-cast along tokens from its values) instead of the
-            high-precision input (``Recipe(activations="fp8")``).
-        update_history: casts that record a scale also push their amax to the history
-            (the layer is training).
-        out_dtype: the dtype of the output.
-        watch_health: every GEMM operand's cast (or, for a GEMM in high precision, the
-            cast it would get) writes its health signals (see ``amp8.quant.health``).
-        grad_layout: how the FP8 weight gradient is stored (the stored weight's
-            ``grad_layout``); None where it is not FP8.
-        wgrad_outlier_share: the most tokens, as a share, whose wgrad contribution
-            runs in float32 (``Recipe.wgrad_outlier_split``, ``split_outlier_tokens``);
-            0 where wgrad does not split.
-        weight_transposed: the weight Parameter holds ``W^T``, (K, N) (a ``Conv1D``-like
-            layer): the (N, K) weight gradient is handed to autograd transposed, in the
-            Parameter's shape.
-    """
-
-    in_features: int
-    out_features: int
-    high_fprop: bool
-    high_dgrad: bool
-    high_wgrad: bool
-    tensorwise: bool
-    fp8_wgrad: bool
-    fp8_saved_input: bool
-    update_history: bool
-    out_dtype: torch.dtype
-    watch_health: bool = False
-    grad_layout: GradLayout | None = None
-    wgrad_outlier_share: float = 0.0
-    weight_transposed: bool = False
-
-    def __post_init__(self) -> None:
-        if self.fp8_wgrad and self.grad_layout is None:
-            raise ValueError("LinearGemmConfig(fp8_wgrad=True) needs the FP8 weight gradient's grad_layout")
-
-    @classmethod
-    def build(
-        cls, recipe: Recipe, in_features: int, out_features: int, *,
-        fp8_wgrad: bool, update_history: bool, out_dtype: torch.dtype, watch_health: bool = False,
-        grad_layout: GradLayout | None = None, weight_transposed: bool = False,
-    ) -> "LinearGemmConfig":
-        """The config of one call of a layer with ``recipe`` and an (N, K) weight
-        (``grad_layout``: see the attribute; the recipe's, for its shape, when None)."""
-        if fp8_wgrad and grad_layout is None:
-            shape = (in_features, out_features) if weight_transposed else (out_features, in_features)
-            grad_layout = GradLayout.for_weight(recipe, shape)
-        high_fprop, high_dgrad, high_wgrad = recipe.override_linear_precision
-        return cls(
-            in_features=in_features,
-            out_features=out_features,
-            high_fprop=high_fprop,
-            high_dgrad=high_dgrad,
-            high_wgrad=high_wgrad,
-            tensorwise=recipe.granularity is Granularity.TENSORWISE,
-            fp8_wgrad=fp8_wgrad,
-            fp8_saved_input=recipe.activations is ActivationFormat.FP8,
-            update_history=update_history,
-            out_dtype=out_dtype,
-            watch_health=watch_health,
-            grad_layout=grad_layout if fp8_wgrad else None,
-            wgrad_outlier_share=recipe.wgrad_outlier_share if recipe.wgrad_outlier_split else 0.0,
-            weight_transposed=weight_transposed,
-        )
-
-    def watched(self, *operands: GemmOperand) -> tuple[GemmOperand, ...]:
-        """``operands`` while health is watched, else none."""
-        return operands if self.watch_health else ()
-
-    @property
-    def input_operands(self) -> tuple[GemmOperand, ...]:
-        """The operands the input's forward cast serves: the weight-gradient GEMM's too
-        under one scale per tensor, where that cast is reused."""
-        if self.tensorwise:
-            return self.watched(GemmOperand.FPROP_INPUT, GemmOperand.WGRAD_INPUT)
-        return self.watched(GemmOperand.FPROP_INPUT)
-
-    @property
-    def grad_output_operands(self) -> tuple[GemmOperand, ...]:
-        """The operands the output gradient's first cast serves (as ``input_operands``)."""
-        if self.tensorwise:
-            return self.watched(GemmOperand.DGRAD_GRAD_OUTPUT, GemmOperand.WGRAD_GRAD_OUTPUT)
-        return self.watched(GemmOperand.DGRAD_GRAD_OUTPUT)
+from amp8.tensor.weight_grad import GradSlot, WeightGrad, WeightGradInFlight
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -134,8 +32,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     column for dgrad, while 128x128 weight blocks serve fprop and dgrad alike.
 
     Arguments of ``apply``: ``x``; ``weight``, the tensor that takes the weight gradient
-    (the Parameter, or a stand-in: see ``StoredWeightModule._grad_target``; None where
-    no gradient is needed), and ``bias``; ``w8`` and ``w8_dgrad`` (the FP8 weight for
+    (the Parameter, or a stand-in: see ``SingleStoredWeightModule._grad_target``; None
+    where no gradient is needed), and ``bias``; ``w8`` and ``w8_dgrad`` (the FP8 weight for
     fprop and dgrad, or None where that GEMM runs in high precision); ``w_stored`` (the
     stored weight, for the high-precision GEMMs, or None); the ``LinearQuantizers``; the
     ``LinearGemmConfig``; the layer's ``grad_health`` buffer, where the FP8 weight
@@ -246,7 +144,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             )
             grad_w = _weight_grad(wgrad_input, g2, g8_columns, quantizers, config)
         grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if needs_b else None  # no float32 copy of g2
-        if not _graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
+        if not graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
             ctx.w8_dgrad = ctx.w_stored = None
         unused = (None,) * 7  # w8, w8_dgrad, w_stored, quantizers, config, grad_health, grad_slot
         if grad_w is not None:
@@ -274,7 +172,7 @@ def watch_weight_grad(grad_health: torch.Tensor, value: torch.Tensor, grad: Weig
         grad_health.copy_(torch.maximum(grad_health, cast_health(value, full_scale, data)))
 
 
-def _graph_retained() -> bool:
+def graph_retained() -> bool:
     """Whether the running backward keeps the graph for another (``retain_graph=True``),
     which then needs the FP8 weight again; False inside a compiled graph."""
     if torch.compiler.is_compiling():
@@ -298,118 +196,9 @@ def _weight_grad(
         if config.watch_health and not config.tensorwise:  # tensorwise: watched with the first casts
             # The casts the FP8 path below would make, padded alike.
             quantizers.grad_output.watch(pad_rows(g2, GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
-            quantizers.input.watch(pad_rows(_real(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
-        return g2.float().t() @ _real(wgrad_input)
+            quantizers.input.watch(pad_rows(real_values(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
+        return g2.float().t() @ real_values(wgrad_input)
     g_t, x_rows, outliers = wgrad_operands(wgrad_input, g2, g8, quantizers, config)
     # In the dtype the GEMM rounds to (the values of a float32 result, not converted here).
     grad_w = fp8_gemm(g_t, x_rows, rounded_dtype(g_t, x_rows, torch.float32), Gemm.WGRAD)
     return grad_w if outliers is None else grad_w + outliers
-
-
-def wgrad_operands(
-    wgrad_input: torch.Tensor | ScaledTensor,
-    g2: torch.Tensor,
-    g8: ScaledTensor | None,
-    quantizers: LinearQuantizers,
-    config: LinearGemmConfig,
-) -> tuple[ScaledTensor, ScaledTensor, torch.Tensor | None]:
-    """The FP8 operands of the weight-gradient GEMM ``g2^T @ x2`` and the float32
-    contribution of the outlier tokens it takes out (None where it splits none).
-
-    Args:
-        wgrad_input: the forward's FP8 input (M, K) where it was kept, else the
-            high-precision input.
-        g2: the (M, N) output gradient.
-        g8: its tensorwise FP8 cast (tensorwise recipes), else None; row-major, or
-            padded and column-major as ``padded_columns`` gives it.
-        quantizers: the casts of each role.
-        config: the GEMMs' config (``config.high_wgrad`` False).
-
-    Returns:
-        ``(g_t, x_columns, outliers)``: the (N, M') output gradient, row-major, and the
-        (M', K) input, column-major, with M' = M padded with zero rows to a multiple of
-        ``GEMM_ALIGNMENT``; scales along M except under one scale per tensor.
-    """
-    outliers = None
-    if config.tensorwise:
-        g_columns = padded_columns(g8)  # type: ignore[arg-type]
-        x_columns = padded_columns(wgrad_input)  # type: ignore[arg-type]
-    else:  # scales along the token dim M, which wgrad contracts
-        x2 = _real(wgrad_input)  # the forward's FP8 input is re-cast from its values
-        if config.wgrad_outlier_share:
-            outliers, x2, g2 = split_outlier_tokens(x2, g2, config.wgrad_outlier_share)
-        g_columns = _padded_columns_cast(quantizers.grad_output, g2, config.watched(GemmOperand.WGRAD_GRAD_OUTPUT))
-        x_columns = _padded_columns_cast(quantizers.input, x2, config.watched(GemmOperand.WGRAD_INPUT))
-    return g_columns.t(), x_columns, outliers
-
-
-def padded_columns(x8: ScaledTensor) -> ScaledTensor:
-    """The (M, K) FP8 operand ``x8`` with zero rows appended to a multiple of
-    ``GEMM_ALIGNMENT``, column-major: as a cast with ``columns`` writes it for an aligned
-    M (then returned as it is), else copied so."""
-    data = x8.data
-    if data.shape[0] % GEMM_ALIGNMENT == 0 and is_column_major(data):
-        return x8
-    return x8.with_data(column_major(pad_rows(data, GEMM_ALIGNMENT)))
-
-
-def _padded_columns_cast(quantizer: Quantizer, x2: torch.Tensor, watch: tuple[GemmOperand, ...]) -> ScaledTensor | BlockScaledTensor:
-    """``x2`` padded with zero rows to a multiple of ``GEMM_ALIGNMENT``, cast with scales
-    along its rows (the tokens wgrad contracts), column-major."""
-    return quantizer.cast_layouts(x2, 0, watch=watch, rows=False, columns=True, padded=True).columns  # type: ignore[return-value]
-
-
-OUTLIER_ROW_RATIO = 2.0**8
-"""A token row is an outlier where its amax exceeds the median row amax of its operand
-(over the rows that are not all zero) more than this many times. A row ``2**r`` above
-the others pushes them ``r`` binades down a scale along tokens: E4M3 flushes 1 % of a
-GELU output's values from about ``r = 10`` on (the controller's threshold), so the
-split takes such rows with four times to spare, while rows of healthy activations and
-gradients stay within a few binades of the median."""
-
-
-def split_outlier_tokens(
-    x2: torch.Tensor, g2: torch.Tensor, share: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Take the outlier tokens out of a weight-gradient GEMM ``g2^T @ x2`` (x2: (M, K),
-    g2: (M, N)): the rows whose amax in either operand exceeds that operand's median
-    row amax more than ``OUTLIER_ROW_RATIO`` times, at most ``ceil(share * M)`` of them
-    (the largest). Returns their float32 contribution ``(N, K)`` and both operands with
-    their rows zeroed, so the FP8 GEMM of the rest, plus the contribution, is the whole
-    product; with no outlier row the operands are returned unchanged and the
-    contribution is zero.
-
-    The float32 product runs over the ``ceil(share * M)`` candidate rows with the
-    largest ratio, those that are not outliers zeroed: the shapes depend on M alone,
-    so compiled graphs keep static shapes, and the count of rows taken out follows the
-    batch."""
-    window = min(x2.shape[0], math.ceil(share * x2.shape[0]))
-    score = torch.fmax(_relative_row_amax(x2), _relative_row_amax(g2))
-    rows = score.topk(window, sorted=False).indices.sort().values  # in token order, as the GEMM sums
-    taken = score.index_select(0, rows) > OUTLIER_ROW_RATIO  # (window,)
-    g_taken = torch.where(taken[:, None], g2.index_select(0, rows).float(), 0.0)
-    x_taken = torch.where(taken[:, None], x2.index_select(0, rows).float(), 0.0)
-    outliers = g_taken.t() @ x_taken
-    drop = torch.zeros(x2.shape[0], dtype=torch.bool, device=x2.device).index_copy(0, rows, taken)[:, None]
-    return outliers, x2.masked_fill(drop, 0), g2.masked_fill(drop, 0)
-
-
-def _relative_row_amax(x2: torch.Tensor) -> torch.Tensor:
-    """Each row's amax over the median amax of the rows that are not all zero (float32;
-    NaN where every row is zero, which no comparison takes)."""
-    amax = x2.abs().amax(1).float()
-    median = torch.where(amax > 0, amax, torch.nan).nanmedian()
-    return amax / median
-
-
-def _real(x: torch.Tensor | ScaledTensor) -> torch.Tensor:
-    """The values of ``x`` in float32, dequantized where it is FP8 with its scales."""
-    return x.dequantize() if isinstance(x, ScaledTensor) else x.float()
-
-
-def output_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype ``nn.Linear`` would return for ``x``: autocast's where it is on."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype

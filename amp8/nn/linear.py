@@ -16,8 +16,6 @@ See DESIGN.md, "Weight gradients".
 
 from __future__ import annotations
 
-import copy
-import warnings
 from typing import Any
 
 import torch
@@ -26,20 +24,20 @@ from torch import nn
 
 from amp8 import _compat
 from amp8.config.levels import Precision
-from amp8.config.recipe import GRANULARITY_LADDER, Granularity, Recipe
+from amp8.config.recipe import Recipe
 from amp8.config.validation import removed_name
+from amp8.nn.conv1d import conv1d_parameters, with_parameters, without_parameters
+from amp8.nn.function import _Fp8LinearFunction
+from amp8.nn.gemm_config import LinearGemmConfig, output_dtype
 from amp8.nn.gemm_layers import GemmKind, gemm_kind
-from amp8.nn.function import LinearGemmConfig, _Fp8LinearFunction, output_dtype
+from amp8.nn.gemm_precision import GemmPrecisionChoice
+from amp8.nn.linear_checkpoint import prepare_linear_state
+from amp8.nn.linear_weight import cast_weight, gemm_weight_shape, real_for_gemms, stored_for_gemms, weight_operands
 from amp8.nn.quantizer import LinearQuantizers, TensorRole
-from amp8.nn.stored_module import StoredWeightModule, recipe_record, saved_recipe
-from amp8.quant.checks import check_loaded_history, check_loaded_scales
+from amp8.nn.single_weight import SingleStoredWeightModule
 from amp8.quant.hadamard import random_hadamard
-from amp8.quant.health import SIGNALS, Gemm, GemmOperand, new_health
+from amp8.quant.health import SIGNALS, GemmOperand, new_health
 from amp8.tensor.scaled import ScaledTensor
-
-OUTLIER_SPLIT = 2
-"""wgrad's entry in ``gemm_precision`` where only its outlier tokens run in high precision."""
-
 
 REMOVED_METHODS = {
     "mark_weight_sharded": "renamed mark_weights_sharded(), as on Fp8Experts",
@@ -55,7 +53,7 @@ REMOVED_METHODS = {
 ``amp8.tensor.StoredWeight`` handle)."""
 
 
-class Fp8Linear(StoredWeightModule):
+class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
     """A linear layer whose forward, input-gradient and weight-gradient GEMMs run in FP8.
 
     Build one with ``Fp8Linear.from_linear(linear, recipe, weight_storage)`` (or
@@ -73,10 +71,8 @@ class Fp8Linear(StoredWeightModule):
         scale: (3,) float32, the FP8 scale last used for input, weight, grad_output
             (the smallest of a tensor's scales under fine-grained granularities).
         amax_history: (3, L) float32, newest first; L is 1 under current scaling.
-        gemm_precision: (4,) int64, how the GEMMs run now: the index of their
-            granularity in ``GRANULARITY_LADDER``, then 1 for each of fprop, dgrad and
-            wgrad that runs in high precision (``set_gemm_precision``); wgrad's entry is
-            ``OUTLIER_SPLIT`` (2) where only its outlier tokens do.
+        gemm_precision: (4,) int64, how the GEMMs run now (``set_gemm_precision``; see
+            ``amp8.nn.gemm_precision``).
         hadamard: (16, 16) float32, the random Hadamard matrix of wgrad's operands, only
             under ``Recipe(wgrad_hadamard=True)``.
 
@@ -123,11 +119,9 @@ class Fp8Linear(StoredWeightModule):
         # The FP8 weight gradient's cast: not a GEMM operand, so apart from ``health``
         # (which amp8.Controller reads whole); the precision report reads it.
         self.register_buffer("grad_health", torch.zeros(SIGNALS, device=device), persistent=False)
-        self.register_buffer("gemm_precision", torch.zeros(4, dtype=torch.int64, device=device))
+        self._init_gemm_precision(recipe, device)
         self.watch_health = False
         self.compiled_casts = False  # see ``set_compiled_casts``
-        self.gemm_moves: list[Any] = []  # the ``amp8.monitor.controller.Move``s of this layer
-        self.gemm_recipe = recipe
         if recipe.wgrad_hadamard:
             self.register_buffer("hadamard", random_hadamard().to(device))
         self._bind_quantizers()
@@ -180,19 +174,9 @@ class Fp8Linear(StoredWeightModule):
             TypeError: ``conv1d`` has no 2-D ``weight`` Parameter with a bias of its
                 second dim (or none).
         """
-        weight, bias = getattr(conv1d, "weight", None), getattr(conv1d, "bias", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or (
-            bias is not None and tuple(bias.shape) != (weight.shape[1],)
-        ):
-            raise TypeError(
-                f"Fp8Linear.from_conv1d takes a Conv1D-like module (a 2-D weight Parameter of shape "
-                f"(in, out) and a bias of shape (out,) or None), got {type(conv1d).__name__}; use "
-                "Fp8Linear.from_linear for an nn.Linear"
-            )
+        weight, bias = conv1d_parameters(conv1d)
         layer = cls(weight, bias, recipe, weight_storage, weight_transposed=True)
-        # A copy without its Parameters, outside the module tree (not in state_dict, and
-        # holding no weight that sharding replaces): ``replaced_module`` gives it back.
-        layer._replaced = (copy.deepcopy(conv1d, {id(p): None for p in conv1d.parameters(recurse=False)}),)
+        layer._replaced = (without_parameters(conv1d),)  # ``replaced_module`` gives it back
         layer.train(conv1d.training)
         return layer
 
@@ -209,16 +193,11 @@ class Fp8Linear(StoredWeightModule):
                 "Fp8Linear.replaced_module gives back the Conv1D-like module of a layer built by "
                 "Fp8Linear.from_conv1d; for one built from an nn.Linear, build an nn.Linear"
             )
-        plain = copy.deepcopy(self._replaced[0])
-        plain.weight = nn.Parameter(real_weight.detach().clone(), requires_grad=self.weight.requires_grad)
-        if self.bias is not None:
-            plain.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=self.bias.requires_grad)
-        plain.train(self.training)
-        return plain
+        return with_parameters(self._replaced[0], real_weight, self.weight.requires_grad, self.bias, self.training)
 
     def narrow_weight(self, dim: int, start: int, length: int) -> None:
-        """Keep a slice of the weight (``StoredWeightModule.narrow_weight``: one rank's
-        shard under tensor parallelism), of an (out, in) weight only.
+        """Keep a slice of the weight (``SingleStoredWeightModule.narrow_weight``: one
+        rank's shard under tensor parallelism), of an (out, in) weight only.
 
         Raises:
             ValueError: the weight Parameter holds ``W^T`` (``from_conv1d``).
@@ -235,12 +214,8 @@ class Fp8Linear(StoredWeightModule):
         """(Re)build ``quantizers`` over the current ``scale``, ``amax_history`` and
         ``health`` buffers (``.to()`` and ``load_state_dict(assign=True)`` may replace
         them), for the GEMMs as ``gemm_recipe`` says; ``gemm_precision`` is rewritten
-        from it (``to_empty`` leaves buffers uninitialized)."""
-        high = [int(flag) for flag in self.gemm_recipe.override_linear_precision]
-        if self.splits_wgrad_outliers:
-            high[-1] = OUTLIER_SPLIT
-        with torch.no_grad():
-            self.gemm_precision.copy_(torch.tensor([GRANULARITY_LADDER.index(self.gemm_recipe.granularity), *high]))
+        from it."""
+        self._record_gemm_precision()
         self.quantizers = LinearQuantizers.build(
             self.gemm_recipe, self.scale, self.amax_history, self.health,
             rotation=getattr(self, "hadamard", None), compiled=self.compiled_casts,
@@ -254,45 +229,10 @@ class Fp8Linear(StoredWeightModule):
         self.compiled_casts = compiled
         self._bind_quantizers()
 
-    def set_gemm_precision(
-        self, granularity: Granularity | str, high_precision: tuple[bool, bool, bool], outlier_split: bool = False
-    ) -> None:
-        """Run the GEMMs from now on at ``granularity``, with each of (fprop, dgrad,
-        wgrad) in high precision where ``high_precision`` says True, and wgrad's outlier
-        tokens in high precision where ``outlier_split`` (``Recipe.wgrad_outlier_split``).
-        The weight, its gradient and their scales stay as the recipe stores them; only
-        the casts that feed the GEMMs change. ``amp8.Controller`` calls this; it is kept
-        in ``state_dict`` (``gemm_precision``)."""
-        self.gemm_recipe = self.recipe.for_gemms(Granularity(granularity), tuple(high_precision), outlier_split)
+    def _gemms_changed(self) -> None:
+        """After ``set_gemm_precision``: the casts for the GEMMs as they run now."""
         self.drop_weight_cache()
         self._bind_quantizers()
-
-    @property
-    def gemm_granularity(self) -> Granularity:
-        """The granularity of the GEMMs' FP8 scales now (see ``set_gemm_precision``)."""
-        return self.gemm_recipe.granularity
-
-    @property
-    def high_precision_gemms(self) -> tuple[bool, bool, bool]:
-        """Which of (fprop, dgrad, wgrad) run in high precision now."""
-        return self.gemm_recipe.override_linear_precision  # type: ignore[return-value]
-
-    @property
-    def splits_wgrad_outliers(self) -> bool:
-        """Whether wgrad's outlier tokens run in high precision and the rest in FP8 now
-        (not where the whole of wgrad is high)."""
-        return self.gemm_recipe.wgrad_outlier_split and not self.high_precision_gemms[-1]
-
-    @property
-    def gemm_description(self) -> str:
-        """The GEMMs' precision in words: the granularity of their FP8 scales, then the
-        GEMMs in high precision, e.g. "block, wgrad high" or "block, wgrad outliers
-        high"."""
-        high = [gemm.name.lower() for gemm, flag in zip(Gemm, self.high_precision_gemms) if flag]
-        if self.splits_wgrad_outliers:
-            high.append("wgrad outliers")
-        text = self.gemm_granularity.value
-        return f"{text}, {'+'.join(high)} high" if high else text
 
     def _after_move(self) -> None:
         self._bind_quantizers()
@@ -300,58 +240,25 @@ class Fp8Linear(StoredWeightModule):
     def weight_tile(self, contract_dim: int = 1) -> tuple[int, int] | None:
         """The tile of the weight's FP8 scales for a GEMM contracting its dim
         ``contract_dim`` (1: the forward GEMM, 0: the input-gradient GEMM)."""
-        return self.quantizers.weight.rule.tile(self._gemm_weight_shape(), contract_dim)
-
-    def _gemm_weight_shape(self) -> tuple[int, int]:
-        """The (N, K) shape of the weight as the GEMMs take it."""
-        rows, columns = self.weight.shape
-        return (columns, rows) if self.weight_transposed else (rows, columns)
+        return self.quantizers.weight.rule.tile(gemm_weight_shape(self.weight, self.weight_transposed), contract_dim)
 
     def gemm_weight(self) -> torch.Tensor:
         """The weight's real values in float32 as the GEMMs take them, (N, K): the
         transpose of ``read_weight()`` where the Parameter holds ``W^T``."""
-        real = self.read_weight()
-        return real.t().contiguous() if self.weight_transposed else real
-
-    def _stored_for_gemms(self) -> tuple[ScaledTensor, tuple[int, int] | None]:
-        """The stored weight as the GEMMs take it, (N, K), and the tile of its scales
-        for the forward GEMM: where the Parameter holds ``W^T``, its transpose with the
-        scales transposed alongside (exact: the same values and scales)."""
-        stored, tile = self.stored_weight.stored(), self.stored_weight.tile()
-        if not self.weight_transposed:
-            return stored, tile
-        return stored.t(), None if tile is None else (tile[1], tile[0])
+        return real_for_gemms(self.stored_weight, self.weight_transposed)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Load, converting a weight saved at another storage (another opt level, another
         recipe, or a plain ``nn.Linear``) and filling scale buffers such a checkpoint
-        lacks. The GEMM precision of a checkpoint made under another recipe (see
-        ``recipe_record``) is not taken: the GEMMs run as this layer's recipe says."""
-        if state_dict.get(prefix + "scale") is not None:
-            check_loaded_scales(prefix + "scale", state_dict[prefix + "scale"])
-        if state_dict.get(prefix + "amax_history") is not None:
-            check_loaded_history(prefix + "amax_history", state_dict[prefix + "amax_history"])
-        key = prefix + "gemm_precision"
-        saved_precision = state_dict.get(key)
-        if saved_precision is not None:  # the GEMMs run as saved from here on (``_after_move`` binds them)
-            loaded = _loaded_gemm_recipe(self.recipe, key, saved_precision, saved_recipe(args[0] if args else None))
-            self.gemm_recipe = self.recipe if loaded is None else loaded
-        # Rewritten from ``gemm_recipe`` once loaded; a checkpoint from before the GEMMs
-        # could move lacks it.
-        state_dict[key] = self.gemm_precision.clone()
-        if self.recipe.wgrad_hadamard:  # a checkpoint of another recipe lacks it: keep this one's
-            state_dict.setdefault(prefix + "hadamard", self.hadamard.clone())
-        else:
-            state_dict.pop(prefix + "hadamard", None)
-        for key, buffer in ((prefix + "scale", self.scale), (prefix + "amax_history", self.amax_history)):
-            saved_buffer = state_dict.get(key)
-            if saved_buffer is None:
-                state_dict[key] = buffer.clone()
-            elif saved_buffer.shape != buffer.shape:  # another amax_history_len
-                resized = torch.zeros_like(buffer)
-                length = min(saved_buffer.shape[-1], buffer.shape[-1])
-                resized[..., :length] = saved_buffer[..., :length]
-                state_dict[key] = resized
+        lacks (see ``amp8.nn.linear_checkpoint``). The GEMM precision of a checkpoint made
+        under another recipe (see ``amp8.nn.state_dict_form.recipe_record``) is not taken:
+        the GEMMs run as this layer's recipe says."""
+        # The GEMMs run as saved from here on (``_after_move`` binds them).
+        self.gemm_recipe = prepare_linear_state(
+            state_dict, prefix, args[0] if args else None, recipe=self.recipe, gemm_recipe=self.gemm_recipe,
+            scale=self.scale, amax_history=self.amax_history, gemm_precision=self.gemm_precision,
+            hadamard=self.hadamard if self.recipe.wgrad_hadamard else None,
+        )
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     # -- FP8 casts (see ``quantizers``) ------------------------------------------------
@@ -396,39 +303,15 @@ class Fp8Linear(StoredWeightModule):
             if version != getattr(self, "_weight_cache_version", None):
                 self._weight_cache.clear()
                 self._weight_cache_version = version
-        weight = self.quantizers.weight
-        watch = self._weight_operands(contract_dim) if self.watch_health else ()
-        if self.weight_storage is Precision.AS_IS:  # the user's optimizer writes it: no cache
-            return weight.cast(
-                self.gemm_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
-            )
-        if self.weight_storage is Precision.FP8:
-            stored, stored_tile = self._stored_for_gemms()
-            # Microscaled GEMMs take their own format: re-cast from the stored real values.
-            if self.weight_tile(contract_dim) != stored_tile or weight.rule.microscaled:
-                return weight.cast(stored.dequantize().contiguous(), contract_dim, watch=watch)
-            if not self.weight_transposed:
-                return stored  # the optimizer cast it: nothing to watch here
-            # W^T's bytes laid out as (N, K), once until the weight is next written.
-            cached = self._weight_cache.get(contract_dim)
-            if cached is None:
-                cached = self._weight_cache[contract_dim] = stored.with_data(stored.data.contiguous())
-            return cached
-        cached = self._weight_cache.get(contract_dim)
-        if cached is None:
-            cached = weight.cast(
-                self.gemm_weight(), contract_dim, record=contract_dim == 1, update_history=self.training, watch=watch
-            )
-            self._weight_cache[contract_dim] = cached
-        return cached
+        return cast_weight(
+            self.quantizers.weight, self.stored_weight, self.weight_transposed, self._weight_cache, contract_dim,
+            self.weight_tile(contract_dim), training=self.training,
+            watch=self._weight_operands(contract_dim) if self.watch_health else (),
+        )
 
     def _weight_operands(self, contract_dim: int) -> tuple[GemmOperand, ...]:
         """The GEMM operands a cast of the weight for ``contract_dim`` serves."""
-        if contract_dim == 0:
-            return (GemmOperand.DGRAD_WEIGHT,)
-        if self.weight_tile(0) == self.weight_tile(1):
-            return (GemmOperand.FPROP_WEIGHT, GemmOperand.DGRAD_WEIGHT)
-        return (GemmOperand.FPROP_WEIGHT,)
+        return weight_operands(contract_dim, self.weight_tile(0) == self.weight_tile(1))
 
     def drop_weight_cache(self) -> None:
         """Forget the cached FP8 casts of the weight (see ``fp8_weight``)."""
@@ -464,7 +347,9 @@ class Fp8Linear(StoredWeightModule):
         needs_dgrad = torch.is_grad_enabled() and x.requires_grad and not config.high_dgrad
         if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):
             w8_dgrad = self.fp8_weight(contract_dim=0)  # rowwise: scales per column
-        w_stored = self._stored_for_gemms()[0] if config.high_fprop or config.high_dgrad else None
+        w_stored = None
+        if config.high_fprop or config.high_dgrad:
+            w_stored = stored_for_gemms(self.stored_weight, self.weight_transposed)[0]
         if self.watch_health:  # a GEMM in high precision: watch the cast it would get
             for contract_dim, high in ((1, config.high_fprop), (0, config.high_dgrad)):
                 if high:
@@ -490,41 +375,3 @@ class Fp8Linear(StoredWeightModule):
             + (f", gemms={self.gemm_description!r}" if self.high_precision_gemms != (False,) * 3 else "")
         )
 
-
-def _loaded_gemm_recipe(
-    recipe: Recipe, key: str, saved: torch.Tensor, saved_under: dict[str, Any] | None
-) -> Recipe | None:
-    """The GEMM recipe a checkpoint's ``gemm_precision`` tensor describes for a layer of
-    ``recipe``; None, with a warning, where it was made under another recipe
-    (``saved_under``, the checkpoint's ``recipe_record``) or one that ``recipe`` cannot
-    take (a checkpoint without a record).
-
-    Raises:
-        ValueError: ``saved`` is not four integers (a granularity index, then three 0/1
-            flags, wgrad's also ``OUTLIER_SPLIT``); the message names ``key``.
-    """
-    values = saved.tolist() if saved.shape == (4,) and not saved.is_floating_point() else None
-    if values is None or not 0 <= values[0] < len(GRANULARITY_LADDER) or any(
-        v not in (0, 1) for v in values[1:3]
-    ) or values[3] not in (0, 1, OUTLIER_SPLIT):
-        raise ValueError(
-            f"checkpoint entry {key} = {saved.tolist()} is not a GEMM precision: expected four integers, a "
-            f"granularity index below {len(GRANULARITY_LADDER)}, two 0/1 flags and a wgrad entry of 0, 1 or "
-            f"{OUTLIER_SPLIT}; the checkpoint is corrupt or not from amp8"
-        )
-    granularity = GRANULARITY_LADDER[values[0]]
-    high, split = (bool(values[1]), bool(values[2]), values[3] == 1), values[3] == OUTLIER_SPLIT
-    reason = None
-    if saved_under is not None and saved_under != recipe_record(recipe):
-        reason = f"it was made under another recipe ({saved_under})"
-    else:
-        try:
-            return recipe.for_gemms(granularity, high, split)
-        except ValueError as error:
-            reason = f"this layer's recipe cannot take it ({error})"
-    warnings.warn(
-        f"amp8: {key} ({granularity.value} GEMMs, high precision {high}) is not loaded: {reason}; the "
-        f"GEMMs run as this layer's recipe says ({recipe_record(recipe)})",
-        stacklevel=4,
-    )
-    return None

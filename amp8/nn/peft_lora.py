@@ -17,7 +17,7 @@ from torch import nn
 
 from amp8.config.levels import Precision
 from amp8.nn.lora_rules import lora_variant_reason
-from amp8.nn.stored_module import StoredWeightModule
+from amp8.nn.single_weight import SingleStoredWeightModule
 
 
 class Fp8LoraLinear(LoraLinear):
@@ -42,7 +42,7 @@ class Fp8LoraLinear(LoraLinear):
                 rewrites the base (PiSSA, OLoRA, ...) on a base stored in FP16 or FP8.
         """
         base = self.get_base_layer()
-        if isinstance(base, StoredWeightModule) and base.weight_storage is not Precision.AS_IS:
+        if isinstance(base, SingleStoredWeightModule) and base.weight_storage is not Precision.AS_IS:
             variant = self.resolve_lora_variant(config=config)
             names = [] if variant is None else [type(variant).__name__]
             reason = lora_variant_reason(names, config.init_lora_weights)
@@ -69,7 +69,7 @@ class Fp8LoraLinear(LoraLinear):
                 fix. At "O1-compute" the weight is as the model had it, and merging works.
         """
         base = self.get_base_layer()
-        if isinstance(base, StoredWeightModule) and base.weight_storage is not Precision.AS_IS:
+        if isinstance(base, SingleStoredWeightModule) and base.weight_storage is not Precision.AS_IS:
             raise ValueError(
                 f"cannot merge LoRA adapters into an amp8 {type(base).__name__}: its weight is stored "
                 f"as {base.weight_dtype} times a scale, and PEFT adds the adapter's delta to it unscaled. "

@@ -87,7 +87,7 @@ def classification_head(model: nn.Module) -> dict[int, str]:
     token and image classifiers and question-answering models hold): ``score``,
     ``classifier``, ``qa_outputs``, a RoBERTa head's ``out_proj``, found without their
     names. Its logits feed the loss directly, as a vocabulary head's do, and FP8 buys
-    nothing there (docs/levels.md; ``bench/classifier_head.py``).
+    nothing there (docs/levels.md; ``studies/classifier_head.py``).
     """
     labels = getattr(getattr(model, "config", None), "num_labels", None)
     if not isinstance(labels, int) or isinstance(labels, bool):

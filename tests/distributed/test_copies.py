@@ -25,7 +25,7 @@ from amp8.distributed.ddp import DdpGuard, data_parallel_group, guard_ddp
 from amp8.nn import Fp8Linear
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.embedding import LowBitEmbedding
-from amp8.nn.stored_module import StoredWeightsModule
+from amp8.nn.stored_weights import StoredWeightsBase
 from amp8.optim import LowBitAdam
 from amp8.tensor.stored import stored_weight
 from conftest import assert_bitwise_equal
@@ -112,7 +112,7 @@ def _export_checks(model: nn.Module, ddp: nn.Module | None) -> dict[str, Any]:
     found: dict[str, Any] = {
         "model_state": _state(model),
         "export_state": _state(exported),
-        "export_amp8_modules": [name for name, m in exported.named_modules() if isinstance(m, StoredWeightsModule)],
+        "export_amp8_modules": [name for name, m in exported.named_modules() if isinstance(m, StoredWeightsBase)],
         "export_hooks": [name for name, m in exported.named_modules() if m._forward_pre_hooks],
         "export_reaches": _reachable(exported, PROCESS_GROUP_OBJECTS),
         # Exact: export reads the stored weight as read_weight does, in float32.
@@ -299,7 +299,7 @@ def test_data_parallel_group_is_shared_by_copies() -> None:
     assert copy.deepcopy({"state": group})["state"] is group
 
 
-STORED_MODULES: dict[str, Callable[[Precision], StoredWeightsModule]] = {
+STORED_MODULES: dict[str, Callable[[Precision], StoredWeightsBase]] = {
     "linear": lambda storage: Fp8Linear.from_linear(nn.Linear(32, 16), Recipe(), storage),
     "embedding": lambda storage: LowBitEmbedding.from_embedding(nn.Embedding(16, 32), Recipe()),  # FP16 only
     "experts": lambda storage: Fp8Experts.from_module(TinyExperts(), Recipe(), storage),

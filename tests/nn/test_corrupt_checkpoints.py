@@ -1,8 +1,8 @@
 """A layer's checkpoint with a bad scale or amax history is refused on load, naming the
 key, and the layer keeps what it held; a good checkpoint loads. Each key is read on its
-own path: ``weight_scale`` by every ``StoredWeightModule`` (the weight's scales), ``scale``
-and ``amax_history`` by ``Fp8Linear`` (its casts' scales and history); at every level,
-and every granularity where the scales' layout differs.
+own path: ``weight_scale`` by every ``SingleStoredWeightModule`` (the weight's scales),
+``scale`` and ``amax_history`` by ``Fp8Linear`` (its casts' scales and history); at every
+level, and every granularity where the scales' layout differs.
 
 Which values the checks refuse and what their messages say: tests/quant/test_checks.py.
 The optimizer's scales: tests/optim/test_optim_checkpoint.py."""

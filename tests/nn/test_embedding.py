@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.nn import LowBitEmbedding, StoredWeightModule
+from amp8.nn import LowBitEmbedding, SingleStoredWeightModule
 from amp8.quant.scaling import sqnr
 from conftest import assert_bitwise_equal, assert_sqnr_at_least, resume_from_checkpoint, train_steps
 
@@ -99,7 +99,7 @@ def test_initialize_stores_untied_tables_and_keeps_the_others(level: str) -> Non
     assert model["plain"].weight_dtype == torch.float16 and model["plain"].weight.dtype == torch.float32
     for name in ("renormalized", "sparse", "tied"):
         assert type(model[name]) is nn.Embedding, name
-    notes = {row["name"]: row["note"] for row in amp8.report(model).rows}
+    notes = {row.name: row.note for row in amp8.report(model).rows}
     assert "max_norm" in notes["renormalized.weight"]
     assert "sparse" in notes["sparse.weight"]
     assert "shared" in notes["tied.weight"]
@@ -140,11 +140,11 @@ def test_o2_table_bytes_follow_the_level() -> None:
     model, optimizer = amp8.initialize(model, torch.optim.Adam(model.parameters()), "O2", layer_selection="all", recipe=amp8.Recipe())
     train_steps(model, optimizer, [_zipf_ids(512, (8, 16))])
     model(_zipf_ids(512, (8, 16))).pow(2).mean().backward()  # a gradient in place, as at the peak
-    row = next(row for row in amp8.report(model, optimizer).rows if row["name"] == "embedding.weight")
-    assert (row["weight"], row["grad"], row["exp_avg"], row["exp_avg_sq"]) == ("float16", "float8_e4m3fn",
-                                                                              "float8_e4m3fn", "float16")
+    row = next(row for row in amp8.report(model, optimizer).rows if row.name == "embedding.weight")
+    assert (row.weight, row.grad, row.exp_avg, row.exp_avg_sq) == ("float16", "float8_e4m3fn",
+                                                                  "float8_e4m3fn", "float16")
     # 2 + 1 + 1 + 2 bytes, and the scales: one per row for the gradient and both moments.
-    assert 6.0 < row["bytes"] / row["numel"] <= 6.0 + 3 * 4 / 64 + 0.01
+    assert 6.0 < row.bytes / row.numel <= 6.0 + 3 * 4 / 64 + 0.01
 
 
 def test_plain_checkpoint_loads_and_export_gives_a_plain_table() -> None:
@@ -193,7 +193,7 @@ def test_copies_and_compiled_forward_agree() -> None:
     for other in results[1:]:
         assert_bitwise_equal(other.data.view(torch.uint8), results[0].data.view(torch.uint8))
         assert_bitwise_equal(other.scale, results[0].scale)
-    assert all(isinstance(candidate.embedding, StoredWeightModule) for candidate in (copied, compiled))
+    assert all(isinstance(candidate.embedding, SingleStoredWeightModule) for candidate in (copied, compiled))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

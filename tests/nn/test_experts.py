@@ -15,7 +15,7 @@ from amp8.nn import ExpertsLayout, Fp8Experts, Fp8Linear, swap_experts, swap_lin
 from amp8.nn.experts import Routing
 from amp8.nn.experts_function import _Fp8ExpertsFunction
 from amp8.nn.experts_layout import experts_layout
-from amp8.nn.function import LinearGemmConfig
+from amp8.nn.gemm_config import LinearGemmConfig
 from amp8.ops.grouped_gemm import ExpertGroups
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 from moe_models import TinyExperts, TinyMoeBlock, routing

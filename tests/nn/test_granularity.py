@@ -339,8 +339,8 @@ def test_every_granularity_trains_at_every_level(level: str, granularity: str) -
     assert losses[-1] < 0.5 * losses[0], f"{level}/{granularity} did not learn: {losses[0]:.3f} -> {losses[-1]:.3f}"
     assert optimizer.skipped_steps == 0
     row = amp8.report(model, optimizer).rows[0]
-    assert row["granularity"] == granularity
-    assert 0 < row["scale_min"] <= row["scale_max"]
+    assert row.granularity == granularity
+    assert 0 < row.scale_min <= row.scale_max
     state = optimizer.state[model[0].weight]
     expected = {"tensorwise": (), "rowwise": (208, 1), "block": (2, 1)}[granularity]
     if level != "O1":
@@ -358,12 +358,12 @@ def test_report_prints_granularity_and_scale_range() -> None:
     _train(model, optimizer, 1)
     report = amp8.report(model, optimizer)
     row = report.rows[0]
-    assert row["scale"] is None and row["scale_min"] < row["scale_max"]
+    assert row.scale is None and row.scale_min < row.scale_max
     console = Console(record=True, width=250)
     report.print(console)
     text = console.export_text()
     assert "granularity" in text and "scale range" in text and "rowwise" in text
-    assert f"{row['scale_min']:.3g}..{row['scale_max']:.3g}" in text
+    assert f"{row.scale_min:.3g}..{row.scale_max:.3g}" in text
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])

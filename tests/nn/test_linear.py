@@ -99,6 +99,13 @@ def test_from_linear_reuses_the_parameters_and_stores_fp16() -> None:
     assert float(stored.abs().max().float()) <= max_value(torch.float16) / 2
 
 
+def test_the_base_with_one_stored_weight_has_its_name_and_the_old_one_says_it() -> None:
+    layer = Fp8Linear.from_linear(nn.Linear(32, 16), Recipe())
+    assert isinstance(layer, amp8.nn.SingleStoredWeightModule)
+    with pytest.raises(ImportError, match="StoredWeightModule was removed: renamed amp8.nn.SingleStoredWeightModule"):
+        exec("from amp8.nn import StoredWeightModule")
+
+
 def test_fp8_weight_storage_feeds_the_gemm_directly() -> None:
     reference, _ = _pair(64, 32, Recipe())
     layer = Fp8Linear.from_linear(nn.Linear(64, 32), Recipe(), weight_storage=Precision.FP8)

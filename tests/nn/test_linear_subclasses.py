@@ -178,11 +178,11 @@ def test_gpt2_and_falcon_blocks_run_in_fp8(level: str, build) -> None:
     assert all(torch.isfinite(loss) for loss in losses)
     grads = [m.weight.grad for m in model.modules() if isinstance(m, Fp8Linear)]
     assert all(g is None for g in grads), "zero_grad cleared the FP8 weight gradients"
-    rows = {row["name"]: row for row in amp8.report(model, optimizer).rows}
+    rows = {row.name: row for row in amp8.report(model, optimizer).rows}
     for name in fp8:
         row = rows[f"{name}.weight"]
-        assert row["fp8"] and row["note"] is None and list(row["shape"]) == list(keys[f"{name}.weight"]), row
-        assert row["underflow"] is not None and row["saturated"] == 0.0, row
+        assert row.fp8 and row.note is None and list(row.shape) == list(keys[f"{name}.weight"]), row
+        assert row.underflow is not None and row.saturated == 0.0, row
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import amp8
-from amp8.nn.function import OUTLIER_ROW_RATIO, split_outlier_tokens
 from amp8.nn.linear import Fp8Linear
+from amp8.nn.outlier_split import OUTLIER_ROW_RATIO, split_outlier_tokens
 
 GAIN = 2.0**20
 

@@ -15,7 +15,8 @@ from amp8 import Recipe
 from amp8.config.formats import E4M3, E5M2
 from amp8.config.levels import Precision
 from amp8.nn import CastRule, Fp8Linear, LinearQuantizers, Quantizer, TensorRole
-from amp8.nn.function import LinearGemmConfig, _Fp8LinearFunction
+from amp8.nn.function import _Fp8LinearFunction
+from amp8.nn.gemm_config import LinearGemmConfig
 from amp8.quant import scaling
 from amp8.tensor.scaled import ScaledTensor
 from conftest import assert_bitwise_equal

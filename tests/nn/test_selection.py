@@ -85,9 +85,9 @@ def _model() -> nn.Module:
 def test_initialize_applies_a_speed_rule_and_the_report_says_why(level: str) -> None:
     model, _ = amp8.initialize(_model(), None, level, layer_selection=RULE, recipe=amp8.Recipe())
     assert [type(model[i]) for i in (0, 2, 4)] == [nn.Linear, Fp8Linear, Fp8Linear]
-    rows = {row["name"]: row for row in amp8.report(model).rows}
-    assert not rows["0.weight"]["fp8"]
-    assert rows["0.weight"]["note"] == "not selected for FP8 (module_filter or layer_selection)"
+    rows = {row.name: row for row in amp8.report(model).rows}
+    assert not rows["0.weight"].fp8
+    assert rows["0.weight"].note == "not selected for FP8 (module_filter or layer_selection)"
 
 
 def test_auto_on_the_cpu_swaps_every_eligible_layer() -> None:
