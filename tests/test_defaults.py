@@ -59,7 +59,7 @@ def test_no_recipe_means_rowwise_with_the_head_in_high_precision(level: str) -> 
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert layers and all(m.recipe == RECIPE_DEFAULT for m in layers)
     assert all(m.gemm_granularity is amp8.config.Granularity.ROWWISE for m in layers)
-    notes = {row["name"]: row["note"] for row in amp8.report(model, optimizer).rows}
+    notes = {row.name: row.note for row in amp8.report(model, optimizer).rows}
     assert notes["head.weight"].startswith("output head (maps the width to the vocabulary of embedding 'tok_emb')")
 
 
@@ -83,7 +83,7 @@ def test_tied_head_is_kept_for_its_shared_weight_not_as_a_head() -> None:
     model = PRESETS["tiny"].build(torch.Generator().manual_seed(0))
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1")
     assert type(model.head) is nn.Linear
-    notes = {row["name"]: row["note"] for row in amp8.report(model, optimizer).rows}
+    notes = {row.name: row.note for row in amp8.report(model, optimizer).rows}
     assert notes["tok_emb.weight"].startswith("weight is shared")
 
 

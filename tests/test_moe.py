@@ -113,11 +113,11 @@ def test_expert_weights_gradients_and_adam_state_take_scales_per_expert(recipe_n
     state = optimizer.state[weight]
     assert state["exp_avg"].dtype == torch.float8_e4m3fn and tuple(state["exp_avg_scale"].shape) == (16, 32, 1)
     assert state["exp_avg_sq"].dtype == torch.float16
-    rows = {row["name"]: row for row in amp8.report(model, optimizer).rows}
+    rows = {row.name: row for row in amp8.report(model, optimizer).rows}
     row = rows["1.experts.gate_up_proj"]
-    assert row["layer"] == "Fp8Experts" and row["fp8"] and "scales per expert" in row["note"]
-    assert row["weight"] == "float16" and row["grad"] == "float8_e4m3fn"
-    assert "router of the experts '1.experts'" in rows["1.gate.weight"]["note"]
+    assert row.layer == "Fp8Experts" and row.fp8 and "scales per expert" in row.note
+    assert row.weight == "float16" and row.grad == "float8_e4m3fn"
+    assert "router of the experts '1.experts'" in rows["1.gate.weight"].note
 
 
 def test_each_experts_gradient_scale_is_its_own() -> None:

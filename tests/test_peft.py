@@ -86,11 +86,11 @@ def test_lora_trains_adapters_on_a_frozen_fp8_base_in_either_order(order: str, l
         assert_bitwise_equal(base.weight.detach(), stored)
         assert_bitwise_equal(base.weight_scale, scale)
     assert not torch.equal(layers[0].lora_B["default"].weight, adapter_before), "the adapters must train"
-    rows = {row["name"]: row for row in amp8.report(model, optimizer).rows}
+    rows = {row.name: row for row in amp8.report(model, optimizer).rows}
     base_rows = [row for name, row in rows.items() if name.endswith("base_layer.weight")]
-    assert len(base_rows) == len(TARGETS) and all(row["grad"] == "frozen" and row["fp8"] for row in base_rows)
+    assert len(base_rows) == len(TARGETS) and all(row.grad == "frozen" and row.fp8 for row in base_rows)
     adapter_rows = [row for name, row in rows.items() if ".lora_A." in name]
-    assert all(row["note"].startswith("adapter lora_A") for row in adapter_rows), adapter_rows
+    assert all(row.note.startswith("adapter lora_A") for row in adapter_rows), adapter_rows
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -241,5 +241,5 @@ def test_an_embedding_peft_adapts_stays_as_the_model_has_it() -> None:
     embedding = model.base_model.model.model.embed_tokens
     assert type(embedding.base_layer) is nn.Embedding and embedding.base_layer.weight.dtype == torch.float32
     assert type(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer) is Fp8Linear
-    rows = {row["name"]: row for row in amp8.report(model).rows}
-    assert "PEFT adapts and merges into it" in rows["base_model.model.model.embed_tokens.base_layer.weight"]["note"]
+    rows = {row.name: row for row in amp8.report(model).rows}
+    assert "PEFT adapts and merges into it" in rows["base_model.model.model.embed_tokens.base_layer.weight"].note

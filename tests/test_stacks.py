@@ -101,7 +101,7 @@ def test_fp8_compute_only_trains_with_sgd_and_plain_gradients() -> None:
     optimizer.step()
     assert_bitwise_equal(model[0].weight.detach(), torch.add(before, grad, alpha=-0.1))
     row = amp8.report(model).rows[0]
-    assert (row["weight"], row["grad"]) == ("float32", "float32") and row["note"].startswith("FP8 compute only")
+    assert (row.weight, row.grad) == ("float32", "float32") and row.note.startswith("FP8 compute only")
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])  # O3's masters need initialize's FP16 weights

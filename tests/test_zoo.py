@@ -114,7 +114,7 @@ def layers_kept_without_reason(model: nn.Module, report: Any) -> dict[str, str]:
     (``GEMM_LAYERS``) that are not FP8 layers and have no note in ``report``: the
     report's row of a tied weight is under its first name, which may be another
     module's."""
-    notes = {row["name"]: row["note"] for row in report.rows}
+    notes = {row.name: row.note for row in report.rows}
     row_of = {id(param): param_name for param_name, param in model.named_parameters()}
     return {
         fqn: type(module).__name__ for fqn, module in model.named_modules()

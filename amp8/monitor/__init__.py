@@ -6,6 +6,9 @@ from amp8.monitor.controller import Controller
 from amp8.monitor.operand_health import watch_operands
 from amp8.monitor.report import PrecisionReport
 from amp8.monitor.report_log import ReportLog
+from amp8.monitor.report_row import ReportRow
 from amp8.monitor.what_if import WhatIf, WhatIfBlock, what_if
 
-__all__ = ["Controller", "PrecisionReport", "ReportLog", "WhatIf", "WhatIfBlock", "watch_operands", "what_if"]
+__all__ = [
+    "Controller", "PrecisionReport", "ReportLog", "ReportRow", "WhatIf", "WhatIfBlock", "watch_operands", "what_if",
+]

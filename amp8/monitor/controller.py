@@ -24,7 +24,9 @@ stand far above the median row in float32 and the rest in FP8. With
 down. A schedule adds GEMMs in high precision from a given step on (e.g. the last 10 %
 of training). Decisions live in each layer's ``gemm_precision`` buffer (the model's
 ``state_dict``) and the controller's counters, trials and closed moves in the
-optimizer's ``state_dict``, so a resumed run decides the same, bit for bit.
+optimizer's ``state_dict``, so a resumed run decides the same, bit for bit. What the
+controller keeps for each layer, and the decisions that need nothing else, are
+``amp8.monitor.layer_watch``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,41 +42,13 @@ from torch import nn
 from amp8.config.controller import GEMM_NAMES, ControllerConfig, Move
 from amp8.config.recipe import GRANULARITY_LADDER
 from amp8.distributed.data_parallel import DataParallelGroup
-from amp8.monitor.ladder import GemmState, Step, candidate_steps, excess, made_worse
+from amp8.monitor.ladder import Step, candidate_steps, excess
+from amp8.monitor.layer_watch import Failing, LayerWatch, Trial, Verdict
 from amp8.nn.linear import Fp8Linear
-from amp8.quant.health import Gemm, GemmOperand, Signal
+from amp8.quant.health import Gemm, GemmOperand
 
 STATE_DICT_KEY = "amp8_controller"
 """The key of the controller's state in the optimizer's ``state_dict``."""
-
-
-@dataclass
-class _LayerWatch:
-    """The controller's bookkeeping for one layer (all of it in ``state_dict``, as plain
-    Python values). ``closed`` names the moves not to try again (undone or refused);
-    ``trial`` is the move measured at the next check: its name, the state before it,
-    the operands that made the layer move and their ``excess`` then."""
-
-    rung: int
-    high: list[bool]
-    failed_checks: int = 0
-    passed_checks: int = 0
-    last_amax: list[float] = dataclasses.field(default_factory=lambda: [0.0] * len(GemmOperand))
-    cap_warned: bool = False
-    peak_underflow: float = 0.0
-    peak_saturated: float = 0.0
-    split: bool = False
-    closed: list[str] = dataclasses.field(default_factory=list)
-    trial: dict[str, Any] | None = None
-
-    @property
-    def state(self) -> GemmState:
-        """The GEMM precision the controller gives the layer."""
-        return GemmState(self.rung, (self.high[0], self.high[1], self.high[2]), self.split)
-
-    def set_state(self, state: GemmState) -> None:
-        """Give the layer ``state``."""
-        self.rung, self.high, self.split = state.rung, list(state.high), state.split
 
 
 class Controller:
@@ -99,7 +72,7 @@ class Controller:
         self.step = 0
         self.moves: list[Move] = []
         self._layers: dict[str, Fp8Linear] = {}
-        self._watches: dict[str, _LayerWatch] = {}
+        self._watches: dict[str, LayerWatch] = {}
         self._data_parallel: DataParallelGroup | None = None
         self._attached = False
 
@@ -129,7 +102,7 @@ class Controller:
             )
         self._layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
         self._watches = {
-            name: _LayerWatch(GRANULARITY_LADDER.index(layer.gemm_granularity), [False] * len(Gemm))
+            name: LayerWatch(GRANULARITY_LADDER.index(layer.gemm_granularity), [False] * len(Gemm))
             for name, layer in self._layers.items()
         }
         self._data_parallel = data_parallel
@@ -175,76 +148,44 @@ class Controller:
             self._check_layer(name, layer_health)
 
     def _check_layer(self, name: str, health: torch.Tensor) -> None:
-        amax = health[:, Signal.AMAX]
-        if not torch.isfinite(amax).all():  # an overflowing step is skipped; so is its check
-            return
         watch = self._watches[name]
-        last = torch.tensor(watch.last_amax)
-        growth = torch.where((last > 0) & (amax > 0), amax / last.clamp(min=1e-30), torch.ones_like(amax))
-        watch.last_amax = [float(value) if value > 0 else float(old) for value, old in zip(amax, last)]
-        watch.peak_underflow = max(watch.peak_underflow, float(health[:, Signal.UNDERFLOW].max()))
-        watch.peak_saturated = max(watch.peak_saturated, float(health[:, Signal.SATURATED].max()))
+        growth = watch.observe(health)
+        if growth is None:  # an overflowing step is skipped; so is its check
+            return
         trial, watch.trial = watch.trial, None
         if trial is not None:
-            if self._undo_if_worse(name, watch, trial, health):
+            undone = watch.measure(trial, health, self.config)
+            if undone is not None:
+                self._note(name, undone.reason)
+                self._take_next_rung(name, watch, undone.failing)
                 return
             # Measured and kept: a layer that still fails takes its next rung now.
             watch.failed_checks = self.config.patience - 1
         violations = self.config.thresholds.violations(health, growth)
-        if violations:
-            urgent = self.config.urgent_excess is not None and any(
-                excess(health, (operand,), self.config.thresholds) > self.config.urgent_excess
-                for operand, _ in violations
-            )
-            watch.failed_checks = max(watch.failed_checks + 1, self.config.patience if urgent else 0)
-            watch.passed_checks = 0
-        else:
-            watch.failed_checks, watch.passed_checks = 0, watch.passed_checks + 1
-        if watch.failed_checks >= self.config.patience:
-            watch.failed_checks = 0
+        urgent = self.config.urgent_excess is not None and any(
+            excess(health, (operand,), self.config.thresholds) > self.config.urgent_excess
+            for operand, _ in violations
+        )
+        verdict = watch.count(bool(violations), urgent, self.config)
+        if verdict is Verdict.STEP_UP:
             self._step_up(name, watch, violations, health)
-        elif self.config.step_down_after is not None and watch.passed_checks >= self.config.step_down_after:
-            watch.passed_checks = 0
+        elif verdict is Verdict.STEP_DOWN:
             self._step_down(name, watch)
 
-    def _undo_if_worse(self, name: str, watch: _LayerWatch, trial: dict[str, Any], health: torch.Tensor) -> bool:
-        """Measure the last move (``trial``) on the operands that made it: where they got
-        worse, step back, close the move and take the next rung (True: this check is
-        used up)."""
-        operands = trial["operands"]
-        before = trial["excess"]
-        after = [excess(health, (operand,), self.config.thresholds) for operand in operands]
-        if not made_worse(before, after):
-            return False
-        watch.set_state(GemmState(trial["before"]["rung"], tuple(trial["before"]["high"]), trial["before"]["split"]))
-        watch.closed.append(trial["label"])
-        watch.failed_checks = 0
-        labels = "+".join(GemmOperand(operand).label for operand in operands)
-        self._note(name, f"undone: {trial['label']} made {labels} worse ({sum(before):.1f} -> {sum(after):.1f} "
-                         "times the thresholds)")
-        # The stress may have grown since the move: the next rung is judged against the
-        # worse of the signals before it and those just measured.
-        self._take_next_rung(name, watch, [
-            (GemmOperand(op), why, max(value, excess(health, (GemmOperand(op),), self.config.thresholds)))
-            for op, why, value in trial["failing"]
-        ])
-        return True
-
     def _step_up(
-        self, name: str, watch: _LayerWatch, violations: list[tuple[GemmOperand, str]], health: torch.Tensor
+        self, name: str, watch: LayerWatch, violations: list[tuple[GemmOperand, str]], health: torch.Tensor
     ) -> None:
         high_now = self._layers[name].high_precision_gemms
         self._take_next_rung(name, watch, [
-            (operand, why, excess(health, (operand,), self.config.thresholds))
+            Failing(operand, why, excess(health, (operand,), self.config.thresholds))
             for operand, why in violations if not high_now[operand.gemm]
         ])
 
-    def _take_next_rung(self, name: str, watch: _LayerWatch, failing: list[tuple[GemmOperand, str, float]]) -> None:
-        """Take the first rung of ``candidate_steps`` for the ``failing`` operands (each
-        with what it crossed and its ``excess``) that is not closed and is within the
-        cap, and open its trial; refuse (and close) those beyond the cap on the way."""
-        reasons = {operand: why for operand, why, _ in failing}
-        by_operand = {operand: value for operand, _, value in failing}
+    def _take_next_rung(self, name: str, watch: LayerWatch, failing: list[Failing]) -> None:
+        """Take the first rung of ``candidate_steps`` for the ``failing`` operands that is
+        not closed and is within the cap, and open its trial; refuse (and close) those
+        beyond the cap on the way."""
+        reasons = {entry.operand: entry.why for entry in failing}
         steps = candidate_steps(watch.state, set(reasons), split=self.config.split_wgrad_outliers)
         for step in steps:
             if step.label in watch.closed:
@@ -260,18 +201,12 @@ class Controller:
             watch.set_state(step.state)
             # A GEMM moved to high precision loses nothing to its casts, whatever their
             # signals say (they are watched as the casts it would get): no trial.
-            watch.trial = None if step.state.high != before.high else {
-                "label": step.label,
-                "before": dataclasses.asdict(before),
-                "operands": [int(operand) for operand in step.operands],
-                "excess": [by_operand[operand] for operand in step.operands],
-                "failing": [[int(operand), why, value] for operand, why, value in failing],
-            }
+            watch.trial = None if step.state.high != before.high else Trial.of(step, before, failing)
             operand = step.operands[0]
             self._note(name, f"{operand.label}: {reasons[operand]}; {step.label}")
             return
 
-    def _refuse(self, name: str, watch: _LayerWatch, step: Step, share: float) -> None:
+    def _refuse(self, name: str, watch: LayerWatch, step: Step, share: float) -> None:
         watch.closed.append(step.label)
         reason = (f"refused: {step.label} would put {100 * share:.1f} % of FP8 GEMM FLOPs in "
                   f"high precision, above the cap of {100 * self.config.max_high_precision_share:g} %; "
@@ -285,18 +220,9 @@ class Controller:
                 "Raise ControllerConfig.max_high_precision_share to let it move", stacklevel=4,
             )
 
-    def _step_down(self, name: str, watch: _LayerWatch) -> None:
-        base = GRANULARITY_LADDER.index(self._layers[name].recipe.granularity)
-        watch.trial = None
-        if any(watch.high):
-            watch.high = [False] * len(Gemm)
-        elif watch.split:
-            watch.split = False
-        elif watch.rung > base:
-            watch.rung -= 1
-        else:
-            return
-        self._note(name, f"healthy for {self.config.step_down_after} checks in a row")
+    def _step_down(self, name: str, watch: LayerWatch) -> None:
+        if watch.step_down(GRANULARITY_LADDER.index(self._layers[name].recipe.granularity)):
+            self._note(name, f"healthy for {self.config.step_down_after} checks in a row")
 
     def _note(self, name: str, reason: str) -> None:
         """Apply ``name``'s new rung now and log the move."""
@@ -388,7 +314,7 @@ class Controller:
         Python values)."""
         return {
             "step": self.step,
-            "layers": {name: dataclasses.asdict(watch) for name, watch in self._watches.items()},
+            "layers": {name: watch.to_state() for name, watch in self._watches.items()},
             "moves": [dataclasses.asdict(move) for move in self.moves],
         }
 
@@ -407,7 +333,7 @@ class Controller:
                 f"unknown {extra}); load a checkpoint of the same model and module_filter"
             )
         self.step = int(state["step"])
-        self._watches = {name: _LayerWatch(**saved_layers[name]) for name in self._watches}
+        self._watches = {name: LayerWatch.from_state(saved_layers[name]) for name in self._watches}
         self.moves = [Move(**move) for move in state["moves"]]
         for name, layer in self._layers.items():
             layer.gemm_moves = [move for move in self.moves if move.layer == name]

@@ -9,6 +9,7 @@ Nothing is computed here or while nobody watches: ``operand_health`` reads the b
 from __future__ import annotations
 
 import contextlib
+from enum import Enum
 from typing import Iterator
 
 import torch
@@ -20,12 +21,25 @@ from amp8.nn.linear import Fp8Linear
 from amp8.quant.health import sqnr_db
 
 
-WEIGHT_GRADIENT = "weight gradient"
-"""The label of the FP8 weight gradient's cast among a layer's operands."""
+class CastTensor(Enum):
+    """A tensor of an FP8 layer whose casts the report and ``amp8.what_if`` show, by its
+    label: a GEMM operand's label ends with the label of the tensor it is a cast of
+    ("wgrad input": the input), and the FP8 weight gradient's cast is labelled alone."""
 
-TENSORS = ("input", "weight", "grad output", WEIGHT_GRADIENT)
-"""The tensors whose casts the report shows: a GEMM operand's label ends with the tensor
-it is a cast of ("wgrad input": the input), and the FP8 weight gradient's is its own."""
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad output"
+    WEIGHT_GRADIENT = "weight gradient"
+
+    @property
+    def role(self) -> TensorRole | None:
+        """Its role in the layer's GEMMs (None for the FP8 weight gradient, which no GEMM
+        of the layer casts)."""
+        return None if self is CastTensor.WEIGHT_GRADIENT else TensorRole[self.name]
+
+
+GEMM_TENSORS = tuple(tensor for tensor in CastTensor if tensor.role is not None)
+"""The tensors whose casts feed the layer's GEMMs: input, weight, output gradient."""
 
 
 def operand_role(operand: GemmOperand) -> TensorRole:
@@ -33,10 +47,10 @@ def operand_role(operand: GemmOperand) -> TensorRole:
     return TensorRole[operand.name.split("_", 1)[1]]
 
 
-def casts_of(operands: dict[str, dict[str, float]] | None, tensor: str) -> list[dict[str, float]]:
-    """The signals of the casts of ``tensor`` (one of ``TENSORS``) among a report row's
-    ``operands`` (``operand_health``), one per GEMM operand it feeds."""
-    return [values for label, values in (operands or {}).items() if label.endswith(tensor)]
+def casts_of(operands: dict[str, dict[str, float]] | None, tensor: CastTensor) -> list[dict[str, float]]:
+    """The signals of the casts of ``tensor`` among a report row's ``operands``
+    (``operand_health``), one per GEMM operand it feeds."""
+    return [values for label, values in (operands or {}).items() if label.endswith(tensor.value)]
 
 
 def _signals(row: torch.Tensor, scale: float | None = None) -> dict[str, float]:
@@ -55,8 +69,8 @@ def operand_health(layer: Fp8Linear) -> dict[str, dict[str, float]] | None:
     "fprop input"): the operand's amax, the scale its role last recorded, the shares of
     its values the cast clipped (``saturated``) and flushed to zero (``underflow``), and
     the cast's SQNR in dB; the largest (worst) of each since the buffer was cleared; and
-    the same, but the scale, of the FP8 weight gradient's cast (``WEIGHT_GRADIENT``). None
-    where no cast was watched."""
+    the same, but the scale, of the FP8 weight gradient's cast (labelled
+    ``CastTensor.WEIGHT_GRADIENT``). None where no cast was watched."""
     health, scales = layer.health.detach().cpu(), layer.scale.detach().cpu()
     found = {
         operand.label: _signals(health[operand], float(scales[operand_role(operand)]))
@@ -64,7 +78,7 @@ def operand_health(layer: Fp8Linear) -> dict[str, dict[str, float]] | None:
     }
     grad = layer.grad_health.detach().cpu()
     if bool((grad != 0).any()):  # the FP8 weight gradient's cast (O1-O3)
-        found[WEIGHT_GRADIENT] = _signals(grad)
+        found[CastTensor.WEIGHT_GRADIENT.value] = _signals(grad)
     return found or None
 
 

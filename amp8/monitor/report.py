@@ -7,14 +7,17 @@ weight with the scale its layer would use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from amp8.config.controller import Move
 from amp8.config.formats import short_name
 from amp8.config.levels import Precision
 from amp8.config.recipe import OutputHead
@@ -23,9 +26,10 @@ from amp8.monitor.console import default_console
 from amp8.monitor.operand_health import operand_health
 from amp8.monitor.report_fold import fold_rows
 from amp8.monitor.report_plot import plot_report
+from amp8.monitor.report_row import FROZEN, ReportRow
 from amp8.monitor.report_table import human_bytes, print_table
 from amp8.monitor.report_view import print_folded, print_operands
-from amp8.monitor.weight_stats import weight_cast_stats
+from amp8.monitor.weight_stats import NO_CAST, weight_cast_stats
 from amp8.nn.adapters import adapted_embeddings
 from amp8.nn.experts import Fp8Experts
 from amp8.nn.gemm_layers import gemm_kind
@@ -36,9 +40,6 @@ from amp8.tensor.stored import stored_weight
 
 FP32_ADAM_BYTES_PER_PARAM = 16
 """FP32 weight + FP32 gradient + FP32 first and second moments."""
-
-FROZEN = "frozen"
-"""The grad column of a parameter with ``requires_grad=False``."""
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
@@ -94,36 +95,22 @@ _LOW_BIT_TABLE_NOTE = "FP16 table (one scale), FP8 gradient (one scale per row):
 
 @dataclass
 class PrecisionReport:
-    """One row per parameter, with what is really stored for it.
-
-    Row keys: name, shape, numel, layer (the owning module's class), fp8 (True for the
-    weights of FP8 layers and of ``Fp8Experts``, whose GEMMs run in FP8), note (why a GEMM layer's weight stays in high precision, or None),
-    weight, grad, master, exp_avg, exp_avg_sq (torch dtype names of what is stored, or
-    None; grad is "frozen" for a parameter with ``requires_grad=False``), frozen (True
-    for those: they hold no gradient and no optimizer state), granularity (the recipe's), gemms (how the layer's GEMMs run now, e.g.
-    "block, wgrad high", after ``amp8.Controller`` moved it), moves (the controller's
-    moves of the layer as dicts: step, before, after, reason), format and block
-    (microscaled layers: the format of the forward GEMM's weight operand as
-    elements/block scales, e.g. "nvfp4 e2m1/e4m3", and its block, e.g. "16x16"; else
-    None), scale (None when the weight has several),
-    scale_min, scale_max (the range of the weight's FP8 scales), amax, underflow,
-    saturated (FP8 layers' weights only, else None; over this rank's rows of a weight
-    sharded over data-parallel ranks), bytes (what this process stores: weight + gradient
-    + optimizer state, scales included; a sharded weight counts its own rows).
+    """One row per parameter, with what is really stored for it (a ``ReportRow`` each:
+    ``amp8.monitor.report_row``; ``to_dict`` gives them as plain data).
 
     ``activation_bytes_per_token``: bytes autograd saved for backward per token in one
     measured step (``amp8.count_saved_bytes``), when the caller measured it.
     """
 
-    rows: list[dict[str, Any]]
+    rows: list[ReportRow]
     skipped_steps: int | None = None
     baseline_bytes_per_param: int = field(default=FP32_ADAM_BYTES_PER_PARAM)
     activation_bytes_per_token: float | None = None
 
     @staticmethod
-    def _per_param(rows: list[dict[str, Any]]) -> float:
-        numel = sum(row["numel"] for row in rows)
-        return sum(row["bytes"] for row in rows) / numel if numel else 0.0
+    def _per_param(rows: list[ReportRow]) -> float:
+        numel = sum(row.numel for row in rows)
+        return sum(row.bytes for row in rows) / numel if numel else 0.0
 
     @property
     def bytes_per_param(self) -> float:
@@ -133,21 +120,19 @@ class PrecisionReport:
     @property
     def fp8_bytes_per_param(self) -> float:
         """The same, over the weights of FP8 layers only (0 when there are none)."""
-        return self._per_param([row for row in self.rows if row["fp8"]])
+        return self._per_param([row for row in self.rows if row.fp8])
 
     def frozen_bytes_per_param(self, fp8_layers_only: bool = False) -> float:
         """The same, over frozen parameters only (0 when there are none): the bytes a
         frozen base costs in fine-tuning; with ``fp8_layers_only``, over the frozen
         weights of FP8 layers."""
-        return self._per_param([
-            row for row in self.rows if row.get("frozen") and (row["fp8"] or not fp8_layers_only)
-        ])
+        return self._per_param([row for row in self.rows if row.frozen and (row.fp8 or not fp8_layers_only)])
 
     @property
     def fp8_share(self) -> float:
         """Fraction of all parameters that are weights of FP8 layers or FP8 experts."""
-        total = sum(row["numel"] for row in self.rows)
-        fp8 = sum(row["numel"] for row in self.rows if row["fp8"])
+        total = sum(row.numel for row in self.rows)
+        fp8 = sum(row.numel for row in self.rows if row.fp8)
         return fp8 / total if total else 0.0
 
     @classmethod
@@ -155,7 +140,8 @@ class PrecisionReport:
         """The report ``to_dict()`` (or ``json.loads(to_json())``) produced, rebuilt.
 
         Raises:
-            ValueError: ``data`` is not a mapping with a list of ``rows``.
+            ValueError: ``data`` is not a mapping with a list of ``rows``, or a row is not
+                one (``ReportRow.from_dict``).
         """
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise ValueError(
@@ -163,7 +149,7 @@ class PrecisionReport:
                 f"returns), got {type(data).__name__}"
             )
         return cls(
-            rows=[dict(row) for row in data["rows"]],
+            rows=[ReportRow.from_dict(row) for row in data["rows"]],
             skipped_steps=data.get("skipped_steps"),
             baseline_bytes_per_param=data.get("baseline_bytes_per_param", FP32_ADAM_BYTES_PER_PARAM),
             activation_bytes_per_token=data.get("activation_bytes_per_token"),
@@ -179,12 +165,10 @@ class PrecisionReport:
         if isinstance(top, bool) or not isinstance(top, int) or top < 1:
             raise ValueError(f"highlights(top={top!r}) is not valid; use an int >= 1")
         rows = self.rows
-        fp8_rows = [row for row in rows if row["fp8"]]
-        tables = [row["name"] for row in rows if row["note"] == _LOW_BIT_TABLE_NOTE]
-        kept = [
-            row for row in rows if row["note"] and row["note"] != _LOW_BIT_TABLE_NOTE and row["layer"] != "Fp8Experts"
-        ]
-        shown = ", ".join(f"{row['name']} ({row['note']})" for row in kept[:top])
+        fp8_rows = [row for row in rows if row.fp8]
+        tables = [row.name for row in rows if row.note == _LOW_BIT_TABLE_NOTE]
+        kept = [row for row in rows if row.note and row.note != _LOW_BIT_TABLE_NOTE and row.layer != "Fp8Experts"]
+        shown = ", ".join(f"{row.name} ({row.note})" for row in kept[:top])
         shown += f" and {len(kept) - top} more" if len(kept) > top else ""
         line = f"FP8: {100 * self.fp8_share:.1f}% of parameters in {len(fp8_rows)} FP8 layers"
         if not fp8_rows and kept:
@@ -196,41 +180,38 @@ class PrecisionReport:
         if tables:
             line += f"; FP16 tables with FP8 gradients: {', '.join(tables)}"
         lines = [line]
-        for key, label in (("underflow", "underflow"), ("saturated", "saturation")):
-            hot = sorted((row for row in fp8_rows if row[key]), key=lambda row: -row[key])[:top]
+        for label, share in (("underflow", attrgetter("underflow")), ("saturation", attrgetter("saturated"))):
+            hot = sorted((row for row in fp8_rows if share(row)), key=lambda row: -share(row))[:top]
             if hot:
-                lines.append(
-                    f"{label} hot spots: "
-                    + ", ".join(f"{row['name']} {100 * row[key]:.2g}%" for row in hot)
-                )
+                lines.append(f"{label} hot spots: " + ", ".join(f"{row.name} {100 * share(row):.2g}%" for row in hot))
             elif fp8_rows:
                 lines.append(f"{label}: none")
-        moved = [row for row in fp8_rows if row.get("moves")]
+        moved = [row for row in fp8_rows if row.moves]
         if moved:
-            lines.append("GEMMs moved: " + ", ".join(f"{row['name']} ({row['gemms']})" for row in moved[:top])
+            lines.append("GEMMs moved: " + ", ".join(f"{row.name} ({row.gemms})" for row in moved[:top])
                          + (f" and {len(moved) - top} more" if len(moved) > top else ""))
-        total = sum(row["bytes"] for row in rows)
-        biggest = sorted(rows, key=lambda row: -row["bytes"])[:top]
+        total = sum(row.bytes for row in rows)
+        biggest = sorted(rows, key=lambda row: -row.bytes)[:top]
         if total:
             lines.append(
                 "largest: "
-                + ", ".join(
-                    f"{row['name']} {human_bytes(row['bytes'])} ({100 * row['bytes'] / total:.0f}%)"
-                    for row in biggest
-                )
+                + ", ".join(f"{row.name} {human_bytes(row.bytes)} ({100 * row.bytes / total:.0f}%)" for row in biggest)
             )
         return lines
 
     def moves(self) -> list[dict[str, Any]]:
         """Every move ``amp8.Controller`` made, over all layers, by step (each a dict:
         step, layer, before, after, reason)."""
-        found = [move for row in self.rows for move in (row.get("moves") or [])]
-        return sorted(found, key=lambda move: move["step"])
+        return [dataclasses.asdict(move) for move in self._moves()]
+
+    def _moves(self) -> list[Move]:
+        """The moves of ``moves()``, as ``Move``s."""
+        return sorted((move for row in self.rows for move in row.moves or ()), key=lambda move: move.step)
 
     def to_dict(self) -> dict[str, Any]:
         """Rows and totals as plain Python data."""
         return {
-            "rows": self.rows,
+            "rows": [row.to_dict() for row in self.rows],
             "bytes_per_param": self.bytes_per_param,
             "fp8_bytes_per_param": self.fp8_bytes_per_param,
             "frozen_bytes_per_param": self.frozen_bytes_per_param(),
@@ -252,10 +233,10 @@ class PrecisionReport:
         console = console or default_console()
         folded = fold_rows(self.rows)
         if full or len(folded) == len(self.rows):  # nothing to fold: every row as it is
-            print_table(self.rows, self.moves(), self.summary(), self.highlights(), console)
+            print_table(self.rows, self._moves(), self.summary(), self.highlights(), console)
             print_operands(self.rows, console, fold=False)
         else:
-            print_folded(folded, self.moves(), self.summary(), console, _LOW_BIT_TABLE_NOTE)
+            print_folded(folded, self._moves(), self.summary(), console, _LOW_BIT_TABLE_NOTE)
             print_operands(self.rows, console)
 
     def plot(self, path: str | Path, by: str | None = None) -> Path:
@@ -274,13 +255,13 @@ class PrecisionReport:
     def summary(self) -> str:
         """One line: parameters, FP8 share, bytes/param against the FP32-Adam baseline."""
         baseline, total = self.baseline_bytes_per_param, self.bytes_per_param
-        numel = sum(row["numel"] for row in self.rows)
+        numel = sum(row.numel for row in self.rows)
         text = f"{numel:,} parameters, {100 * self.fp8_share:.1f}% in FP8 layers; {total:.2f} bytes/param"
         if self.fp8_share:
             text += f" ({self.fp8_bytes_per_param:.2f} over FP8 layers)"
         if total:
             text += f" vs {baseline} for FP32 Adam ({baseline / total:.2f}x less)"
-        frozen = sum(row["numel"] for row in self.rows if row.get("frozen"))
+        frozen = sum(row.numel for row in self.rows if row.frozen)
         if frozen:
             text += f"; {frozen:,} frozen at {self.frozen_bytes_per_param():.2f} bytes/param"
         if self.activation_bytes_per_token is not None:
@@ -288,12 +269,6 @@ class PrecisionReport:
         if self.skipped_steps is not None:
             text += f"; skipped (overflow) steps: {self.skipped_steps}"
         return text + "."
-
-
-_STATS = (
-    "granularity", "gemms", "moves", "scale", "scale_min", "scale_max", "amax", "underflow", "saturated",
-    "format", "block",
-)
 
 
 def _stored_dtype(param: torch.Tensor) -> torch.dtype:
@@ -332,7 +307,7 @@ def report(
             grad_dtype = None if grad is None else grad.dtype
             grad_bytes = 0 if grad is None else grad.nbytes  # FP8 data + scales, while there is one
             weight_bytes = handle.nbytes
-            stats: dict[str, Any] = dict.fromkeys(_STATS)
+            stats = NO_CAST
             if fp8_layer is not None:
                 has_master = "master" in state.get(param, {})  # a frozen weight has none
                 real = optimizer.master_weight(param) if has_master else fp8_layer.read_weight()  # type: ignore[union-attr]
@@ -343,7 +318,7 @@ def report(
             grad_dtype = None if param.grad is None else param.grad.dtype
             grad_bytes = _nbytes(param.grad)
             weight_bytes = param.nbytes
-            stats = dict.fromkeys(_STATS)
+            stats = NO_CAST
         param_state = state.get(param, {})
         state_bytes = sum(_nbytes(v) for v in param_state.values() if torch.is_tensor(v))
 
@@ -351,22 +326,22 @@ def report(
             value = param_state.get(key)
             return short_name(value.dtype) if torch.is_tensor(value) else None
 
-        rows.append({
-            "name": name,
-            "shape": list(param.shape),
-            "numel": param.numel(),
-            "layer": type(module).__name__,
-            "fp8": fp8_layer is not None or isinstance(module, Fp8Experts),
-            "note": note,
-            "weight": short_name(_stored_dtype(param)),
-            "grad": FROZEN if not param.requires_grad else short_name(grad_dtype),
-            "frozen": not param.requires_grad,
-            "master": state_dtype("master"),
-            "exp_avg": state_dtype("exp_avg"),
-            "exp_avg_sq": state_dtype("exp_avg_sq"),
-            **stats,
-            "operands": None if fp8_layer is None else operand_health(fp8_layer),
-            "bytes": weight_bytes + grad_bytes + state_bytes,
-        })
+        rows.append(ReportRow(
+            name=name,
+            shape=tuple(param.shape),
+            numel=param.numel(),
+            layer=type(module).__name__,
+            fp8=fp8_layer is not None or isinstance(module, Fp8Experts),
+            note=note,
+            weight=short_name(_stored_dtype(param)),
+            grad=FROZEN if not param.requires_grad else short_name(grad_dtype),
+            frozen=not param.requires_grad,
+            master=state_dtype("master"),
+            exp_avg=state_dtype("exp_avg"),
+            exp_avg_sq=state_dtype("exp_avg_sq"),
+            **stats.fields(),
+            operands=None if fp8_layer is None else operand_health(fp8_layer),
+            bytes=weight_bytes + grad_bytes + state_bytes,
+        ))
     skipped = getattr(optimizer, "skipped_steps", None)
     return PrecisionReport(rows=rows, skipped_steps=skipped, activation_bytes_per_token=activation_bytes_per_token)

@@ -15,6 +15,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from amp8.monitor.report_row import ReportRow
+
 MIN_FOLD = 3
 """The fewest names that fold into one entry: two blocks stay two rows, as they read best."""
 
@@ -25,7 +27,7 @@ SAME_ROLE_KEYS = (
     "shape", "layer", "fp8", "note", "weight", "grad", "frozen", "master", "exp_avg", "exp_avg_sq",
     "granularity", "gemms", "format", "block",
 )
-"""Report row fields that must agree for rows to fold together: what is stored and how
+"""``ReportRow`` fields that must agree for rows to fold together: what is stored and how
 the layer's GEMMs run. The numbers (scales, amax, underflow, saturation, bytes) may
 differ; a folded entry gives their spread."""
 
@@ -101,7 +103,7 @@ class FoldedRow:
     """Report rows of one role over repeated blocks (or one row alone)."""
 
     name: str
-    rows: tuple[dict[str, Any], ...]
+    rows: tuple[ReportRow, ...]
 
     @property
     def count(self) -> int:
@@ -109,13 +111,13 @@ class FoldedRow:
         return len(self.rows)
 
     @property
-    def first(self) -> dict[str, Any]:
+    def first(self) -> ReportRow:
         """The first row it folds (the fields in ``SAME_ROLE_KEYS`` are the same in all)."""
         return self.rows[0]
 
     def values(self, key: str) -> list[float]:
-        """The rows' values of ``key`` that are not None, in row order."""
-        return [row[key] for row in self.rows if row.get(key) is not None]
+        """The rows' values of the field ``key`` that are not None, in row order."""
+        return [value for value in (getattr(row, key) for row in self.rows) if value is not None]
 
     def spread(self, key: str) -> tuple[float, float, float] | None:
         """(min, median, max) of ``key`` over the rows, or None where no row has one."""
@@ -125,26 +127,26 @@ class FoldedRow:
     def worst(self, key: str) -> str | None:
         """The name of the row with the largest ``key`` (the first, on a tie), or None
         where no row has a value above zero."""
-        rows = [row for row in self.rows if (row.get(key) or 0) > 0]
-        return max(rows, key=lambda row: row[key])["name"] if rows else None
+        rows = [row for row in self.rows if (getattr(row, key) or 0) > 0]
+        return max(rows, key=lambda row: getattr(row, key)).name if rows else None
 
     @property
     def numel(self) -> int:
         """Parameters over the rows."""
-        return sum(row["numel"] for row in self.rows)
+        return sum(row.numel for row in self.rows)
 
     @property
     def bytes(self) -> int:
         """Bytes over the rows."""
-        return sum(row["bytes"] for row in self.rows)
+        return sum(row.bytes for row in self.rows)
 
 
-def _role_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(repr(row.get(key)) for key in SAME_ROLE_KEYS)
+def _role_key(row: ReportRow) -> tuple[Any, ...]:
+    return tuple(repr(getattr(row, key)) for key in SAME_ROLE_KEYS)
 
 
-def fold_rows(rows: list[dict[str, Any]], min_fold: int = MIN_FOLD) -> list[FoldedRow]:
+def fold_rows(rows: list[ReportRow], min_fold: int = MIN_FOLD) -> list[FoldedRow]:
     """A precision report's ``rows`` folded over repeated blocks (see the module
     docstring), in the order each group first appears."""
-    entries = fold_names([row["name"] for row in rows], [_role_key(row) for row in rows], min_fold)
+    entries = fold_names([row.name for row in rows], [_role_key(row) for row in rows], min_fold)
     return [FoldedRow(entry.name, tuple(rows[position] for position in entry.members)) for entry in entries]

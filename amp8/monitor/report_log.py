@@ -23,8 +23,6 @@ from amp8.monitor.report import report
 DEFAULT_EVERY = 100
 """Optimizer steps between records."""
 
-_LAYER_KEYS = ("amax", "underflow", "saturated", "gemms")
-
 
 def _finite(value: Any) -> Any:
     """``value`` with non-finite floats as strings ("inf", "nan"), so the line is JSON."""
@@ -41,8 +39,9 @@ def report_record(model: nn.Module, optimizer: torch.optim.Optimizer | None, ste
     where they were watched."""
     precision = report(model, optimizer)
     layers = {
-        row["name"]: {key: row[key] for key in _LAYER_KEYS} | ({"operands": row["operands"]} if row["operands"] else {})
-        for row in precision.rows if row["fp8"] and row["amax"] is not None
+        row.name: {"amax": row.amax, "underflow": row.underflow, "saturated": row.saturated, "gemms": row.gemms}
+        | ({"operands": row.operands} if row.operands else {})
+        for row in precision.rows if row.fp8 and row.amax is not None
     }
     return _finite({
         "step": step,

@@ -17,16 +17,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from amp8.monitor.operand_health import TENSORS, casts_of
+from amp8.monitor.operand_health import CastTensor, casts_of
 from amp8.monitor.report_fold import pattern_of
+from amp8.monitor.report_row import ReportRow
 
 BY = ("sqnr", "health")
 
 
-def _is_gemm_weight(row: dict[str, Any]) -> bool:
+def _is_gemm_weight(row: ReportRow) -> bool:
     """An FP8 layer's weight, or the weight of a GEMM layer kept in high precision."""
-    return row["name"].endswith("weight") and len(row["shape"]) == 2 and (
-        row["fp8"] or (row["note"] is not None and row["layer"] not in ("LowBitEmbedding", "Embedding"))
+    return row.name.endswith("weight") and len(row.shape) == 2 and (
+        row.fp8 or (row.note is not None and row.layer not in ("LowBitEmbedding", "Embedding"))
     )
 
 
@@ -41,52 +42,53 @@ def _place(name: str) -> tuple[str, str]:
     return block, tail.lstrip(".").replace("{}", "*")
 
 
-def heatmap_cells(rows: list[dict[str, Any]], by: str) -> dict[str, Any]:
+def heatmap_cells(rows: list[ReportRow], by: str) -> dict[str, Any]:
     """The heatmap's data: ``rows`` and ``columns`` (labels), ``values`` (a list per row,
     NaN where a cell has no value), ``high`` and ``moved`` (the (row, column) cells so
     marked)."""
     if by not in BY:
         raise ValueError(f"by={by!r} is not one of {BY}")
     layers = [row for row in rows if _is_gemm_weight(row)]
-    watched = any(row.get("operands") for row in layers)
-    tensors = TENSORS if watched else ("weight",)
+    watched = any(row.operands for row in layers)
+    tensors = tuple(CastTensor) if watched else (CastTensor.WEIGHT,)
     blocks: list[str] = []
     roles: list[str] = []
     for row in layers:
-        block, role = _place(row["name"])
+        block, role = _place(row.name)
         blocks += [block] if block not in blocks else []
         roles += [role] if role not in roles else []
-    columns = [f"{role or 'layer'} {tensor}".strip() if watched else (role or "layer") for role in roles for tensor in tensors]
+    columns = [f"{role or 'layer'} {tensor.value}".strip() if watched else (role or "layer")
+               for role in roles for tensor in tensors]
     values = [[math.nan] * len(columns) for _ in blocks]
     high: list[tuple[int, int]] = []
     moved: list[tuple[int, int]] = []
     for row in layers:
-        block, role = _place(row["name"])
+        block, role = _place(row.name)
         r = blocks.index(block)
         for t, tensor in enumerate(tensors):
             c = roles.index(role) * len(tensors) + t
-            if not row["fp8"]:
+            if not row.fp8:
                 high.append((r, c))
                 continue
-            if row.get("moves"):
+            if row.moves:
                 moved.append((r, c))
             values[r][c] = _value(row, tensor, by)
     return {"rows": blocks, "columns": columns, "values": values, "high": high, "moved": moved}
 
 
-def _value(row: dict[str, Any], tensor: str, by: str) -> float:
+def _value(row: ReportRow, tensor: CastTensor, by: str) -> float:
     """One cell: the worst SQNR (dB) of the casts of ``tensor``, or the larger share
     flushed or clipped (percent), as ``by`` says."""
-    casts = casts_of(row.get("operands"), tensor)
+    casts = casts_of(row.operands, tensor)
     if by == "sqnr":
         return min((values["sqnr_db"] for values in casts), default=math.nan)
     if casts:
         return 100 * max(max(values["underflow"], values["saturated"]) for values in casts)
-    shares = [row[key] for key in ("underflow", "saturated") if row.get(key) is not None]
+    shares = [share for share in (row.underflow, row.saturated) if share is not None]
     return 100 * max(shares) if shares else math.nan
 
 
-def plot_report(rows: list[dict[str, Any]], path: str | Path, by: str | None = None, title: str = "") -> Path:
+def plot_report(rows: list[ReportRow], path: str | Path, by: str | None = None, title: str = "") -> Path:
     """Draw ``rows`` (``PrecisionReport.rows``) as the heatmap (see the module
     docstring) into the PNG at ``path``; ``by`` is "sqnr" where operands were watched,
     else "health", unless given. Returns the path.
@@ -95,7 +97,7 @@ def plot_report(rows: list[dict[str, Any]], path: str | Path, by: str | None = N
         ModuleNotFoundError: when matplotlib is not installed, saying how to get it.
         ValueError: an unknown ``by``, or "sqnr" without watched operands.
     """
-    watched = any(row.get("operands") for row in rows)
+    watched = any(row.operands for row in rows)
     by = by or ("sqnr" if watched else "health")
     if by == "sqnr" and not watched:
         raise ValueError("by='sqnr' needs the operands' health: run a step inside amp8.watch_operands(model) first")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from amp8.config.controller import Move
+from amp8.monitor.report_row import ReportRow
 from amp8.monitor.weight_stats import SHORT_DTYPES
 
 def human_bytes(count: float) -> str:
@@ -15,11 +17,11 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} GiB"
 
 
-def _cell(row: dict[str, Any], key: str) -> str:
-    """The display text of one cell."""
-    value = row[key]
+def _cell(row: ReportRow, key: str) -> str:
+    """The display text of the cell of ``row``'s field ``key``."""
+    value = getattr(row, key)
     if key == "bytes":
-        return f"{value / row['numel']:.2f}"
+        return f"{value / row.numel:.2f}"
     if key == "shape":
         return "x".join(map(str, value))
     if value is None:
@@ -29,7 +31,7 @@ def _cell(row: dict[str, Any], key: str) -> str:
     if key in ("scale", "amax"):
         return f"{value:.3g}"
     if key == "scale_min":
-        return f"{value:.3g}..{row['scale_max']:.3g}"
+        return f"{value:.3g}..{row.scale_max:.3g}"
     return SHORT_DTYPES.get(value, str(value))
 
 
@@ -44,23 +46,21 @@ _COLUMNS = (
 _ALWAYS_SHOWN = {"name", "shape", "layer", "weight", "grad", "bytes"}
 _NUMERIC = {"scale", "scale_min", "amax", "underflow", "saturated", "bytes"}
 
-def visible_columns(rows: list[dict[str, Any]], moves: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """The (title, row key) of each column worth showing for ``rows``: a column where some
+def visible_columns(rows: list[ReportRow], moves: list[Move]) -> list[tuple[str, str]]:
+    """The (title, row field) of each column worth showing for ``rows``: a column where some
     row has a value (no "master" before O3), the scale range where some tensor has scales
     finer than per tensor, the GEMMs' precision where some layer's differs from its
     recipe (or the controller ``moves`` made)."""
     columns = [(title, key) for title, key in _COLUMNS
-               if key in _ALWAYS_SHOWN or any(row[key] is not None for row in rows)]
-    if all(row["granularity"] in (None, "tensorwise") for row in rows):
+               if key in _ALWAYS_SHOWN or any(getattr(row, key) is not None for row in rows)]
+    if all(row.granularity in (None, "tensorwise") for row in rows):
         columns = [(title, key) for title, key in columns if key != "scale_min"]
-    if not moves and all(row.get("gemms") in (None, row["granularity"]) for row in rows):
+    if not moves and all(row.gemms in (None, row.granularity) for row in rows):
         columns = [(title, key) for title, key in columns if key != "gemms"]
     return columns
 
 
-def print_table(
-    rows: list[dict[str, Any]], moves: list[dict[str, Any]], summary: str, highlights: list[str], console: Any
-) -> None:
+def print_table(rows: list[ReportRow], moves: list[Move], summary: str, highlights: list[str], console: Any) -> None:
     """Print a precision report's ``rows`` (``PrecisionReport.rows``) on ``console`` as a
     rich table, one row per tensor, with notes, the controller's ``moves``, the
     ``summary`` line and the ``highlights`` below it."""
@@ -74,8 +74,8 @@ def print_table(
     notes: list[str] = []
     for row in rows:
         cells = {key: _cell(row, key) for _, key in columns}
-        if row["note"]:
-            notes.append(f"{row['name']}: {row['note']}")
+        if row.note:
+            notes.append(f"{row.name}: {row.note}")
             cells["layer"] += f" [{len(notes)}]"
         table.add_row(*cells.values())
     console.print(table)
@@ -83,7 +83,7 @@ def print_table(
         console.print(f"[{index}] {note}", highlight=False, markup=False)
     for move in moves:
         console.print(
-            f"step {move['step']}: {move['layer']} {move['before']} -> {move['after']} ({move['reason']})",
+            f"step {move.step}: {move.layer} {move.before} -> {move.after} ({move.reason})",
             highlight=False, markup=False,
         )
     console.print(summary, highlight=False)

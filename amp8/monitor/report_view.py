@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp8.monitor.operand_health import TENSORS, casts_of
+from amp8.config.controller import Move
+from amp8.monitor.operand_health import CastTensor, casts_of
 from amp8.monitor.report_fold import MIN_FOLD, FoldedRow, fold_names, fold_rows
+from amp8.monitor.report_row import ReportRow
 from amp8.monitor.report_table import human_bytes, visible_columns
 from amp8.monitor.weight_stats import SHORT_DTYPES
 
@@ -46,7 +48,7 @@ def _cell(entry: FoldedRow, key: str) -> str:
     if key == "bytes":
         return f"{entry.bytes / entry.numel:.2f}" if entry.numel else "-"
     if key == "shape":
-        return "x".join(map(str, row["shape"]))
+        return "x".join(map(str, row.shape))
     if key in _SPREAD:
         spread = entry.spread(key)
         if spread is None:
@@ -57,7 +59,7 @@ def _cell(entry: FoldedRow, key: str) -> str:
         if key in _PERCENT and median == low:  # most blocks at the least: the range says it
             return f"{_number(key, low, False)}-{_number(key, high)}"
         return f"{_number(key, median)} ({_number(key, low, False)}-{_number(key, high, False)})"
-    value = row.get(key)
+    value = getattr(row, key)
     return "-" if value is None else SHORT_DTYPES.get(value, str(value))
 
 
@@ -71,21 +73,20 @@ def _worst_block(entry: FoldedRow, key: str) -> str | None:
     return name[: len(name) - len(role)].rstrip(".")
 
 
-def attention_lines(folded: list[FoldedRow], moves: list[dict[str, Any]], table_note: str | None = None,
+def attention_lines(folded: list[FoldedRow], moves: list[Move], table_note: str | None = None,
                     top: int = TOP) -> list[str]:
     """What needs a look, a line each: the roles kept in high precision with the reason,
     the low-bit embedding tables (rows whose note is ``table_note``), the underflow and
     saturation hot spots (the worst block named), the controller's moves (folded over
     blocks), the largest roles by bytes."""
-    tables = [entry.name for entry in folded if entry.first["note"] == table_note]
-    kept = [entry for entry in folded
-            if entry.first["note"] and not entry.first["fp8"] and entry.first["note"] != table_note]
-    lines = [f"high precision: {entry.name}: {entry.first['note']}" for entry in kept[: 2 * top]]
+    tables = [entry.name for entry in folded if entry.first.note == table_note]
+    kept = [entry for entry in folded if entry.first.note and not entry.first.fp8 and entry.first.note != table_note]
+    lines = [f"high precision: {entry.name}: {entry.first.note}" for entry in kept[: 2 * top]]
     if len(kept) > 2 * top:
         lines.append(f"and {len(kept) - 2 * top} more kept in high precision (print(full=True) names each)")
     if tables:
         lines.append(f"FP16 tables with FP8 gradients: {', '.join(tables)}")
-    fp8 = [entry for entry in folded if entry.first["fp8"]]
+    fp8 = [entry for entry in folded if entry.first.fp8]
     for key, label in (("underflow", "underflow"), ("saturated", "saturation")):
         hot = sorted((entry for entry in fp8 if entry.worst(key)), key=lambda entry: -entry.spread(key)[2])  # type: ignore[index]
         if not hot:
@@ -109,12 +110,12 @@ def attention_lines(folded: list[FoldedRow], moves: list[dict[str, Any]], table_
     return lines
 
 
-def _move_lines(moves: list[dict[str, Any]], top: int) -> list[str]:
+def _move_lines(moves: list[Move], top: int) -> list[str]:
     """The controller's moves, those of one step, change and reason folded over blocks."""
     if not moves:
         return []
-    kinds = [(move["step"], move["before"], move["after"], move["reason"]) for move in moves]
-    entries = fold_names([move["layer"] for move in moves], kinds)
+    kinds = [(move.step, move.before, move.after, move.reason) for move in moves]
+    entries = fold_names([move.layer for move in moves], kinds)
     lines = []
     for entry in entries[:top]:
         step, before, after, reason = kinds[entry.members[0]]
@@ -138,7 +139,7 @@ _STORED_TITLES = {"weight": "w", "grad": "g", "master": "master", "exp_avg": "m"
 def _columns(visible: list[tuple[str, str]], granularities: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """The default view's columns, from the full table's ``visible`` ones: without the
     per-tensor scales and the layer class, the stored dtypes in one column ("stored"),
-    the granularity where the FP8 layers' ``granularities`` differ. Also the row keys
+    the granularity where the FP8 layers' ``granularities`` differ. Also the row fields
     the "stored" column joins."""
     stored = [key for _, key in visible if key in _STORED]
     shown = []
@@ -150,7 +151,7 @@ def _columns(visible: list[tuple[str, str]], granularities: set[str]) -> tuple[l
     return shown, stored
 
 
-def print_folded(folded: list[FoldedRow], moves: list[dict[str, Any]], summary: str, console: Any,
+def print_folded(folded: list[FoldedRow], moves: list[Move], summary: str, console: Any,
                  table_note: str | None = None) -> None:
     """Print a precision report's rows, ``folded`` (``fold_rows``), on ``console`` as the
     default view (see the module docstring), with the controller's ``moves``, the
@@ -160,7 +161,7 @@ def print_folded(folded: list[FoldedRow], moves: list[dict[str, Any]], summary: 
     from rich.table import Table
 
     rows = [row for entry in folded for row in entry.rows]
-    granularities = {row["granularity"] for row in rows if row["granularity"] is not None}
+    granularities = {row.granularity for row in rows if row.granularity is not None}
     columns, stored = _columns(visible_columns(rows, moves), granularities)
     line = f"amp8 precision report: {summary}"
     if len(granularities) == 1:
@@ -192,14 +193,14 @@ def print_folded(folded: list[FoldedRow], moves: list[dict[str, Any]], summary: 
         console.print("  every tensor: print(full=True), amp8 report --full", highlight=False, markup=False)
 
 
-_TITLES = dict(zip(TENSORS, ("input", "weight", "grad", "wgrad")))
+_TITLES = dict(zip(CastTensor, ("input", "weight", "grad", "wgrad")))
 """Each tensor's column title in the operands table."""
 
 
-def _operand_cells(entry: FoldedRow, tensor: str) -> tuple[str, str]:
+def _operand_cells(entry: FoldedRow, tensor: CastTensor) -> tuple[str, str]:
     """(worst SQNR in dB, the largest shares flushed to zero and clipped, in percent) of
     the casts of ``tensor`` over ``entry``'s layers and the GEMM operands it feeds."""
-    signals = [values for row in entry.rows for values in casts_of(row.get("operands"), tensor)]
+    signals = [values for row in entry.rows for values in casts_of(row.operands, tensor)]
     if not signals:
         return "-", "-"
     sqnr = min(values["sqnr_db"] for values in signals)
@@ -208,7 +209,7 @@ def _operand_cells(entry: FoldedRow, tensor: str) -> tuple[str, str]:
     return f"{sqnr:.1f}", f"{100 * flushed:.2g} / {100 * clipped:.2g}"
 
 
-def print_operands(rows: list[dict[str, Any]], console: Any, fold: bool = True) -> None:
+def print_operands(rows: list[ReportRow], console: Any, fold: bool = True) -> None:
     """Print the GEMM operands' health of the FP8 layers that were watched (rows with
     ``operands``), a row per layer role with repeated blocks folded (``fold``) or per
     layer: for the input, the weight, the output gradient and the FP8 weight gradient, the
@@ -217,7 +218,7 @@ def print_operands(rows: list[dict[str, Any]], console: Any, fold: bool = True) 
     from rich import box
     from rich.table import Table
 
-    watched = [row for row in rows if row.get("operands")]
+    watched = [row for row in rows if row.operands]
     if not watched:
         return
     table = Table(title="GEMM operands, last watched: worst SQNR (dB), largest % flushed / clipped",
@@ -228,5 +229,5 @@ def print_operands(rows: list[dict[str, Any]], console: Any, fold: bool = True) 
         table.add_column(f"{title} %", justify="right", no_wrap=True)
     for entry in fold_rows(watched, min_fold=MIN_FOLD if fold else len(watched) + 1):
         name = entry.name.removesuffix(".weight")
-        table.add_row(name, *(cell for tensor in TENSORS for cell in _operand_cells(entry, tensor)))
+        table.add_row(name, *(cell for tensor in CastTensor for cell in _operand_cells(entry, tensor)))
     console.print(table)

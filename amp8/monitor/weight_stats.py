@@ -5,10 +5,12 @@ clipped, and under microscaling the format and block (``weight_cast_stats``)."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from amp8.config.controller import Move
 from amp8.config.formats import E8M0, FP4_MAX, is_fp4, max_value, short_name
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import TensorRole
@@ -24,15 +26,42 @@ _ROUNDING = 2.0**-20
 """Relative slack for float32 rounding when checking whether a scaled value exceeds the max."""
 
 
-def weight_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WeightCastStats:
+    """The FP8 cast of one layer's weight and how the layer's GEMMs run: the fields of a
+    precision report row (``amp8.monitor.report_row.ReportRow``) of that name; all None
+    for a parameter that is no FP8 layer's weight (``NO_CAST``)."""
+
+    granularity: str | None = None
+    gemms: str | None = None
+    moves: tuple[Move, ...] | None = None
+    scale: float | None = None
+    scale_min: float | None = None
+    scale_max: float | None = None
+    amax: float | None = None
+    underflow: float | None = None
+    saturated: float | None = None
+    format: str | None = None
+    block: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The stats by field name (the moves as they are), to build a report row from."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+NO_CAST = WeightCastStats()
+"""The stats of a parameter that no FP8 layer casts."""
+
+
+def weight_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> WeightCastStats:
     """Granularity, scales, amax, underflow and saturation of the FP8 cast of ``weight``,
     the layer's real weight (its master weight where the optimizer keeps one), in the
-    weight Parameter's shape."""
+    weight Parameter's shape, and how the layer's GEMMs run."""
     stored_fp8 = layer.weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if layer.weight_transposed and (layer.quantizers.weight.rule.microscaled or not stored_fp8):
         weight = weight.t()  # the GEMMs cast W, (N, K), from the Parameter's W^T
     if layer.quantizers.weight.rule.microscaled:
-        return {**_microscaled_cast_stats(layer, weight), **_gemm_fields(layer)}
+        return _microscaled_cast_stats(layer, weight)
     if stored_fp8:
         scale, weight_amax = layer.stored_weight.scale, scaling.amax(weight)
         block_size = layer.block_size
@@ -47,26 +76,20 @@ def weight_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
     underflow = (nonzero & (cast.float() == 0)).sum() / nonzero.sum().clamp(min=1)
     # The amax element lands on the max up to float32 rounding (448.00003): not a clip.
     saturated = (scaled.abs() > max_value(dtype) * (1 + _ROUNDING)).float().mean()
-    return {
-        "granularity": layer.recipe.granularity.value,
-        **_gemm_fields(layer),
-        "scale": float(scale) if scale.numel() == 1 else None,
-        "scale_min": float(scale.amin()),
-        "scale_max": float(scale.amax()),
-        "amax": float(weight_amax),
-        "underflow": float(underflow),
-        "saturated": float(saturated),
-        "format": None,
-        "block": None,
-    }
+    return WeightCastStats(
+        granularity=layer.recipe.granularity.value,
+        gemms=layer.gemm_description,
+        moves=tuple(layer.gemm_moves),
+        scale=float(scale) if scale.numel() == 1 else None,
+        scale_min=float(scale.amin()),
+        scale_max=float(scale.amax()),
+        amax=float(weight_amax),
+        underflow=float(underflow),
+        saturated=float(saturated),
+    )
 
 
-def _gemm_fields(layer: Fp8Linear) -> dict[str, Any]:
-    """How the layer's GEMMs run now and the controller's moves of it, as report fields."""
-    return {"gemms": layer.gemm_description, "moves": [dataclasses.asdict(move) for move in layer.gemm_moves]}
-
-
-def _microscaled_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str, Any]:
+def _microscaled_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> WeightCastStats:
     """``weight_cast_stats`` of a microscaled layer: its forward GEMM's cast of ``weight``,
     the format (elements, block-scale dtype), the block and the range of the scales (as
     amp8 scales: ``element = real * scale``)."""
@@ -80,14 +103,15 @@ def _microscaled_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> dict[str,
     saturated = (scaled > element_max * (1 + _ROUNDING)).float().mean()
     elements = "e2m1" if is_fp4(cast.dtype) else SHORT_DTYPES[short_name(cast.dtype)]
     block_scales = "e8m0" if cast.scales.dtype == E8M0 else SHORT_DTYPES[short_name(cast.scales.dtype)]
-    return {
-        "granularity": layer.recipe.granularity.value,
-        "scale": None,
-        "scale_min": float(scales.amin()) if scales.numel() else None,
-        "scale_max": float(scales.amax()) if scales.numel() else None,
-        "amax": float(scaling.amax(weight)),
-        "underflow": float(underflow),
-        "saturated": float(saturated),
-        "format": f"{layer.recipe.microscaling.value} {elements}/{block_scales}",
-        "block": "x".join(map(str, cast.tile)),
-    }
+    return WeightCastStats(
+        granularity=layer.recipe.granularity.value,
+        gemms=layer.gemm_description,
+        moves=tuple(layer.gemm_moves),
+        scale_min=float(scales.amin()) if scales.numel() else None,
+        scale_max=float(scales.amax()) if scales.numel() else None,
+        amax=float(scaling.amax(weight)),
+        underflow=float(underflow),
+        saturated=float(saturated),
+        format=f"{layer.recipe.microscaling.value} {elements}/{block_scales}",
+        block="x".join(map(str, cast.tile)),
+    )

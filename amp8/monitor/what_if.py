@@ -23,6 +23,7 @@ from torch import nn
 
 from amp8.config.recipe import GRANULARITY_LADDER, Granularity, Recipe
 from amp8.monitor.console import default_console
+from amp8.monitor.operand_health import GEMM_TENSORS, CastTensor
 from amp8.monitor.report_fold import fold_names
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.nn.linear import Fp8Linear
@@ -34,7 +35,6 @@ WHAT_IF_RECIPES = ("tensorwise", "rowwise", "deepseek", "mxfp8", "nvfp4")
 weight blocks)."""
 
 CURRENT = "current"
-_TENSORS = {"input": TensorRole.INPUT, "weight": TensorRole.WEIGHT, "grad output": TensorRole.GRAD_OUTPUT}
 
 
 def _sqnr_db(quantizer: Quantizer, x: torch.Tensor) -> float:
@@ -71,7 +71,7 @@ class WhatIf:
         median layer's gain in dB)``. A recipe that gains alike everywhere (E4M3
         gradients over E5M2 ones, say) stands out nowhere."""
         found: dict[str, tuple[str, float, float]] = {}
-        for tensor in _TENSORS:
+        for tensor in (tensor.value for tensor in GEMM_TENSORS):
             gains = {name: tensors[tensor][recipe] - tensors[tensor][CURRENT]
                      for name, tensors in self.layers.items() if tensor in tensors}
             finite = [gain for gain in gains.values() if math.isfinite(gain)]
@@ -157,11 +157,14 @@ def _casts(layer: Fp8Linear, role: TensorRole) -> dict[str, Quantizer]:
             **{name: Quantizer(CastRule.for_role(Recipe.preset(name), role)) for name in WHAT_IF_RECIPES}}
 
 
-def _record(found: WhatIf, name: str, layer: Fp8Linear, tensor: str, x: torch.Tensor) -> None:
+def _record(found: WhatIf, name: str, layer: Fp8Linear, tensor: CastTensor, x: torch.Tensor) -> None:
+    """Record into ``found`` the SQNR of each cast of ``x``, ``layer``'s ``tensor`` (one
+    of ``GEMM_TENSORS``)."""
     with torch.no_grad():
         rows = x.detach().reshape(-1, x.shape[-1])
-        found.layers.setdefault(name, {})[tensor] = {
-            recipe: _sqnr_db(quantizer, rows) for recipe, quantizer in _casts(layer, _TENSORS[tensor]).items()
+        casts = _casts(layer, tensor.role)  # type: ignore[arg-type]
+        found.layers.setdefault(name, {})[tensor.value] = {
+            recipe: _sqnr_db(quantizer, rows) for recipe, quantizer in casts.items()
         }
 
 
@@ -170,13 +173,13 @@ def _hook(found: WhatIf, name: str, layer: Fp8Linear) -> list[Any]:
     (backward) into ``found``; returns the hooks' handles."""
 
     def before(module: nn.Module, args: tuple[Any, ...]) -> None:
-        _record(found, name, layer, "input", args[0])
+        _record(found, name, layer, CastTensor.INPUT, args[0])
         weight = layer.read_weight()  # type: ignore[operator]
-        _record(found, name, layer, "weight", weight.t() if layer.weight_transposed else weight)
+        _record(found, name, layer, CastTensor.WEIGHT, weight.t() if layer.weight_transposed else weight)
 
     def after(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         if output.requires_grad:
-            output.register_hook(lambda grad: _record(found, name, layer, "grad output", grad))
+            output.register_hook(lambda grad: _record(found, name, layer, CastTensor.GRAD_OUTPUT, grad))
 
     return [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
 

@@ -470,9 +470,9 @@ def test_the_report_shows_each_layers_gemms_and_moves() -> None:
     model, optimizer, controller = _build(LADDER)
     _train(model, optimizer, 4)
     precision = amp8.report(model, optimizer)
-    rows = {row["name"]: row for row in precision.rows}
-    assert rows["0.weight"]["gemms"] == "rowwise, wgrad outliers high"
-    assert [move["after"] for move in rows["0.weight"]["moves"]] == ["rowwise", "rowwise, wgrad outliers high"]
+    rows = {row.name: row for row in precision.rows}
+    assert rows["0.weight"].gemms == "rowwise, wgrad outliers high"
+    assert [move.after for move in rows["0.weight"].moves] == ["rowwise", "rowwise, wgrad outliers high"]
     assert len(precision.moves()) == len(controller.moves)
     assert any(line.startswith("GEMMs moved: 0.weight (rowwise, wgrad outliers high)") for line in precision.highlights())
     from rich.console import Console

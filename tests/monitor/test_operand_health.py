@@ -35,17 +35,17 @@ def test_a_watched_step_gives_each_operands_sqnr_within_a_tenth_of_a_db(recipe: 
     inputs: dict[str, torch.Tensor] = {}
     layer = model[2]
     layer.register_forward_pre_hook(lambda module, args: inputs.setdefault("x", args[0].detach()))
-    assert all(row["operands"] is None for row in amp8.report(model, optimizer).rows), "nothing before a watch"
+    assert all(row.operands is None for row in amp8.report(model, optimizer).rows), "nothing before a watch"
     x = torch.randn(32, 64) * torch.logspace(-2, 2, 64)
     with amp8.watch_operands(model) as watched:
         _step(model, optimizer, x)
     assert watched == [model[0], model[2]] and not layer.watch_health, "the layers watch as before"
-    row = next(row for row in amp8.report(model, optimizer).rows if row["name"] == "2.weight")
-    fprop_input = row["operands"]["fprop input"]
+    row = next(row for row in amp8.report(model, optimizer).rows if row.name == "2.weight")
+    fprop_input = row.operands["fprop input"]
     direct = layer.quantizers.input.cast(inputs["x"]).dequantize()
     assert fprop_input["sqnr_db"] == pytest.approx(scaling.sqnr(inputs["x"], direct), abs=0.1)
     assert fprop_input["amax"] == pytest.approx(float(inputs["x"].abs().max()))
-    assert set(row["operands"]) >= {"fprop input", "fprop weight", "dgrad grad output", "wgrad input"}
+    assert set(row.operands) >= {"fprop input", "fprop weight", "dgrad grad output", "wgrad input"}
 
 
 def test_watching_changes_no_result_bit_for_bit() -> None:
@@ -88,6 +88,6 @@ def test_the_fp8_weight_gradients_cast_is_watched_too(monkeypatch: pytest.Monkey
         out = model(torch.randn(32, 64))
         out.pow(2).mean().backward()
     value, stored = seen[tuple(model[2].weight.shape)]
-    row = next(row for row in amp8.report(model, optimizer).rows if row["name"] == "2.weight")
-    assert row["operands"]["weight gradient"]["sqnr_db"] == pytest.approx(scaling.sqnr(value, stored), abs=0.1)
-    assert row["operands"]["weight gradient"]["amax"] == pytest.approx(float(value.abs().max()))
+    row = next(row for row in amp8.report(model, optimizer).rows if row.name == "2.weight")
+    assert row.operands["weight gradient"]["sqnr_db"] == pytest.approx(scaling.sqnr(value, stored), abs=0.1)
+    assert row.operands["weight gradient"]["amax"] == pytest.approx(float(value.abs().max()))

@@ -26,17 +26,17 @@ def _trained(level: str = "O1") -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def test_rows_show_what_is_stored() -> None:
     model, optimizer = _trained()
-    rows = {row["name"]: row for row in amp8.report(model, optimizer).rows}
+    rows = {row.name: row for row in amp8.report(model, optimizer).rows}
     fp8_weight = rows["0.weight"]
-    assert (fp8_weight["weight"], fp8_weight["grad"], fp8_weight["master"]) == ("float16", "float8_e4m3fn", None)
-    assert (fp8_weight["exp_avg"], fp8_weight["exp_avg_sq"]) == ("float32", "float32")
-    assert fp8_weight["fp8"] and fp8_weight["layer"] == "Fp8Linear" and fp8_weight["note"] is None
-    assert rows["0.bias"]["weight"] == "float32" and not rows["0.bias"]["fp8"]
-    assert rows["4.weight"]["note"] == "out_features=10 is not a multiple of 16"
-    assert rows["3.weight"]["layer"] == "LayerNorm"
+    assert (fp8_weight.weight, fp8_weight.grad, fp8_weight.master) == ("float16", "float8_e4m3fn", None)
+    assert (fp8_weight.exp_avg, fp8_weight.exp_avg_sq) == ("float32", "float32")
+    assert fp8_weight.fp8 and fp8_weight.layer == "Fp8Linear" and fp8_weight.note is None
+    assert rows["0.bias"].weight == "float32" and not rows["0.bias"].fp8
+    assert rows["4.weight"].note == "out_features=10 is not a multiple of 16"
+    assert rows["3.weight"].layer == "LayerNorm"
     # 2 (FP16 weight) + 1 (FP8 grad) + 8 (FP32 m, v), plus the scales and the step counters.
-    numel = fp8_weight["numel"]
-    assert fp8_weight["bytes"] == numel * 11 + 4 + 4 + 4
+    numel = fp8_weight.numel
+    assert fp8_weight.bytes == numel * 11 + 4 + 4 + 4
     report = amp8.report(model, optimizer)
     assert 11.0 < report.fp8_bytes_per_param < 11.01
     assert report.skipped_steps == 0
@@ -47,19 +47,19 @@ def test_report_reads_tensors_not_the_table() -> None:
     model(torch.randn(4, 32)).sum().backward()
     row = amp8.report(model, optimizer).rows[0]
     # FP16 weight, FP8 gradient, FP32 m and v: 2 + 1 + 8 bytes, plus 3 scales.
-    assert row["grad"] == "float8_e4m3fn" and row["bytes"] == row["numel"] * 11 + 4 + 4 + 4
+    assert row.grad == "float8_e4m3fn" and row.bytes == row.numel * 11 + 4 + 4 + 4
     model[0].weight_grad = None
     row = amp8.report(model, optimizer).rows[0]
-    assert row["grad"] is None, "a cleared gradient must show as None"
+    assert row.grad is None, "a cleared gradient must show as None"
     # A cleared FP8 gradient frees its bytes, as param.grad = None does.
-    assert row["bytes"] == row["numel"] * 10 + 4 + 4
+    assert row.bytes == row.numel * 10 + 4 + 4
 
 
 def test_o0_report_is_plain_fp32() -> None:
     model, optimizer = _trained("O0")
     report = amp8.report(model, optimizer)
     assert report.fp8_share == 0
-    assert all(row["weight"] == "float32" and row["scale"] is None for row in report.rows)
+    assert all(row.weight == "float32" and row.scale is None for row in report.rows)
     assert report.skipped_steps is None
     assert report.bytes_per_param == pytest.approx(16, abs=0.2)
 
@@ -73,9 +73,9 @@ def test_underflow_and_saturation_are_counted() -> None:
     layer.amax_history.zero_()
     layer.amax_history[1, 0] = 0.5  # delayed scale made for amax 0.5: every 1.0 saturates
     row = amp8.report(model).rows[0]
-    assert row["scale"] == pytest.approx(max_value(E4M3) / 0.5)
-    assert row["underflow"] == pytest.approx(4 / weight.numel())
-    assert row["saturated"] == pytest.approx((weight.numel() - 4) / weight.numel())
+    assert row.scale == pytest.approx(max_value(E4M3) / 0.5)
+    assert row.underflow == pytest.approx(4 / weight.numel())
+    assert row.saturated == pytest.approx((weight.numel() - 4) / weight.numel())
 
 
 def test_json_and_print() -> None:
@@ -96,13 +96,13 @@ def test_json_and_print() -> None:
 def test_o3_report_measures_the_master_weights_cast_to_fp8() -> None:
     model, optimizer = _trained("O3")
     row = amp8.report(model, optimizer).rows[0]
-    assert (row["weight"], row["master"], row["exp_avg"], row["exp_avg_sq"]) == (
+    assert (row.weight, row.master, row.exp_avg, row.exp_avg_sq) == (
         "float8_e4m3fn", "float16", "float8_e4m3fn", "float16",
     )
     master = optimizer.master_weight(model[0].weight)
-    assert row["amax"] == pytest.approx(float(master.abs().max()))
-    tiny = master.abs() * row["scale"] < 2.0**-10  # below half the smallest E4M3 subnormal
-    assert row["underflow"] == pytest.approx(float((tiny & (master != 0)).sum()) / master.numel(), abs=1e-3)
+    assert row.amax == pytest.approx(float(master.abs().max()))
+    tiny = master.abs() * row.scale < 2.0**-10  # below half the smallest E4M3 subnormal
+    assert row.underflow == pytest.approx(float((tiny & (master != 0)).sum()) / master.numel(), abs=1e-3)
 
 
 def test_highlights_name_hot_spots_and_the_largest_tensors() -> None:
@@ -136,7 +136,7 @@ def test_tied_weight_row_says_why_it_stays_high_precision() -> None:
     with pytest.warns(UserWarning, match="runs no layer in FP8"):
         model, _ = amp8.initialize(model, recipe=amp8.Recipe())
     (row,) = amp8.report(model).rows
-    assert row["layer"] == "Embedding" and row["note"] == "weight is shared (0.weight, 1.weight)"
+    assert row.layer == "Embedding" and row.note == "weight is shared (0.weight, 1.weight)"
 
 
 class _Scaled(nn.Linear):
@@ -162,7 +162,7 @@ def test_every_gemm_layer_kept_high_has_a_reason(level: str) -> None:
     model = _kept_kinds()
     with pytest.warns(UserWarning, match="in high precision"):
         model, _ = amp8.initialize(model, opt_level=level, recipe=amp8.Recipe(), module_filter=lambda m, fqn: fqn != "excluded")
-    notes = {row["name"]: row["note"] for row in amp8.report(model).rows if row["name"].endswith("weight")}
+    notes = {row.name: row.note for row in amp8.report(model).rows if row.name.endswith("weight")}
     assert notes["fp8.weight"] is None
     assert notes["subclass.weight"].startswith("_Scaled (an nn.Linear subclass) overrides forward")
     assert notes["conv_small.weight"] == "out_features=10 is not a multiple of 16"

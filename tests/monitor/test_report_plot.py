@@ -50,7 +50,7 @@ def test_cells_are_blocks_by_roles_and_tensors_with_the_high_layers_marked() -> 
     assert cells["rows"] == ["blocks.0", "blocks.1", "blocks.2", "head"]
     assert cells["columns"][:4] == ["up input", "up weight", "up grad output", "up weight gradient"]
     assert len(cells["columns"]) == 12
-    up_input = next(row for row in report.rows if row["name"] == "blocks.1.up.weight")["operands"]
+    up_input = next(row for row in report.rows if row.name == "blocks.1.up.weight").operands
     assert cells["values"][1][0] == min(v["sqnr_db"] for k, v in up_input.items() if k.endswith("input"))
     assert cells["high"] == [(3, 8), (3, 9), (3, 10), (3, 11)] and all(math.isnan(v) for v in cells["values"][3])
     health = heatmap_cells(report.rows, "health")
@@ -61,8 +61,8 @@ def test_without_watched_operands_the_cells_are_the_weights_casts() -> None:
     report = _report(2, watch=False)
     cells = heatmap_cells(report.rows, "health")
     assert cells["columns"] == ["up", "down", "layer"]
-    row = next(row for row in report.rows if row["name"] == "blocks.0.down.weight")
-    assert cells["values"][0][1] == 100 * max(row["underflow"], row["saturated"])
+    row = next(row for row in report.rows if row.name == "blocks.0.down.weight")
+    assert cells["values"][0][1] == 100 * max(row.underflow, row.saturated)
     with pytest.raises(ValueError, match="watch_operands"):
         report.plot("unused.png", by="sqnr")
     with pytest.raises(ValueError, match="by='size'"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from rich.console import Console
@@ -73,10 +75,11 @@ def test_a_32_layer_llama_prints_within_60_lines_at_120_columns() -> None:
 def test_a_folded_row_gives_the_spread_over_blocks_and_names_the_worst() -> None:
     model, optimizer = _llama(4)
     report = amp8.report(model, optimizer)
-    rows = [row for row in report.rows if row["name"].endswith("mlp.down_proj.weight")]
-    rows[2]["underflow"] = 0.25  # block 2's down_proj flushes a quarter of its weights
+    rows = [row for row in report.rows if row.name.endswith("mlp.down_proj.weight")]
+    # block 2's down_proj flushes a quarter of its weights
+    report.rows[report.rows.index(rows[2])] = dataclasses.replace(rows[2], underflow=0.25)
     (entry,) = [entry for entry in fold_rows(report.rows) if entry.name.endswith("mlp.down_proj.weight")]
-    amaxes = sorted(row["amax"] for row in rows)
+    amaxes = sorted(row.amax for row in rows)
     assert entry.count == 4 and entry.spread("amax") == (amaxes[0], (amaxes[1] + amaxes[2]) / 2, amaxes[3])
     assert entry.worst("underflow") == "model.layers.2.mlp.down_proj.weight"
     text = " ".join(_printed(report).split())

@@ -40,7 +40,9 @@ def test_the_step_trains_bit_for_bit_as_without_it() -> None:
     assert len(found.layers) == 8 and set(found.layers["0"]) == {"input", "weight", "grad output"}
     for left, right in zip(plain, watched):
         assert torch.equal(left, right)
-    assert all(not layer._forward_pre_hooks for layer in model.modules()), "the hooks are gone"
+    found.layers.clear()
+    _step(model, x)
+    assert found.layers == {}, "the hooks are gone: a step after the block records nothing"
 
 
 def test_each_sqnr_is_a_direct_quantize_dequantize_of_the_live_tensor() -> None:
@@ -116,9 +118,12 @@ def test_a_block_without_an_fp8_step_says_what_to_run(capsys: pytest.CaptureFixt
 def test_a_block_is_entered_once_and_unhooks_on_an_error() -> None:
     model = _model(depth=2)
     block = amp8.what_if(model)
-    with pytest.raises(ZeroDivisionError), block:
+    with pytest.raises(ZeroDivisionError), block as found:
         model(torch.randn(4, 64))
         1 / 0  # noqa: B018
-    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in model.modules())
+    assert set(found.layers["0"]) == {"input", "weight"}, "the forward inside the block was recorded"
+    found.layers.clear()
+    _step(model, torch.randn(4, 64))
+    assert found.layers == {}, "the hooks are gone: a step after the block records nothing"
     with pytest.raises(RuntimeError, match=r"call amp8\.what_if\(model\) again"), block:
         pass

@@ -221,7 +221,7 @@ def test_high_precision_layers_stay_nn_linear() -> None:
     model, _ = amp8.initialize(model, None, "O1", recipe=recipe)
     assert isinstance(model[0], Fp8Linear)
     assert type(model[2]) is nn.Linear and type(model[4]) is nn.Linear
-    notes = {row["name"]: row["note"] for row in amp8.report(model).rows}
+    notes = {row.name: row.note for row in amp8.report(model).rows}
     assert notes["0.weight"] is None
     assert notes["2.weight"] == "matches Recipe.high_precision_layers pattern '2*'"
     assert notes["4.weight"] == "matches Recipe.high_precision_layers pattern '4'"
@@ -259,14 +259,14 @@ def test_report_shows_format_block_and_scale_range(name, fmt, block) -> None:
     train_steps(model, optimizer, _batches(1))
     report = amp8.report(model, optimizer)
     row = report.rows[0]
-    assert (row["format"], row["block"]) == (fmt, block)
-    assert 0 < row["scale_min"] <= row["scale_max"]
+    assert (row.format, row.block) == (fmt, block)
+    assert 0 < row.scale_min <= row.scale_max
     if name == "mxfp8":  # E8M0 scales: powers of two
-        assert row["scale_min"] == 2.0 ** round(torch.tensor(row["scale_min"]).log2().item())
+        assert row.scale_min == 2.0 ** round(torch.tensor(row.scale_min).log2().item())
     console = Console(record=True, width=250)
     report.print(console)
     text = console.export_text()
-    assert fmt in text and block in text and f"{row['scale_min']:.3g}..{row['scale_max']:.3g}" in text
+    assert fmt in text and block in text and f"{row.scale_min:.3g}..{row.scale_max:.3g}" in text
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
@@ -345,7 +345,7 @@ def test_mxfp8_o3_state_takes_fewer_bytes_with_e8m0_scales() -> None:
     # The report counts the bytes as stored: one per E8M0 scale, four per float32 one.
     held = weight_bytes + model[0].weight_grad.nbytes + sum(
         value.nbytes for value in state.values() if torch.is_tensor(value))
-    assert amp8.report(model, optimizer).rows[0]["bytes"] == held
+    assert amp8.report(model, optimizer).rows[0].bytes == held
 
 
 def test_float32_scales_of_an_older_mxfp8_checkpoint_load_exactly() -> None:

@@ -64,16 +64,16 @@ def test_report_says_frozen_and_counts_one_byte_per_frozen_fp8_weight_at_o3(leve
     model = _model()
     model, optimizer = amp8.initialize(model, _optimizer(model, "all"), level)
     _train(model, optimizer, steps=1)
-    rows = {row["name"]: row for row in amp8.report(model, optimizer).rows}
-    assert rows["0.weight"]["grad"] == "frozen" and rows["0.weight"]["frozen"] is True
-    assert rows["0.bias"]["grad"] == "frozen"
-    assert rows["2.weight"]["frozen"] is False and rows["2.weight"]["grad"] != "frozen"
+    rows = {row.name: row for row in amp8.report(model, optimizer).rows}
+    assert rows["0.weight"].grad == "frozen" and rows["0.weight"].frozen is True
+    assert rows["0.bias"].grad == "frozen"
+    assert rows["2.weight"].frozen is False and rows["2.weight"].grad != "frozen"
     frozen = model[0]
     weight_bytes = frozen.stored_weight.data.nbytes + frozen.weight_scale.nbytes
-    assert rows["0.weight"]["bytes"] == weight_bytes, "a frozen weight holds its storage and scales only"
+    assert rows["0.weight"].bytes == weight_bytes, "a frozen weight holds its storage and scales only"
     if level == "O3":  # one byte per element plus one float32 scale per row
-        assert rows["0.weight"]["bytes"] == WIDTH * WIDTH + 4 * WIDTH
-        assert rows["0.weight"]["bytes"] / (WIDTH * WIDTH) <= 1.1
+        assert rows["0.weight"].bytes == WIDTH * WIDTH + 4 * WIDTH
+        assert rows["0.weight"].bytes / (WIDTH * WIDTH) <= 1.1
 
 
 @pytest.mark.parametrize("level", LEVELS)

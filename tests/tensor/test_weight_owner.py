@@ -289,6 +289,6 @@ def test_the_float32_values_of_an_init_chain_are_counted_until_the_next_forward(
     with torch.no_grad():
         model[0].weight.uniform_(-1.0, 1.0).mul_(0.1)
     assert handle.nbytes == stored + 4 * model[0].weight.numel()
-    assert amp8.report(model, optimizer).rows[0]["bytes"] >= handle.nbytes
+    assert amp8.report(model, optimizer).rows[0].bytes >= handle.nbytes
     model(torch.randn(2, 32))
     assert handle.nbytes == stored

@@ -125,8 +125,8 @@ def test_o1_swaps_every_projection_but_not_the_tied_head() -> None:
     fp8 = [name for name, module in model.named_modules() if isinstance(module, Fp8Linear)]
     assert len(fp8) == 4 * PRESETS["tiny"].n_layer and "head" not in fp8
     report = amp8.report(model)
-    row = next(row for row in report.rows if row["name"] == "tok_emb.weight")
-    assert "shared" in row["note"]
+    row = next(row for row in report.rows if row.name == "tok_emb.weight")
+    assert "shared" in row.note
 
 
 @pytest.mark.parametrize(
