@@ -50,7 +50,7 @@ from amp8.optim.support import (
 from amp8.quant import noise
 from amp8.tensor.stored import StoredWeight, stored_weight
 
-DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; see the note in DESIGN.md
+DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; the measurements behind it are in docs/decisions.md
 # From this many parameter elements on, fused=None compiles the step on the CPU too.
 FUSED_CPU_MIN_ELEMENTS = 1 << 22
 
