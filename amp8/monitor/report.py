@@ -339,7 +339,7 @@ def report(
             master=state_dtype("master"),
             exp_avg=state_dtype("exp_avg"),
             exp_avg_sq=state_dtype("exp_avg_sq"),
-            **stats.fields(),
+            **stats.cast_fields(),
             operands=None if fp8_layer is None else operand_health(fp8_layer),
             bytes=weight_bytes + grad_bytes + state_bytes,
         ))

@@ -18,8 +18,34 @@ FROZEN = "frozen"
 """The grad field of a parameter with ``requires_grad=False``."""
 
 
+@dataclass(frozen=True)
+class WeightCastStats:
+    """What the FP8 cast of one layer's weight does to it and how the layer's GEMMs run
+    (``amp8.monitor.weight_stats.weight_cast_stats``): the fields of that name of a
+    ``ReportRow``; all None for a parameter that is no FP8 layer's weight."""
+
+    granularity: str | None = None
+    gemms: str | None = None
+    moves: tuple[Move, ...] | None = None
+    scale: float | None = None
+    scale_min: float | None = None
+    scale_max: float | None = None
+    amax: float | None = None
+    underflow: float | None = None
+    saturated: float | None = None
+    format: str | None = None
+    block: str | None = None
+
+    def cast_fields(self) -> dict[str, Any]:
+        """The stats by field name (the moves as they are), to build a report row from."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(WeightCastStats)}
+
+
+_CAST_FIELDS = tuple(field.name for field in dataclasses.fields(WeightCastStats))
+
+
 @dataclass(frozen=True, kw_only=True)
-class ReportRow:
+class ReportRow(WeightCastStats):
     """What is really stored for one parameter, read off the tensors.
 
     Attributes:
@@ -65,24 +91,15 @@ class ReportRow:
     master: str | None = None
     exp_avg: str | None = None
     exp_avg_sq: str | None = None
-    granularity: str | None = None
-    gemms: str | None = None
-    moves: tuple[Move, ...] | None = None
-    scale: float | None = None
-    scale_min: float | None = None
-    scale_max: float | None = None
-    amax: float | None = None
-    underflow: float | None = None
-    saturated: float | None = None
-    format: str | None = None
-    block: str | None = None
     operands: dict[str, dict[str, float]] | None = None
     bytes: int
 
     def to_dict(self) -> dict[str, Any]:
         """The row as plain data (lists for the shape and the moves, each move a dict:
         step, layer, before, after, reason)."""
-        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        own = [field.name for field in dataclasses.fields(self) if field.name not in _CAST_FIELDS]
+        at = own.index("operands")  # the cast's fields sit before the operands' health
+        data = {name: getattr(self, name) for name in own[:at] + list(_CAST_FIELDS) + own[at:]}
         data["shape"] = list(self.shape)
         data["moves"] = None if self.moves is None else [dataclasses.asdict(move) for move in self.moves]
         return data

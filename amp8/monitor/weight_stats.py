@@ -4,16 +4,13 @@ clipped, and under microscaling the format and block (``weight_cast_stats``)."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from amp8.config.controller import Move
 from amp8.config.formats import E8M0, FP4_MAX, is_fp4, max_value, short_name
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import TensorRole
+from amp8.monitor.report_row import WeightCastStats
 from amp8.quant import scaling
 
 SHORT_DTYPES = {
@@ -24,29 +21,6 @@ SHORT_DTYPES = {
 
 _ROUNDING = 2.0**-20
 """Relative slack for float32 rounding when checking whether a scaled value exceeds the max."""
-
-
-@dataclass(frozen=True)
-class WeightCastStats:
-    """The FP8 cast of one layer's weight and how the layer's GEMMs run: the fields of a
-    precision report row (``amp8.monitor.report_row.ReportRow``) of that name; all None
-    for a parameter that is no FP8 layer's weight (``NO_CAST``)."""
-
-    granularity: str | None = None
-    gemms: str | None = None
-    moves: tuple[Move, ...] | None = None
-    scale: float | None = None
-    scale_min: float | None = None
-    scale_max: float | None = None
-    amax: float | None = None
-    underflow: float | None = None
-    saturated: float | None = None
-    format: str | None = None
-    block: str | None = None
-
-    def fields(self) -> dict[str, Any]:
-        """The stats by field name (the moves as they are), to build a report row from."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
 NO_CAST = WeightCastStats()

@@ -95,7 +95,7 @@ def _shared_storage(copied: nn.Module, original: nn.Module) -> list[str]:
     """Names of the copy's parameters and buffers that share storage with the original's
     (an FP8 layer's weight: its stored tensor)."""
     def address(tensor: torch.Tensor) -> int:
-        return (tensor._data if isinstance(tensor, ScaledWeight) else tensor).untyped_storage().data_ptr()
+        return (tensor.stored().data if isinstance(tensor, ScaledWeight) else tensor).untyped_storage().data_ptr()
     pointers = {address(t) for t in [*original.parameters(), *original.buffers()]}
     named = [*copied.named_parameters(), *copied.named_buffers()]
     return [name for name, t in named if address(t) in pointers]

@@ -252,7 +252,7 @@ def test_tying_after_initialize_names_the_order_that_works(level: str) -> None:
 def test_the_scales_are_no_buffer_and_the_compact_form_keeps_them() -> None:
     model, _ = _initialized("O3")
     assert not any(name.endswith("weight_scale") for name, _ in model.named_buffers())
-    assert isinstance(model[0], Fp8Linear) and model[0].weight_scale is model[0].weight._scale
+    assert isinstance(model[0], Fp8Linear) and model[0].weight_scale is model[0].weight.stored().scale
     with amp8.compact_state_dict(model):
         state = model.state_dict()
     assert state["0.weight_scale"].equal(model[0].weight_scale)
