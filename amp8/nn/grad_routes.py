@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp8.tensor.stored import StoredWeight, requiring_grad
+from amp8.tensor.stored import StoredWeight
+from amp8.tensor.stored_grad import requiring_grad
 from amp8.tensor.weight_grad import GradLayout, WeightGrad, WeightGradInFlight
 
 

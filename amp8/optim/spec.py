@@ -15,7 +15,8 @@ from amp8.optim import state as state_storage
 from amp8.optim.arithmetic import Decay, decay_of
 from amp8.optim.state import MASTER, MOMENTS
 from amp8.quant.codec import FLOAT32, Layout
-from amp8.tensor.stored import FP16_LAYOUT, StoredWeight
+from amp8.tensor.stored import StoredWeight
+from amp8.tensor.stored_layout import FP16_LAYOUT
 from amp8.tensor.weight_grad import GradLayout, WeightGrad
 
 GradParts = tuple[torch.Tensor, torch.Tensor | None, GradLayout | None]

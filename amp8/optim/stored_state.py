@@ -19,7 +19,8 @@ from amp8.optim.arithmetic import unless_skipped
 from amp8.quant import noise
 from amp8.quant.codec import Layout
 from amp8.tensor.scaled import local_tensor
-from amp8.tensor.stored import FP16_LAYOUT, StoredWeight, encode_fp16
+from amp8.tensor.stored import StoredWeight
+from amp8.tensor.stored_layout import FP16_LAYOUT, encode_fp16
 
 
 class StoredState:

@@ -237,7 +237,7 @@ class WeightGrad(WeightGradDispatch):
 
 class WeightGradInFlight(WeightGrad):
     """A ``WeightGrad`` that torch.compile can trace: the gradient a compiled backward
-    returns, and the sinks it returns it to (see ``amp8.nn.stored_module``). It becomes
+    returns, and the sinks it returns it to (see ``amp8.nn.grad_routes``). It becomes
     a ``WeightGrad`` (``at_rest()``) before it reaches a Parameter."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
