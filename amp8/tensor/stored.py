@@ -243,8 +243,9 @@ class StoredWeight(StorageLayout, LocalRows, WritePath, GradHome):
 
     def read(self) -> torch.Tensor:
         """The weight's real values in float32 (this rank's rows of a sharded weight,
-        outside forward and backward)."""
-        return self.stored().dequantize()
+        outside forward and backward), decoded by the storage codec (``layout``)."""
+        stored = self.stored()
+        return self.layout.decode(stored.data, stored.scale)
 
     def delayed_scaling_state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's ``(amax_history, scale)`` buffers under delayed scaling (which ranks
