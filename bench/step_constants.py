@@ -8,7 +8,7 @@ the JSON's ``h100_model.calibrated`` says which comes from which):
   2.71 TB/s), 28 bytes a parameter, of which the counter sees the 16 read
   (``step_model.add_modeled_bytes`` adds the 12 written); the aten kernels of amp8's
   optimizer step (FP8 gradients copied, their bytes' maxima) move 1.09 TB/s there;
-- integer operations: amp8's update kernels beyond their bytes, per level (0.40-0.64 ps);
+- integer operations: amp8's update kernels beyond their bytes, per level (0.40-0.63 ps);
 - kernels: 1.5 us, the median small kernel of those steps; graph calls 0.45 ms of host.
 They are measured once, with the counts of the code the H100 records ran
 (``RECORDED_CODE``: ``python bench/step_profile.py --preset gpt-1b --measure``), and later
@@ -135,7 +135,7 @@ def measured_int_op_s(model: H100Model, record: dict[str, Any], counted: list[di
     (``update_kernel_seconds``) and the counts of the same steps (``counted``): the kernels'
     time beyond the update graph's bytes at ``model.bandwidth``, over its integer operations.
     The levels' updates differ by more than their counted operations: 0.40, 0.52 and
-    0.64 ps at O1, O2 and O3 on the H100, with O2 and O3 counted alike."""
+    0.63 ps at O1, O2 and O3 on the H100, with O2 and O3 counted alike."""
     costs = {}
     for row, run in _counted_steps(record, counted):
         update = run["stretches"][-1]  # the update runs after the finite check's sync
