@@ -21,8 +21,8 @@ from amp8.tensor.weight_grad import GradLayout, WeightGrad
 
 GradParts = tuple[torch.Tensor, torch.Tensor | None, GradLayout | None]
 """A gradient as stored: ``(data, scales, its GradLayout)``, or ``(float gradient, None,
-None)``; ``grad_codec`` gives its codec layout (a step reads thousands: no layout is
-built per gradient and step)."""
+None)``; ``grad_codec`` gives its codec layout (the gradient carries its GradLayout, so
+reading thousands of gradients a step builds no layout object per gradient)."""
 
 
 class StepKind(str, Enum):

@@ -35,7 +35,6 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
-_STREAM_MULTIPLIER = 0x9E3779B9  # 2**32 / golden ratio: spreads small stream numbers over the word
 _UNIFORM_BITS = 24  # float32 holds every multiple of 2**-24 in [0, 1) exactly
 
 Word = TypeVar("Word", int, torch.Tensor)
@@ -110,15 +109,6 @@ def draw_key(seed_part: Word, counter: Word) -> Word:
     bits, eagerly and inside ``torch.compile``."""
     key = hash32((counter & _MASK32) ^ seed_part)
     return hash32(((counter >> 32) & _MASK32) ^ key)
-
-
-def stream_key(key: Word, stream: int) -> Word:
-    """The key of noise stream ``stream`` (1, 2, ...) of the draw ``key``: noise for a
-    second tensor rounded in the same update, independent of the first's (element ``i``
-    of both would otherwise get the same bits). ``key`` is an int or an int64 tensor in
-    ``[0, 2**32)``, as ``random_bits`` takes it; so is the result, with the same bits
-    eagerly and inside ``torch.compile``."""
-    return hash32(key ^ _mul32(stream, _STREAM_MULTIPLIER))
 
 
 def random_bits(shape: torch.Size | tuple[int, ...], key: torch.Tensor | int, device: torch.device) -> torch.Tensor:

@@ -75,15 +75,6 @@ class GradHome:
         """How the weight gradient is stored (``GradLayout.for_weight`` of the recipe)."""
         return GradLayout.for_weight(self.recipe, tuple(self.param.shape))
 
-    def grad_tile(self) -> tuple[int, int] | None:
-        """The tile of the weight gradient's scales (``Recipe.weight_grad_scaling``)."""
-        return self.grad_layout.tile
-
-    @property
-    def grad_block_size(self) -> int:
-        """Elements per block edge of the gradient's scales (0 unless they are blocks)."""
-        return self.grad_layout.block_size
-
     def grad(self) -> ScaledTensor | None:
         """The weight gradient as FP8 + scales, or None. Like ``param.grad`` it is live:
         a later backward or clip changes it in place."""
@@ -154,7 +145,7 @@ class GradHome:
 
     @property
     def grad_scale_shape(self) -> torch.Size:
-        """The shape of the gradient's scales (one per ``grad_tile``)."""
+        """The shape of the gradient's scales (one per tile of ``grad_layout``)."""
         return self.grad_layout.scale_shape(tuple(self.param.shape))
 
     def _check_grad(self, value: ScaledTensor) -> None:

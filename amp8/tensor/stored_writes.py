@@ -1,7 +1,7 @@
 """``WritePath``: the part of ``amp8.tensor.stored.StoredWeight`` that every write of the
 weight goes through (``encode``, ``write``, ``store``), keeping its data, scales and, at
 O3, the optimizer's master weight one unit; and where an optimizer keeps the stored data
-and scales (``place``, ``place_scale``) and says it wrote them (``changed``)."""
+and scales (``place``, ``place_scale``) and drops the casts it made stale (``cache_dropper``)."""
 
 from __future__ import annotations
 
@@ -169,14 +169,10 @@ class WritePath:
         if _copied_into(memory, self.stored_scale, "scales"):
             self.set_stored_scale(memory)
 
-    def changed(self) -> None:
-        """Say that the stored tensor or its scales were written in place (by an
-        optimizer step over its memory): the layer drops its cached casts."""
-        self._module.drop_weight_cache()
-
     def cache_dropper(self) -> Callable[[], None]:
-        """What ``changed`` calls, bound to the layer: for a caller that says so of
-        thousands of weights each step (it holds the layer while it keeps this)."""
+        """The layer's ``drop_weight_cache``, for a caller that writes the stored tensor or
+        its scales in place (an optimizer step over its memory) for thousands of weights
+        each step (it holds the layer while it keeps this)."""
         return self._module.drop_weight_cache
 
     def scale_slot(self) -> tuple[dict[str, Any], str]:

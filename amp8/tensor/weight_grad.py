@@ -22,7 +22,6 @@ fakeify a traceable subclass as the ``.grad`` of a plain Parameter). See DESIGN.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -68,20 +67,15 @@ class GradLayout:
         return cls(recipe.weight_grad_dtype, tile, block_size, recipe.margin, recipe.power_of_2_scales)
 
     def codec(self, shape: tuple[int, ...]) -> Layout:
-        """The storage codec's layout of a gradient of ``shape`` at this layout (cached:
-        an optimizer step asks for thousands)."""
-        return _codec(self, tuple(shape))
-
-    def _layout(self, shape: tuple[int, ...]) -> Layout:
-        # Uncached: the backward may run inside torch.compile, which does not trace a cache.
-        return Layout.for_tile(self.dtype, self.tile, shape, margin=self.margin, power_of_2=self.power_of_2)
+        """The storage codec's layout of a gradient of ``shape`` at this layout."""
+        return Layout.for_tile(self.dtype, self.tile, tuple(shape), margin=self.margin, power_of_2=self.power_of_2)
 
     def quantize(self, value: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> ScaledTensor:
         """The float ``value`` in FP8 at this layout, with fresh scales from its amaxes
         (written into ``out``'s data and scales where given). A scale is NaN where its
         tile holds an inf or NaN (the data there are NaN too), so an optimizer tells a
         gradient that must skip its step from the scales alone."""
-        codec = self._layout(tuple(value.shape))
+        codec = self.codec(tuple(value.shape))
         amaxes = codec.amaxes(value)
         scale = codec.scales(amaxes) + amaxes * 0.0  # NaN where the amax is inf or NaN, unchanged elsewhere
         data, scale = codec.encode(value, scale)
@@ -94,11 +88,6 @@ class GradLayout:
     def scale_shape(self, shape: tuple[int, ...]) -> torch.Size:
         """The shape of the scales of a gradient of ``shape`` (one per ``tile``)."""
         return scaling.tile_amax(torch.zeros(shape, device="meta"), self.tile).shape
-
-
-@functools.lru_cache(maxsize=256)
-def _codec(layout: GradLayout, shape: tuple[int, ...]) -> Layout:
-    return layout._layout(shape)
 
 
 def _quantized_parts(layout: GradLayout, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,23 +37,24 @@ def test_compiled_noise_equals_eager() -> None:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("key", [0, 0xFFFFFFFF, noise.rounding_key(3, 5)])
-@pytest.mark.parametrize("stream", [1, 2])
-def test_stream_keys_are_the_same_for_ints_tensors_and_compiled(key: int, stream: int) -> None:
-    """A noise stream's key is one hash of the draw's key: the same word from a Python int,
-    an int64 tensor and inside torch.compile, in range, and another than the draw's own."""
-    from_int = noise.stream_key(key, stream)
-    from_tensor = noise.stream_key(torch.tensor(key, dtype=torch.int64), stream)
-    compiled = torch.compile(lambda k: noise.stream_key(k, stream), backend="aot_eager")
-    assert 0 <= from_int < 2**32 and from_int != key
-    assert int(from_tensor) == from_int == int(compiled(torch.tensor(key, dtype=torch.int64)))
+@pytest.mark.parametrize("key", [0, 0x7FFFFFFF, 0xFFFFFFFF, noise.rounding_key(3, 5)])
+@pytest.mark.parametrize("stream, dropped", [(0, 13), (0, 20), (1, 20), (1, 21)])
+def test_update_noise_fields_are_the_same_eager_and_compiled(key: int, stream: int, dropped: int) -> None:
+    """An update's noise field: the same integers from the eager int32 words and from the
+    int64 words torch.compile computes, each in ``[0, 2**dropped)``."""
+    index = noise.element_index((4, 257), torch.device("cpu"))
+    eager = noise.noise_field(noise.update_words(index, key), stream, dropped)
+    compiled = torch.compile(lambda i, k: noise.noise_field(noise.update_words(i, k), stream, dropped),
+                             backend="aot_eager")(index, torch.tensor(key, dtype=torch.int64))
+    assert torch.equal(eager.long(), compiled.long())
+    assert int(eager.min()) >= 0 and int(eager.max()) < 2**dropped
 
 
-def test_streams_of_one_key_are_uncorrelated() -> None:
-    """Two tensors rounded in one update take streams 0 and 1 of its key: their noise is
-    uncorrelated (under one key, element i of both would get the same bits)."""
-    key = noise.rounding_key(5, 9)
-    first = noise.uniform((100_000,), key, torch.device("cpu"))
-    second = noise.uniform((100_000,), noise.stream_key(key, 1), torch.device("cpu"))
+def test_the_two_fields_of_one_update_word_are_uncorrelated() -> None:
+    """The two tensors one update rounds (weight: field 0, first moment: field 1) take
+    their noise from other bits of the same word: uncorrelated."""
+    words = noise.update_words(noise.element_index((100_000,), torch.device("cpu")), noise.rounding_key(5, 9))
+    first = noise.noise_field(words, 0, 13).double() / 2**13
+    second = noise.noise_field(words, 1, 20).double() / 2**20
     correlation = torch.corrcoef(torch.stack([first, second]))[0, 1]
     assert abs(float(correlation)) < 0.02  # about 6 standard errors of independent noise
