@@ -29,7 +29,7 @@ from torch import nn
 
 from amp8.config.recipe import Recipe
 from amp8.quant.checks import check_loaded_scales
-from amp8.tensor.scaled import ScaledTensor
+from amp8.quant.codec import Layout
 from amp8.tensor.scaled_weight import ScaledWeight
 from amp8.tensor.stored import PLAIN_LOAD_MARK, StoredWeight
 
@@ -143,7 +143,8 @@ def load_stored_weight(
     ):
         handle.store(saved.to(param.device), saved_scale.to(param.device))
         return
-    real = ScaledTensor(saved, saved_scale.to(saved.device), block_size).dequantize()
+    saved_scale = saved_scale.to(saved.device)
+    real = Layout.of_saved(saved, saved_scale, block_size).decode(saved, saved_scale)
     handle.write(real.to(param.device))
     warnings.warn(
         f"amp8: converted {key} from {saved.dtype} to {handle.dtype} storage "

@@ -71,6 +71,23 @@ class Layout:
         return cls(dtype, tiling, tile=tile, margin=margin, power_of_2=power_of_2, scale_dtype=scale_dtype,
                    stream=stream)
 
+    @classmethod
+    def of_saved(cls, data: torch.Tensor, scale: torch.Tensor, block: int) -> "Layout":
+        """The layout of a saved weight's ``data`` and ``scale``, where the checkpoint
+        records only its ``block`` size: a dimension with one scale is one whole tile, one
+        with a scale per element a tile of 1, any other a tile of ``block`` (``decode``
+        checks that the scales tile the data).
+
+        Raises:
+            ValueError: scales of another number of dimensions than the data (and not one).
+        """
+        if scale.dim() == 0:
+            return cls(data.dtype, scale_dtype=scale.dtype)
+        if scale.dim() != data.dim():
+            raise ValueError(f"scales of shape {tuple(scale.shape)} do not fit saved data of shape {tuple(data.shape)}")
+        tile = tuple(1 if count == size else size if count == 1 else block for count, size in zip(scale.shape, data.shape))
+        return cls.for_tile(data.dtype, tile, tuple(data.shape), scale_dtype=scale.dtype)  # type: ignore[arg-type]
+
     @property
     def scaled(self) -> bool:
         """Whether the data carry scales (a low-precision dtype)."""
@@ -156,7 +173,8 @@ class Layout:
             return scale[:, None]
         if self.tiling is Tiling.TILES:
             assert self.tile is not None
-            return scaling.expand_scale(scale, tuple(like.shape), max(self.tile))
+            repeated = [t for t, count, size in zip(self.tile, scale.shape, like.shape) if count not in (1, size)]
+            return scaling.expand_scale(scale, tuple(like.shape), max(repeated, default=1))
         return scale
 
     def _scale_shape(self, values: torch.Tensor) -> torch.Size:

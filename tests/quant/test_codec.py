@@ -1,0 +1,44 @@
+"""The storage codec's layouts: a saved weight's layout read off its scales decodes it
+as the layout that encoded it did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amp8.quant.codec import Layout, Tiling
+from tests.conftest import assert_bitwise_equal
+
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (50, 33), (8, 200)])
+@pytest.mark.parametrize("tile", [None, "row", (1, 32), (32, 32), (16, 16)])
+@pytest.mark.parametrize("dtype", [E4M3, torch.float16])
+def test_a_saved_layout_read_off_its_scales_decodes_as_encoded(
+    shape: tuple[int, int], tile: tuple[int, int] | str | None, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    values = torch.randn(shape) * torch.logspace(-3, 3, shape[1])
+    tile = (1, shape[1]) if tile == "row" else tile
+    layout = Layout.for_tile(dtype, tile, shape)  # type: ignore[arg-type]
+    data, scale = layout.encode(values)
+    assert scale is not None
+    block = 0 if tile is None else max(tile[1], 1) if tile[0] == 1 else tile[0]
+    saved = Layout.of_saved(data, scale, block)
+    assert saved.tiling == layout.tiling
+    assert_bitwise_equal(saved.decode(data, scale), layout.decode(data, scale))
+
+
+def test_row_scales_read_as_rows_and_a_scalar_as_one_scale() -> None:
+    data = torch.zeros(4, 8, dtype=E4M3)
+    assert Layout.of_saved(data, torch.ones(4, 1), 32).tiling is Tiling.ROWS
+    assert Layout.of_saved(data, torch.ones(()), 32) == Layout(E4M3)
+
+
+def test_scales_that_do_not_fit_the_data_are_an_error() -> None:
+    data = torch.zeros(4, 8, dtype=E4M3)
+    with pytest.raises(ValueError, match="do not fit"):
+        Layout.of_saved(data, torch.ones(4), 32)
+    with pytest.raises(ValueError, match="do not tile"):
+        Layout.of_saved(data, torch.ones(3, 1), 32).decode(data, torch.ones(3, 1))
