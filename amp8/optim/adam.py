@@ -335,7 +335,8 @@ class LowBitAdam(Copies, DataParallel, Checkpoints, torch.optim.Optimizer):
     def update_groups(self) -> tuple[UpdateGroup, ...]:
         """The update groups the last step ran (empty before the first step), for
         inspection: each holds its ``key`` (param group, ``UpdateSpec``, row width), its
-        ``members`` and its buffers (``tensors``). A step builds them again when what they
+        ``members`` and its buffers (``tensors``; between steps, the buffers a step fills
+        and empties again show as meta tensors). A step builds them again when what they
         hold changes."""
         return () if self._plan is None else tuple(self._plan.groups)
 

@@ -159,6 +159,14 @@ class UpdateGroup:
         if spec.weight is WeightKind.PLAIN:
             self._step_buffers.append(self.tensors.weight)
         self._step_bytes = [buffer.untyped_storage().nbytes() for buffer in self._step_buffers]
+        # Between steps ``tensors`` shows the step buffers as meta tensors of their shapes:
+        # a tensor whose memory was given back must not be read (torch does not check).
+        self._held = self.tensors
+        self._idle = self.tensors._replace(**{
+            name: torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
+            for name, buffer in self.tensors._asdict().items()
+            if any(buffer is step_buffer for step_buffer in self._step_buffers)
+        })
         # Where a tensor's last row has padding, fresh memory is zeroed: the padding of every
         # buffer stays zero.
         self._padded = sum(member.rows for member in self.members) * width != sum(self._numels)
@@ -289,6 +297,7 @@ class UpdateGroup:
         """Free the step buffers' memory until the next ``gather`` (their views stay)."""
         for buffer in self._step_buffers:
             buffer.untyped_storage().resize_(0)
+        self.tensors = self._idle
 
     def gather(self, inputs: StepInputs) -> bool:
         """Copy this step's gradients (and plain weights) into the buffers, from
@@ -327,6 +336,7 @@ class UpdateGroup:
                 or set(map(_DTYPE, grad_scales)) != {torch.float32} \
                 or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
             return False
+        self.tensors = self._held
         if self._buffer_versions() != self._versions:  # written from outside the optimizer
             self.measure_amaxes()
         self._hold_step_buffers()

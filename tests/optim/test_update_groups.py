@@ -203,13 +203,30 @@ def test_moments_and_weights_live_in_the_group_buffers() -> None:
         used = sum(member.param.numel() for member in group.members)
         assert int(group.tensors.exp_avg.float().ne(0).sum()) <= used
         if group.key.spec.weight is WeightKind.PLAIN:  # copies of the gradients and weights, for a step only
-            assert all(copy.untyped_storage().nbytes() == 0 for copy in (group.tensors.grad, group.tensors.weight))
+            assert all(copy.device.type == "meta" for copy in (group.tensors.grad, group.tensors.weight))
+            assert all(view.untyped_storage().nbytes() == 0 for view in (*group._grad_views, *group._weight_views))
         else:  # the backward wrote each FP8 gradient into the buffer the step read it from
             for member in group.members:
                 data, scale, _ = member.param.grad.parts()
                 assert data._base is group.tensors.grad and scale._base is group.tensors.grad_scale
         rows = group.tensors.exp_avg.shape[0]
         assert rows == sum(-(-member.param.numel() // group.key.width) for member in group.members)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_every_buffer_a_group_shows_between_steps_can_be_read(level: str) -> None:
+    """What ``update_groups`` shows for inspection is safe to read after a step: the
+    buffers that hold copies for one step only show as meta tensors of their shapes, not
+    as tensors whose memory is gone."""
+    model, _ = amp8.initialize(_model(2), None, level, amp8.Recipe())
+    optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), amp8.LEVELS[level])
+    _train([model], [optimizer], steps=2)
+    for group in optimizer.update_groups:
+        repr(group.tensors)
+        for tensor in group.tensors:
+            if tensor is not None and tensor.device.type != "meta":
+                assert tensor.untyped_storage().nbytes() >= tensor.numel() * tensor.element_size()
+                tensor.float().sum()
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
