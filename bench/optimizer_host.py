@@ -5,8 +5,10 @@
 
 Over many small tensors an optimizer step is host work: one Python loop and a dozen
 kernel launches per tensor cost far more than the arithmetic, on the CPU and on a GPU
-alike. Each row times ``optimizer.step()`` (gradients in place, median of repeats, one
-thread) for torch's ``AdamW(fused=True)`` over an FP32 copy of the same parameters and for
+alike. Each row times ``optimizer.step()`` (median of repeats, one thread), each step
+right after an untimed ``zero_grad()``, forward and backward of its model as in training
+(the FP8 gradients land where the step reads them; the layers' cached weight casts are
+there to drop), for torch's ``AdamW(fused=True)`` over an FP32 copy of the same parameters and for
 ``LowBitAdam`` at each level: its default step (update groups over flat buffers, eager)
 and the compiled group step (``fused=True``, compiled outside the timing, where a C++
 compiler is found), each timed in turns with torch's step (a few warm steps of one, then
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from rich.table import Table
@@ -45,46 +47,63 @@ def small_layers(layers: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
 
 
-def with_gradients(model: nn.Module) -> nn.Module:
-    """``model`` after one backward pass (its gradients stay in place for every step)."""
-    model(torch.randn(4, WIDTH)).square().mean().backward()
-    return model
+def backward_pass(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """What runs before each step, as in training: ``optimizer.zero_grad()``, then a
+    forward and a backward of ``model`` (the gradients land where the step reads them,
+    and the FP8 layers cache their weights' casts, which the step then drops)."""
+    batch = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(0))
+
+    def run() -> None:
+        optimizer.zero_grad()
+        model(batch).square().mean().backward()
+
+    return run
 
 
 def amp8_optimizer(layers: int, level: str, **options: Any) -> tuple[nn.Module, LowBitAdam]:
-    """An amp8 model of ``layers`` FP8 layers, gradients in place, and its LowBitAdam."""
+    """An amp8 model of ``layers`` FP8 layers and its LowBitAdam."""
     model, _ = amp8.initialize(small_layers(layers), None, level, layer_selection="all")
     optimizer = LowBitAdam.from_optimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-4), amp8.LEVELS[level], **options
     )
-    return with_gradients(model), optimizer
+    return model, optimizer
+
+
+def counted_step(optimizer: torch.optim.Optimizer, before: Callable[[], None]) -> int:
+    """The aten operations (a compiled graph's call counted as one) of one step after ``before()``."""
+    before()
+    return dispatched_operations(optimizer.step)
 
 
 def row(layers: int, repeats: int, compiled: bool) -> dict[str, Any]:
-    """Milliseconds and operations per step at every level, against torch fused AdamW."""
+    """Milliseconds and operations per step at every level, against torch fused AdamW,
+    each step timed right after its model's backward (``backward_pass``, untimed)."""
     device = torch.device("cpu")
-    reference = with_gradients(small_layers(layers))
+    reference = small_layers(layers)
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=True)
+    torch_before = backward_pass(reference, torch_adamw)
     result: dict[str, Any] = {
         "layers": layers, "parameters": 2 * layers,
-        "torch_fused_adamw_ms": 1e3 * time_call(torch_adamw.step, device, 2, repeats),
-        "torch_fused_adamw_ops": dispatched_operations(torch_adamw.step),
+        "torch_fused_adamw_ms": 1e3 * time_call(torch_adamw.step, device, 2, repeats, before=torch_before),
+        "torch_fused_adamw_ops": counted_step(torch_adamw, torch_before),
     }
     for level in LEVELS:
         variants = {"grouped": {}, "per_tensor": {"grouped": False}}
         if compiled:
             variants["grouped_compiled"] = {"fused": True}
         for name, options in variants.items():
-            _model, optimizer = amp8_optimizer(layers, level, **options)
+            model, optimizer = amp8_optimizer(layers, level, **options)
+            before = backward_pass(model, optimizer)
             if name == "per_tensor":  # seconds a step at 2,000 layers: a few steps, against the first torch time
-                ms = 1e3 * time_call(optimizer.step, device, 1, max(1, repeats // 10))
+                ms = 1e3 * time_call(optimizer.step, device, 1, max(1, repeats // 10), before=before)
                 torch_ms = result["torch_fused_adamw_ms"]
             else:  # timed in turn with torch's step, so the ratio holds on a busy machine
-                torch_s, amp8_s = time_in_turns([torch_adamw.step, optimizer.step], device, max(1, repeats // 3))
+                torch_s, amp8_s = time_in_turns([torch_adamw.step, optimizer.step], device, max(1, repeats // 3),
+                                                befores=[torch_before, before])
                 ms, torch_ms = 1e3 * amp8_s, 1e3 * torch_s
             result[f"{level}_{name}_ms"] = ms
             result[f"{level}_{name}_vs_torch"] = ms / torch_ms
-            result[f"{level}_{name}_ops"] = dispatched_operations(optimizer.step)
+            result[f"{level}_{name}_ops"] = counted_step(optimizer, before)
     return result
 
 

@@ -78,19 +78,28 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats:
 
 
 def time_in_turns(calls: Sequence[Callable[[], Any]], device: torch.device, repeats: int, rounds: int = 3,
-                  warmup: int = 1) -> list[float]:
+                  warmup: int = 1, befores: Sequence[Callable[[], Any] | None] | None = None) -> list[float]:
     """Median wall times of each of ``calls`` in seconds, timed in turns: ``rounds`` times,
     each call in order with ``warmup`` untimed calls then ``repeats`` timed ones. Whatever
     else the machine does meanwhile slows them alike, so their ratios hold where one time
     alone would drift; within a turn each runs warm, with its own data in the caches, as
-    it would alone."""
+    it would alone. ``befores[i]``, where given, runs untimed ahead of every call of
+    ``calls[i]`` (the backward before an optimizer step, say)."""
+    befores = list(befores) if befores is not None else [None] * len(calls)
+    if len(befores) != len(calls):
+        raise ValueError(f"{len(befores)} befores for {len(calls)} calls; give one (or None) per call")
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
-        for fn, spent in zip(calls, times):
+        for fn, before, spent in zip(calls, befores, times):
             for _ in range(warmup):
+                if before is not None:
+                    before()
                 fn()
             synchronize(device)
             for _ in range(repeats):
+                if before is not None:
+                    before()
+                    synchronize(device)
                 start = time.perf_counter()
                 fn()
                 synchronize(device)

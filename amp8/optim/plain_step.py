@@ -25,7 +25,7 @@ _PLAIN_STATE_KEYS = frozenset(("step", *MOMENTS))
 def takes_plain_step(param: nn.Parameter, param_state: dict[str, Any]) -> bool:
     """Whether ``param``'s update is plain float32 Adam: a float32 parameter with a dense
     float32 gradient and float32 moments (no scales), and no master weight."""
-    if param_state.keys() != _PLAIN_STATE_KEYS:  # scales or a master weight beside the moments
+    if len(param_state) != len(_PLAIN_STATE_KEYS) or param_state.keys() != _PLAIN_STATE_KEYS:  # scales or a master
         return False
     grad = param.grad
     return (

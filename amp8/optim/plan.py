@@ -170,34 +170,36 @@ def step_inputs(optimizer: Any) -> StepInputs:
     inputs = StepInputs([], [], [], [])
     params, kinds, grads, states_now = inputs.params, inputs.kinds, inputs.grads, inputs.states
     states, weights, shard_optimizer = optimizer.state, optimizer.weights, optimizer.level.shard_optimizer
-    seen: set[nn.Parameter] = set()
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param_state = states.get(param)
-            grad = None
-            if param in seen:
-                kind = StepKind.SKIP  # listed again: updated once, where it is listed first
-            elif not param_state and not param.requires_grad:
-                kind = StepKind.SKIP  # frozen: no state, no update
+    listed = [param for group in optimizer.param_groups for param in group["params"]]
+    # Only a parameter listed twice needs a set of those seen (ids: hashing a tensor is Python).
+    seen: set[int] | None = set() if len(set(map(id, listed))) != len(listed) else None
+    for param in listed:
+        param_state = states.get(param)
+        grad = None
+        if seen is not None and id(param) in seen:
+            kind = StepKind.SKIP  # listed again: updated once, where it is listed first
+        elif not param_state and not param.requires_grad:
+            kind = StepKind.SKIP  # frozen: no state, no update
+        else:
+            if not param_state:
+                # Frozen when this optimizer was built, trainable since: its state
+                # starts now (at O3 its master from the FP8 weight).
+                param_state = states[param]
+                optimizer.stored.init(param, param_state, None)
+            handle = weights.get(param)
+            if handle is not None and handle.sharded and shard_optimizer:
+                kind = StepKind.SHARDED if optimizer.gradient(param) is not None else StepKind.SKIP
+            elif handle is None and takes_plain_step(param, param_state):
+                kind = StepKind.PLAIN
             else:
-                if not param_state:
-                    # Frozen when this optimizer was built, trainable since: its state
-                    # starts now (at O3 its master from the FP8 weight).
-                    param_state = states[param]
-                    optimizer.stored.init(param, param_state, None)
-                handle = weights.get(param)
-                if handle is not None and handle.sharded and shard_optimizer:
-                    kind = StepKind.SHARDED if optimizer.gradient(param) is not None else StepKind.SKIP
-                elif handle is None and takes_plain_step(param, param_state):
-                    kind = StepKind.PLAIN
-                else:
-                    grad = stored_grad(param, handle)
-                    kind = StepKind.SKIP if grad is None else StepKind.UPDATE
-            seen.add(param)
-            params.append(param)
-            kinds.append(kind)
-            grads.append(grad)
-            states_now.append(param_state if grad is not None else None)
+                grad = stored_grad(param, handle)
+                kind = StepKind.SKIP if grad is None else StepKind.UPDATE
+        if seen is not None:
+            seen.add(id(param))
+        params.append(param)
+        kinds.append(kind)
+        grads.append(grad)
+        states_now.append(param_state if grad is not None else None)
     return inputs
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from conftest import load_bench
@@ -50,3 +51,18 @@ def test_time_in_turns_times_each_call_in_every_round() -> None:
                                           rounds=2, warmup=1)
     assert calls == (["fast"] * 3 + ["slow"] * 3) * 2
     assert fast_s < 0.01 <= slow_s, (fast_s, slow_s)
+
+
+def test_time_in_turns_runs_each_before_untimed_ahead_of_its_call() -> None:
+    calls: list[str] = []
+
+    def slow_before() -> None:
+        calls.append("before")
+        time.sleep(0.02)
+
+    fast_s, other_s = timing.time_in_turns([lambda: calls.append("a"), lambda: calls.append("b")], torch.device("cpu"),
+                                           repeats=2, rounds=1, warmup=1, befores=[slow_before, None])
+    assert calls == ["before", "a"] * 3 + ["b"] * 3
+    assert fast_s < 0.01 and other_s < 0.01, "a before() was timed"
+    with pytest.raises(ValueError, match="one \\(or None\\) per call"):
+        timing.time_in_turns([lambda: None], torch.device("cpu"), repeats=1, befores=[])
