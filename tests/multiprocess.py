@@ -26,6 +26,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, folder: str, args: tup
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(folder, f"result-{rank}.pt"))
         del result
+        dist.barrier()  # no rank tears its group down while another still has collectives in flight
     finally:
         # DDP's reducer must go before its process group: collect the reference cycles
         # (hooks that point back at their DDP) that would otherwise outlive it.
