@@ -1,5 +1,4 @@
 import dataclasses
-import importlib
 import warnings
 
 import pytest
@@ -186,10 +185,13 @@ def test_scheduler_after_initialize_drives_the_new_optimizer() -> None:
          r"optimizer\.gradient_average"),
         (lambda: amp8.optim.LowBitAdam(nn.Linear(2, 2).parameters()).data_parallel, AttributeError,
          r"optimizer\.gradient_average\.data_parallel"),
+        (lambda: amp8.tensor.is_sharded, ImportError, r"amp8\.tensor\.scaled"),
+        (lambda: exec("from amp8.tensor import local_tensor"), ImportError, r"amp8\.tensor\.scaled"),
     ],
     ids=["DataParallel", "from-import DataParallel", "Slot", "from-import Slot", "GemmRole", "from-import GemmRole",
          "support_reason", "read_weight", "write_weight",
-         "fp8_layers", "data_parallel=", "overlap_communication=", "reduction=", ".reduction", ".data_parallel"],
+         "fp8_layers", "data_parallel=", "overlap_communication=", "reduction=", ".reduction", ".data_parallel",
+         "is_sharded", "from-import local_tensor"],
 )
 def test_removed_names_name_their_replacement(use, error: type, replacement: str) -> None:
     with pytest.raises(error, match=f"was removed: .*{replacement}"):
@@ -204,17 +206,6 @@ def test_unknown_names_fail_as_python_says() -> None:
 
 
 # -- old names ------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("owner", "name", "home"), [
-    ("amp8.tensor", "is_sharded", "amp8.tensor.scaled"),
-    ("amp8.tensor", "local_tensor", "amp8.tensor.scaled"),
-])
-def test_an_old_name_gives_the_moved_object_with_a_warning(owner: str, name: str, home: str) -> None:
-    with pytest.warns(DeprecationWarning, match=f"{owner}.{name} moved to {home}.{name}") as caught:
-        found = getattr(importlib.import_module(owner), name)
-    assert found is getattr(importlib.import_module(home), name)
-    assert {warning.filename for warning in caught} == {__file__}, "the warning points at the caller"
-
 
 @pytest.mark.parametrize(
     ("name", "replacement"),

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -33,13 +30,3 @@ def removed_name(owner: str, name: str, replacements: Mapping[str, str], *, modu
         return (ImportError if module else AttributeError)(f"{owner}.{name} was removed: {replacements[name]}")
     return AttributeError(f"module {owner!r} has no attribute {name!r}" if module
                           else f"{owner!r} object has no attribute {name!r}")
-
-
-def moved_name(owner: str, name: str, homes: Mapping[str, str]) -> Any:
-    """``owner.name`` for a name that moved to the module ``homes[name]`` (a module's
-    ``__getattr__`` calls this for its old names): the object there, with a
-    ``DeprecationWarning`` naming its new home, for one release."""
-    home = homes[name]
-    warnings.warn(f"{owner}.{name} moved to {home}.{name}; the old name goes in the next release",
-                  DeprecationWarning, stacklevel=3)
-    return getattr(importlib.import_module(home), name)
