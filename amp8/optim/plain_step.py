@@ -25,7 +25,8 @@ _PLAIN_STATE_KEYS = frozenset(("step", *MOMENTS))
 def takes_plain_step(param: nn.Parameter, param_state: dict[str, Any]) -> bool:
     """Whether ``param``'s update is plain float32 Adam: a float32 parameter with a dense
     float32 gradient and float32 moments (no scales), and no master weight."""
-    if len(param_state) != len(_PLAIN_STATE_KEYS) or param_state.keys() != _PLAIN_STATE_KEYS:  # scales or a master
+    # Scales or a master weight beside the moments (the length first: comparing keys costs more).
+    if len(param_state) != len(_PLAIN_STATE_KEYS) or param_state.keys() != _PLAIN_STATE_KEYS:
         return False
     grad = param.grad
     return (
