@@ -57,10 +57,10 @@ def time_once(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int,
-              before: Callable[[], Any] | None = None) -> float:
-    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls; ``before()``,
-    where given, runs untimed ahead of every call (a barrier between processes, say)."""
+def _timed_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int,
+                 before: Callable[[], Any] | None) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn()`` in seconds, after ``warmup`` untimed ones;
+    ``before()``, where given, runs untimed ahead of every call (its device work waited for)."""
     for _ in range(warmup):
         if before is not None:
             before()
@@ -70,11 +70,19 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats:
     for _ in range(repeats):
         if before is not None:
             before()
+            synchronize(device)
         start = time.perf_counter()
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int,
+              before: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls; ``before()``,
+    where given, runs untimed ahead of every call (a barrier between processes, say)."""
+    return statistics.median(_timed_calls(fn, device, warmup, repeats, before))
 
 
 def time_in_turns(calls: Sequence[Callable[[], Any]], device: torch.device, repeats: int, rounds: int = 3,
@@ -91,19 +99,7 @@ def time_in_turns(calls: Sequence[Callable[[], Any]], device: torch.device, repe
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for fn, before, spent in zip(calls, befores, times):
-            for _ in range(warmup):
-                if before is not None:
-                    before()
-                fn()
-            synchronize(device)
-            for _ in range(repeats):
-                if before is not None:
-                    before()
-                    synchronize(device)
-                start = time.perf_counter()
-                fn()
-                synchronize(device)
-                spent.append(time.perf_counter() - start)
+            spent.extend(_timed_calls(fn, device, warmup, repeats, before))
     return [statistics.median(spent) for spent in times]
 
 

@@ -79,7 +79,7 @@ class Layout:
         checks that the scales tile the data).
 
         Raises:
-            ValueError: scales of another number of dimensions than the data (and not one).
+            ValueError: scales (more than one) of another number of dimensions than the data.
         """
         if scale.dim() == 0:
             return cls(data.dtype, scale_dtype=scale.dtype)
