@@ -32,6 +32,7 @@ from amp8.tensor.scaled import ScaledTensor
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ROWWISE_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_EPILOGUE_OUT_DTYPES = _ROWWISE_OUT_DTYPES  # the outputs CUDA adds a bias to in the GEMM
 _MIN_CUDA_CAPABILITY = (8, 9)
 
 
@@ -41,13 +42,15 @@ def check_operands(
     scale_a: torch.Tensor,
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """Raise ``ValueError`` if ``a @ b`` breaks the CUDA contract of ``torch._scaled_mm``.
+    """Raise ``ValueError`` if ``a @ b`` (``+ bias``) breaks the CUDA contract of
+    ``torch._scaled_mm``.
 
     The contract: ``a`` (M, K) row-major, ``b`` (K, N) column-major, both FP8 and at most
     one of them E5M2; K and N multiples of 16; scales float32, either both scalars
     (tensorwise) or (M, 1) and (1, N) (rowwise), and rowwise scales only with a bfloat16
-    or float16 output.
+    or float16 output; a bias (N,) only with a bfloat16 or float16 output, in that dtype.
     """
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"FP8 GEMM takes 2-D operands, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
@@ -87,6 +90,11 @@ def check_operands(
             f"FP8 GEMM with rowwise scales cannot write {out_dtype} on every CUDA GPU; ask for "
             "bfloat16 or float16 and convert the result"
         )
+    if bias is not None and (out_dtype not in _EPILOGUE_OUT_DTYPES or bias.dtype != out_dtype or bias.shape != (n,)):
+        raise ValueError(
+            f"FP8 GEMM bias of {bias.dtype} {tuple(bias.shape)} with a {out_dtype} output: CUDA adds a bias "
+            f"({n},) in the output's dtype to a bfloat16 or float16 output only; add it to the product instead"
+        )
 
 
 def fp8_mm(
@@ -111,9 +119,13 @@ def fp8_mm(
         role: which GEMM this is; fast accumulation is used for FPROP only.
         inverse_a, inverse_b: ``1 / scale_a`` and ``1 / scale_b`` where a cast computed
             them already (``ScaledTensor.inverse``; tensorwise scales); else computed here.
-        bias: (N,) in ``out_dtype``, added in the GEMM's epilogue (tensorwise scales).
+        bias: (N,) in ``out_dtype``, added to the float32 product before it is rounded (in
+            the GEMM's epilogue where CUDA allows it: a bfloat16 or float16 output).
     """
-    check_operands(a, b, scale_a, scale_b, out_dtype)
+    if bias is not None and out_dtype not in _EPILOGUE_OUT_DTYPES:
+        # A float32 product plus a float32 bias is the same one rounding outside the GEMM.
+        return fp8_mm(a, b, scale_a, scale_b, out_dtype, role, inverse_a, inverse_b) + bias
+    check_operands(a, b, scale_a, scale_b, out_dtype, bias)
     if a.numel() == 0 or b.numel() == 0:  # an empty batch: no kernel takes every empty shape
         out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
         return out if bias is None else out + bias

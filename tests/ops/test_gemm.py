@@ -79,6 +79,32 @@ def test_cuda_contract_is_enforced_on_the_cpu(case: str) -> None:
         fp8_mm(a, b, sa, sb, torch.float32, Gemm.FPROP)
 
 
+@pytest.mark.parametrize(("out_dtype", "bias_dtype"), [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+])
+def test_a_bias_cuda_cannot_add_in_the_gemm_is_refused(out_dtype: torch.dtype, bias_dtype: torch.dtype) -> None:
+    """CUDA's ``torch._scaled_mm`` adds a bias only to a bfloat16 or float16 output, in its
+    dtype; the CPU's takes more, so the contract is checked here."""
+    _, _, a8, b8, sa, sb = _operands(16, 32, 16)
+    with pytest.raises(ValueError, match="bias"):
+        check_operands(a8, b8.t(), sa, sb, out_dtype, torch.zeros(16, dtype=bias_dtype))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_tensorwise_gemm_adds_the_bias_to_its_float32_product(m: int, k: int, n: int,
+                                                                 out_dtype: torch.dtype) -> None:
+    """The bias joins the float32 product before the one rounding to ``out_dtype``: in the
+    GEMM for a 16-bit output, after it for a float32 one (where the sum rounds once too)."""
+    _, _, a8, b8, sa, sb = _operands(m, k, n, power_of_2=True)
+    bias = torch.randn(n).to(out_dtype)
+    product = fp8_mm(a8, b8.t(), sa, sb, torch.float32, Gemm.FPROP)
+    out = fp8_mm(a8, b8.t(), sa, sb, out_dtype, Gemm.FPROP, bias=bias)
+    assert out.dtype == out_dtype
+    assert_bitwise_equal(out, (product + bias.float()).to(out_dtype))
+
+
 def test_bad_out_dtype() -> None:
     _, _, a8, b8, sa, sb = _operands(16, 32, 16)
     with pytest.raises(ValueError, match="out_dtype"):
