@@ -5,7 +5,9 @@
     python bench/optimizer.py --device cuda --sizes 300 1000 --widths 1024 4096 --fused-only --no-memory
 
 Step time: one optimizer step over square FP8 layers (``--widths``: each layer width x
-width) holding the given number of parameters, with gradients already in place:
+width) holding the given number of parameters, each step timed after an untimed
+``zero_grad()`` and backward of its own, as training runs it (FP8 gradients land in the
+update groups' buffers; the layers' casts are made again):
 torch.optim.AdamW (foreach on the CPU, fused on CUDA) over FP32 layers of the same shapes,
 and amp8's LowBitAdam at O1, O2 and O3 (``--levels``) with its torch.compile'd step (``fused=True``)
 and, unless ``--fused-only``, its eager step (``fused=False``: the update groups run
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from rich.table import Table
@@ -57,6 +59,15 @@ def fill_gradients(layers: nn.Sequential, device: torch.device) -> None:
     sum((layer(x) * grad).sum() for layer in layers).backward()
 
 
+def backward_pass(optimizer: torch.optim.Optimizer, layers: nn.Sequential, device: torch.device) -> Callable[[], None]:
+    """What training runs before each step: ``zero_grad()``, then ``fill_gradients``' backward
+    (FP8 gradients land in the update groups' buffers, the layers' casts are made again)."""
+    def run() -> None:
+        optimizer.zero_grad()
+        fill_gradients(layers, device)
+    return run
+
+
 def step_row(millions: int, width: int, level: str, device: torch.device, repeats: int,
              reference_step: bool) -> dict[str, Any]:
     """One row: ms per step of torch AdamW and LowBitAdam at ``level`` (fused, and the
@@ -65,29 +76,30 @@ def step_row(millions: int, width: int, level: str, device: torch.device, repeat
     free_memory(device)
     torch.manual_seed(0)
     reference = square_layers(millions, width, device)
-    fill_gradients(reference, device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    torch_s = time_call(torch.optim.AdamW(reference.parameters(), lr=1e-4, **fast).step, device, 1, repeats)
-    del reference
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-4, **fast)
+    torch_s = time_call(adamw.step, device, 1, repeats, before=backward_pass(adamw, reference, device))
+    del reference, adamw
     free_memory(device)
     model = square_layers(millions, width, device)
     model, optimizer = amp8.initialize(
         model, torch.optim.AdamW(model.parameters(), lr=1e-4), level, layer_selection="all"
     )
-    fill_gradients(model, device)
     row: dict[str, Any] = {"millions": millions, "width": width, "layers": len(model),
                            "parameters": sum(p.numel() for p in model.parameters()), "level": level,
                            "torch_adamw_ms": 1e3 * torch_s}
     fused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True)
+    backward = backward_pass(fused, model, device)
+    backward()
     first_s, _ = time_once(fused.step, device)
-    fused_s = time_call(fused.step, device, warmup=2, repeats=repeats)
+    fused_s = time_call(fused.step, device, warmup=2, repeats=repeats, before=backward)
     row.update({"amp8_fused_ms": 1e3 * fused_s, "fused_ratio": fused_s / torch_s,
                 "fused_first_step_s": first_s, "fused_compile_s": max(0.0, first_s - fused_s)})
     if reference_step:
         del fused
         free_memory(device)
         unfused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=False)
-        unfused_s = time_call(unfused.step, device, warmup=1, repeats=repeats)
+        unfused_s = time_call(unfused.step, device, warmup=1, repeats=repeats, before=backward_pass(unfused, model, device))
         row.update({"amp8_ms": 1e3 * unfused_s, "ratio": unfused_s / torch_s, "fused_speedup": unfused_s / fused_s})
     return row
 

@@ -4,9 +4,11 @@ each kernel runs, against torch's AdamW over the same shapes.
     python bench/optimizer_kernels.py --device cuda --millions 300     # an H100: about a minute
     python bench/optimizer_kernels.py --millions 4 --levels O2          # the CPU: operators
 
-The layers and gradients are bench/optimizer.py's (square FP8 layers, gradients in
-place). After ``--warmup`` steps (the first compiles), ``--steps`` steps run under
-``torch.profiler``; each row gives, per step, the kernels (CUDA) or the operators the step calls (CPU) by
+The layers and gradients are bench/optimizer.py's (square FP8 layers), each step after a
+``zero_grad()`` and backward of its own as in training, so that FP8 gradients land in the
+update groups' buffers and no copy is counted. After ``--warmup`` steps (the first
+compiles), ``--steps`` steps run under ``torch.profiler``, one profile each (the backward
+between them left out); each row gives, per step, the kernels (CUDA) or the operators the step calls (CPU) by
 name with their calls and time, their total, and the step's wall time, so the gap
 between the two is what the host or launches cost. torch's AdamW (fused on CUDA, foreach
 on the CPU) over float32 layers of the same shapes is the first row. Results go to
@@ -27,7 +29,7 @@ from amp8.optim import LowBitAdam
 from common import free_memory, reset_compiler
 from records import RESULTS, write_result
 from timing import synchronize, time_once
-from optimizer import LEVELS, fill_gradients, square_layers
+from optimizer import LEVELS, backward_pass, square_layers
 
 
 def _outermost_in_step(event: Any) -> bool:
@@ -36,22 +38,27 @@ def _outermost_in_step(event: Any) -> bool:
     return parent is not None and parent.name.startswith("Optimizer.step#")
 
 
-def kernel_table(step: Callable[[], Any], device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+def kernel_table(step: Callable[[], Any], device: torch.device, warmup: int, steps: int,
+                 before: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Run ``step`` ``warmup`` times, then ``steps`` times under the profiler: the step's
-    wall ms and its kernels (or, on the CPU, top-level operators) by name, per step."""
-    for _ in range(warmup):
-        step()
-    synchronize(device)  # the warm-up's work ends before the profile starts
+    wall ms and its kernels (or, on the CPU, top-level operators) by name, per step;
+    ``before()``, where given, runs unprofiled ahead of every step."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-
-    def run() -> None:
-        for _ in range(steps):
-            step()
-
-    with profile(activities=activities) as prof:
-        wall_s, _ = time_once(run, device)
+    for _ in range(warmup):
+        if before is not None:
+            before()
+        step()
+    wall_s, events = 0.0, []
+    for _ in range(steps):
+        if before is not None:
+            before()
+        synchronize(device)  # what ran before ends before the profile starts
+        with profile(activities=activities) as prof:
+            seconds, _ = time_once(step, device)
+        wall_s += seconds
+        events += prof.events()
     kernels: dict[str, dict[str, float]] = {}
-    for event in prof.events():
+    for event in events:
         on_device = event.device_type == torch.autograd.DeviceType.CUDA
         if device.type == "cuda" and (not on_device or event.name.startswith("Optimizer.")):
             continue  # on the GPU: kernels and copies, not the step's annotated range
@@ -71,9 +78,9 @@ def rows(millions: int, width: int, levels: list[str], device: torch.device, war
     """Yield torch AdamW's row, then one per level."""
     torch.manual_seed(0)
     reference = square_layers(millions, width, device)
-    fill_gradients(reference, device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    table = kernel_table(torch.optim.AdamW(reference.parameters(), lr=1e-4, **fast).step, device, warmup, steps)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-4, **fast)
+    table = kernel_table(adamw.step, device, warmup, steps, before=backward_pass(adamw, reference, device))
     yield {"run": "torch AdamW " + next(iter(fast)), **table}
     del reference
     for level in levels:
@@ -82,9 +89,9 @@ def rows(millions: int, width: int, levels: list[str], device: torch.device, war
         model = square_layers(millions, width, device)
         model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level,
                                            layer_selection="all")
-        fill_gradients(model, device)
         fused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True)
-        yield {"run": f"amp8 {level}", **kernel_table(fused.step, device, warmup, steps)}
+        yield {"run": f"amp8 {level}",
+               **kernel_table(fused.step, device, warmup, steps, before=backward_pass(fused, model, device))}
         del model, optimizer, fused
 
 
