@@ -7,11 +7,12 @@ rows of ``width`` elements, its last row padded with zeros (which stay zero: a z
 gradient moves nothing). A scale is either per tensor or per buffer row (one per row of a
 matrix, ``width`` = its columns, or per flat block of ``width`` elements).
 
-One pass: every element is read once and written once. A per-row scale comes from the
-row's new values within the pass; a per-tensor scale comes from a bound on the tensor's
-new absolute maximum computed before the pass from the old one
-(``amp8.optim.arithmetic.amax_bounds``), and the pass measures the new maximum of what
-it stores for the next step (``GroupTensors``' amaxes). The skip on an inf or NaN
+One pass: every element is read once and written once. Every scale, per tensor or per
+row, comes from a bound on the new absolute maximum of what it scales, computed before the
+pass from the old one and the gradient's (``amp8.optim.arithmetic.amax_bounds``), and the
+pass measures the new maximum of what it stores for the next step (``GroupTensors``'
+amaxes and row amaxes). So no value a store needs waits on a reduction over a row: a
+compiled pass is one loop over the buffers, however wide their rows. The skip on an inf or NaN
 gradient is a mask on the device (``skip``): a skipped step writes back what it read.
 
 Stochastic rounding takes each element's noise from its tensor's key and its index in that
@@ -54,6 +55,7 @@ class GroupTensors(NamedTuple):
     weight: torch.Tensor  # FP16 data, FP16 master, or float32 values
     weight_scale: torch.Tensor | None  # per tensor (FP16 storage)
     amaxes: torch.Tensor  # (3, tensors): what the first moment, second moment and weight store
+    row_amaxes: torch.Tensor  # (2, rows): what each row of the first and second moment stores
     fp8_weight: torch.Tensor | None  # O3's FP8 weight (WeightKind.MASTER)
     fp8_weight_scale: torch.Tensor | None
     row_tensor: torch.Tensor  # (rows,) int64: the tensor each row belongs to
@@ -73,35 +75,41 @@ def per_tensor_max(row_values: torch.Tensor, tensors: GroupTensors) -> torch.Ten
     return out.scatter_reduce(0, tensors.row_tensor, row_values.float(), "amax")
 
 
-def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
-    """A bound on each tensor's gradient amax, (tensors,): the format's largest value over
-    the scale (what a saturating cast can hold; NaN where the cast saw an inf or NaN), or
-    the amax of a float gradient."""
+def grad_row_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
+    """A bound on each buffer row's gradient amax, (rows,): the format's largest value over
+    the row's scale (what a saturating cast can hold; NaN where the cast saw an inf or
+    NaN), or the row's amax of a float gradient."""
     if scale is None:
-        return per_tensor_max(grad.abs().amax(dim=1), tensors)
-    largest = scaling.max_value(grad.dtype) / scale
-    return per_tensor_max(largest, tensors) if layout.per_row else largest
+        return grad.abs().amax(dim=1)
+    return scaling.max_value(grad.dtype) / row_scales(scale, layout, tensors)[:, 0]
+
+
+def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
+    """``grad_row_amax``'s bound over each tensor, (tensors,)."""
+    if scale is not None and not layout.per_row:
+        return scaling.max_value(grad.dtype) / scale
+    return per_tensor_max(grad_row_amax(grad, scale, layout, tensors), tensors)
 
 
 def _store(
-    values: torch.Tensor, layout: Layout, bound: torch.Tensor, previous: torch.Tensor | None, old: torch.Tensor,
+    values: torch.Tensor, layout: Layout, bound: torch.Tensor | None, previous: torch.Tensor | None, old: torch.Tensor,
     tensors: GroupTensors, words: torch.Tensor | None, skip: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(data, scales, each row's amax of what is stored)`` of float32 ``values``:
-    per-row scales from the rows' amaxes, per-tensor ones from ``bound``; where ``skip``,
-    the stored data ``old`` and the ``previous`` scales, bit for bit. Only a per-tensor
-    scale needs the amax (the next step's bound starts from it): zeros for the others, so
-    that no second reduction runs over the rows."""
-    no_amax = tensors.row_tensor.new_zeros(tensors.row_tensor.shape, dtype=torch.float32)
+    """``(data, scales, each row's amax of what is stored)`` of float32 ``values``, the
+    scales from ``bound`` (per tensor or per row, as the layout scales), or, without one,
+    from the rows' own amaxes (a reduction the stores wait on); where ``skip``, the stored
+    data ``old`` and the ``previous`` scales, bit for bit. The amaxes are what the next
+    step's bounds start from (zeros where nothing is scaled)."""
     if not layout.scaled:
-        return unless_skipped(skip, old, values), None, no_amax
-    if layout.per_row:
-        scale = layout.scales(values.abs().amax(dim=1).float(), previous)
-    else:
-        scale = layout.scales(bound, previous)
+        return unless_skipped(skip, old, values), None, tensors.row_tensor.new_zeros(tensors.row_tensor.shape,
+                                                                                     dtype=torch.float32)
+    if bound is None:
+        assert layout.per_row, "a per-tensor scale comes from a bound"
+        bound = values.abs().amax(dim=1).float()
+    scale = layout.scales(bound, previous)
     row_scale = row_scales(scale, layout, tensors)
     data = layout.encode_rows(values, row_scale, words)
-    amax = no_amax if layout.per_row else data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
+    amax = data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
     if previous is not None:
         scale = unless_skipped(skip, previous, scale)
     return unless_skipped(skip, old, data), scale, amax
@@ -140,6 +148,14 @@ def adam_group_step(
         weight_amax = per_tensor_max(weight.abs().amax(dim=1), tensors)
     bounds = amax_bounds(grad_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors), exp_avg_amax,
                          exp_avg_sq_amax, weight_amax, h, s, spec.decay)
+    rows_scaled = [layout.scaled and layout.per_row for layout in (spec.exp_avg, spec.exp_avg_sq)]
+    exp_avg_bound, exp_avg_sq_bound = bounds.exp_avg, bounds.exp_avg_sq
+    if any(rows_scaled):  # the moments' bounds row by row
+        row_bounds = amax_bounds(grad_row_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors),
+                                 tensors.row_amaxes[0], tensors.row_amaxes[1], weight_amax[tensors.row_tensor],
+                                 h, s, spec.decay)
+        exp_avg_bound = row_bounds.exp_avg if rows_scaled[0] else exp_avg_bound
+        exp_avg_sq_bound = row_bounds.exp_avg_sq if rows_scaled[1] else exp_avg_sq_bound
     new = adam_arithmetic(
         grad, exp_avg, exp_avg_sq, weight, h, s, decay=spec.decay, maximize=spec.maximize, bounded=spec.bounded
     )
@@ -157,9 +173,9 @@ def adam_group_step(
         else:
             words = noise.update_words(tensors.row_offset[:, None] + columns, row_keys[:, None])
     # A skipped step writes back the stored data it read (a select in the pass, not a second pass).
-    m_data, m_scale, m_amax = _store(exp_avg, spec.exp_avg, bounds.exp_avg, tensors.exp_avg_scale, tensors.exp_avg,
+    m_data, m_scale, m_amax = _store(exp_avg, spec.exp_avg, exp_avg_bound, tensors.exp_avg_scale, tensors.exp_avg,
                                      tensors, words, skip)
-    v_data, v_scale, v_amax = _store(exp_avg_sq, spec.exp_avg_sq, bounds.exp_avg_sq, tensors.exp_avg_sq_scale,
+    v_data, v_scale, v_amax = _store(exp_avg_sq, spec.exp_avg_sq, exp_avg_sq_bound, tensors.exp_avg_sq_scale,
                                      tensors.exp_avg_sq, tensors, None, skip)
     w_data, w_scale, w_amax = _store(weight, weight_layout, bounds.weight, tensors.weight_scale, tensors.weight,
                                      tensors, words, skip)
@@ -167,13 +183,18 @@ def adam_group_step(
     if spec.weight is WeightKind.MASTER:  # O3's FP8 weight, from the master as stored
         previous = tensors.fp8_weight_scale if spec.fp8_previous_scale else None
         master = weight_layout.decode_rows(w_data, row_scales(w_scale, weight_layout, tensors))
-        fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, bounds.weight, previous, tensors.fp8_weight,
+        # Its row scales (a rowwise recipe's) come from the master's rows, exactly: they
+        # scale what the GEMMs read.
+        fp8_bound = None if spec.fp8_weight.per_row else bounds.weight
+        fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, fp8_bound, previous, tensors.fp8_weight,
                                         tensors, None, skip)
     _write([
         (tensors.exp_avg, m_data), (tensors.exp_avg_scale, m_scale), (tensors.exp_avg_sq, v_data),
         (tensors.exp_avg_sq_scale, v_scale), (tensors.weight, w_data), (tensors.weight_scale, w_scale),
         (tensors.fp8_weight, fp8_data), (tensors.fp8_weight_scale, fp8_scale),
     ])
+    if any(rows_scaled):
+        tensors.row_amaxes.copy_(unless_skipped(skip, tensors.row_amaxes, torch.stack([m_amax, v_amax])))
     tensors.steps.add_((~skip).float())
     return torch.stack([m_amax, v_amax, w_amax])
 

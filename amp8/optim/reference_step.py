@@ -4,10 +4,11 @@ grouped step (``amp8.optim.group_step``) is held to, bit for bit when that runs 
 and the step of every tensor a group does not cover (tiles of scales, E8M0 scales, stacks
 of experts, weights sharded over ranks).
 
-Per-tensor scales come from bounds on the new values' absolute maxima
-(``amp8.optim.arithmetic.amax_bounds``), here from the old values themselves; scales per
-row, block or tile from the new values. A skipped step (``skip``, a bool on the device)
-writes back what it read and leaves the step count.
+Scales per tensor, row or block come from bounds on the new values' absolute maxima
+(``amp8.optim.arithmetic.amax_bounds``), here from the old values themselves and the
+gradient's; scales per 2-D tile (which no update group covers) from the new values. A
+skipped step (``skip``, a bool on the device) writes back what it read and leaves the step
+count.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from amp8.optim.spec import GradParts, grad_codec
 from amp8.optim.state import MOMENTS
 from amp8.optim.stored_state import StoredState
 from amp8.quant import noise, scaling
+from amp8.quant.codec import Layout
 
 
 def grad_amax(grad: GradParts, values: torch.Tensor) -> torch.Tensor:
@@ -32,6 +34,19 @@ def grad_amax(grad: GradParts, values: torch.Tensor) -> torch.Tensor:
     if scale is None:
         return scaling.amax(values)
     return (scaling.max_value(data.dtype) / scale.float()).amax()
+
+
+def grad_amaxes(grad: GradParts, values: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``grad_amax``'s bound over each of ``layout``'s scale groups (rows or blocks of a
+    moment), in the shape of its scales: the largest value the gradient's format holds
+    under each element's scale, or the float gradient ``values``' amaxes."""
+    data, scale, _ = grad
+    if scale is None:
+        return layout.amaxes(values)
+    # Each element's ``max_value / scale`` (``reciprocal * max_value``, as torch divides a
+    # number by a tensor, and as the grouped step computes it), at any tiling of scales.
+    reciprocals = grad_codec(grad).decode(torch.ones_like(data), scale)
+    return layout.amaxes(reciprocals * scaling.max_value(data.dtype))
 
 
 def reference_update(
@@ -46,20 +61,28 @@ def reference_update(
     h, decay = hyper(group, as_tensors=False), decay_of(group)
     step = param_state["step"] + 1
     s = step_scalars(h, step)
+    weight_amax = scaling.amax(weight)
     bounds = amax_bounds(grad_amax(grad, grad_values), scaling.amax(exp_avg), scaling.amax(exp_avg_sq),
-                         scaling.amax(weight), h, s, decay)
+                         weight_amax, h, s, decay)
+    layouts = [stored.moment_layout(param, name) for name in MOMENTS]
+    moment_bounds = [bounds.exp_avg, bounds.exp_avg_sq]
+    for index, layout in enumerate(layouts):
+        if layout.scaled and layout.per_row:  # bounded row by row (block by block)
+            row_bounds = amax_bounds(grad_amaxes(grad, grad_values, layout), layout.amaxes(exp_avg),
+                                     layout.amaxes(exp_avg_sq), weight_amax, h, s, decay)
+            moment_bounds[index] = row_bounds[index]
     exp_avg, exp_avg_sq, weight = adam_arithmetic(
         grad_values, exp_avg, exp_avg_sq, weight, h, s, decay=decay, maximize=bool(group["maximize"]),
         bounded=state_storage.low_bit_moments(param_state),
     )
     key = stored.update_noise_key(param)
     words = None if key is None else noise.update_words(noise.element_index(weight.shape, weight.device), key)
-    for name, value, bound in ((MOMENTS[0], exp_avg, bounds.exp_avg), (MOMENTS[1], exp_avg_sq, bounds.exp_avg_sq)):
-        layout = stored.moment_layout(param, name)
+    for name, value, layout, bound in zip(MOMENTS, (exp_avg, exp_avg_sq), layouts, moment_bounds):
         scale = None
-        if layout.per_tensor:
+        if layout.per_tensor or (layout.scaled and layout.per_row):
             previous = param_state.get(name + state_storage.SCALE_SUFFIX)
-            scale = layout.scales(bound, previous if previous is not None and previous.dim() == 0 else None)
+            fits = previous is not None and previous.shape == bound.shape
+            scale = layout.scales(bound, previous.float() if fits else None)
         stored.store_moment(param, param_state, name, value, words, scale, skip)
     stored.write_weight(param, param_state, weight, words, bounds.weight, skip)
     param_state["step"].add_((~skip).float())

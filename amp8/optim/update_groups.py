@@ -109,6 +109,7 @@ class UpdateGroup:
             exp_avg_sq=stored(spec.exp_avg_sq), exp_avg_sq_scale=scales(spec.exp_avg_sq),
             weight=stored(spec.weight_layout), weight_scale=scales(spec.weight_layout),
             amaxes=torch.zeros((3, count), device=device),
+            row_amaxes=torch.zeros((2, total), device=device),
             fp8_weight=stored(spec.fp8_weight) if master else None,
             fp8_weight_scale=scales(spec.fp8_weight) if master else None,
             row_tensor=torch.tensor(row_tensor, dtype=torch.int64, device=device),
@@ -242,23 +243,26 @@ class UpdateGroup:
         for handle in self._handles:
             handle.grad_slot = None  # (a gradient in the old slot keeps the old buffer alive)
 
-    # -- the amaxes the per-tensor scales are bounded from ---------------------------------
+    # -- the amaxes the scales are bounded from -------------------------------------------
     def measure_amaxes(self) -> None:
         """Read the absolute maximum of each member's stored moments and weight off the
-        buffers, where they take one scale per tensor (a step keeps them current; this is
-        for a new group, and after a write from outside the optimizer)."""
+        buffers, per tensor or per row as they are scaled (a step keeps them current; this
+        is for a new group, and after a write from outside the optimizer)."""
         spec, tensors = self.key.spec, self.tensors
         with torch.no_grad():
-            for layout, data, scale, amax in (
-                (spec.exp_avg, tensors.exp_avg, tensors.exp_avg_scale, tensors.amaxes[0]),
-                (spec.exp_avg_sq, tensors.exp_avg_sq, tensors.exp_avg_sq_scale, tensors.amaxes[1]),
-                (spec.weight_layout, tensors.weight, tensors.weight_scale, tensors.amaxes[2]),
+            for layout, data, scale, amax, row_amax in (
+                (spec.exp_avg, tensors.exp_avg, tensors.exp_avg_scale, tensors.amaxes[0], tensors.row_amaxes[0]),
+                (spec.exp_avg_sq, tensors.exp_avg_sq, tensors.exp_avg_sq_scale, tensors.amaxes[1],
+                 tensors.row_amaxes[1]),
+                (spec.weight_layout, tensors.weight, tensors.weight_scale, tensors.amaxes[2], None),
             ):
-                if not layout.per_tensor:  # only a per-tensor scale is bounded from its amax
+                if not layout.scaled:  # a scale is bounded from its amax
                     amax.zero_()
                     continue
-                row_scale = None if scale is None else row_scales(scale, layout, tensors)
-                amax.copy_(per_tensor_max(layout.decode_rows(data, row_scale).abs().amax(dim=1), tensors))
+                rows = layout.decode_rows(data, row_scales(scale, layout, tensors)).abs().amax(dim=1)
+                amax.copy_(per_tensor_max(rows, tensors))
+                if row_amax is not None:
+                    row_amax.copy_(rows)
         self._versions = self._buffer_versions()
 
     def _buffer_versions(self) -> list[int]:

@@ -1,6 +1,6 @@
 """LowBitAdam's step as the step model counts it: no host sync, no gradient copy, a fixed
 number of operations and compiled calls, the skip on inf/NaN decided on the device, and
-per-tensor scales from bounds that stay close to the true amaxes."""
+scales from bounds that stay close to the true amaxes."""
 
 from __future__ import annotations
 
@@ -131,20 +131,29 @@ def test_an_overflow_is_skipped_on_the_device(level: str, fused: bool) -> None:
     assert int(next(iter(optimizer.state.values()))["step"]) == 3
 
 
+# Over 60 steps of the two models below (measured): the bound over the true amax, median and
+# most, of each moment's scales, per tensor (norms', biases' and embeddings' moments) and per
+# row (the FP8 layers' moments, bounded row by row from the row's stored amax and the FP8
+# gradient's row scale, a power of two: up to 2x the gradient row's amax).
+BOUND_OVER_AMAX = {
+    ("tensor", "exp_avg"): (1.27, 3.5), ("tensor", "exp_avg_sq"): (1.03, 1.8),
+    ("row", "exp_avg"): (1.40, 18.7), ("row", "exp_avg_sq"): (1.04, 4.8),
+}
+
+
 @pytest.mark.parametrize("level", ["O2", "O3"])
-def test_per_tensor_scales_from_bounds_stay_near_the_true_amax(level: str) -> None:
-    """The per-tensor scales of a step come from bounds on the new amaxes. Over 60 steps
-    of a tiny GPT (its norms', biases' and embeddings' moments are per tensor), the bound of
-    the FP8 first moment is a median 1.27x its true amax and at most 3.5x (measured), which
-    costs its smallest values up to 1.8 binades of E4M3's range and nothing of its
-    precision; the FP16 second moment's is 1.03x (at most 1.8x). The FP16 weights' scales,
-    powers of two with a binade of headroom, come out as the true amaxes would give them
-    (an MLP's and the GPT's)."""
+def test_scales_from_bounds_stay_near_the_true_amax(level: str) -> None:
+    """The moments' scales come from bounds on the new amaxes, per tensor and per row: the
+    excess of a bound over the true amax costs an FP8 first moment's smallest values some
+    of E4M3's range and nothing of its precision (the medians and maxima measured over 60
+    steps of an MLP and a tiny GPT are ``BOUND_OVER_AMAX``; the test allows 15 % and 30 %
+    more). The FP16 weights' scales, powers of two with a binade of headroom, come out as
+    the true amaxes would give them."""
     from amp8.tools.experiments.gpt import GPT, PRESETS
 
     config = PRESETS["tiny"]
     families = {"mlp": _model(4), "gpt": GPT(config, torch.Generator().manual_seed(0))}
-    moment_ratios: list[list[float]] = [[], []]
+    ratios: dict[tuple[str, str], list[float]] = {key: [] for key in BOUND_OVER_AMAX}
     weight_scales_equal = []
     for name, model in families.items():
         model, _ = amp8.initialize(model, None, level, layer_selection="all")
@@ -159,18 +168,22 @@ def test_per_tensor_scales_from_bounds_stay_near_the_true_amax(level: str) -> No
             optimizer.step()
             for group in optimizer.update_groups:
                 spec, tensors = group.key.spec, group.tensors
-                for index, (layout, scale) in enumerate(
-                    ((spec.exp_avg, tensors.exp_avg_scale), (spec.exp_avg_sq, tensors.exp_avg_sq_scale))
-                ):
-                    amax = tensors.amaxes[index]
-                    if layout.per_tensor and bool((amax > 0).any()):
-                        bound = torch.finfo(layout.dtype).max / scale
-                        moment_ratios[index] += (bound / amax)[amax > 0].tolist()
+                for index, (moment, layout, scale) in enumerate((
+                    ("exp_avg", spec.exp_avg, tensors.exp_avg_scale),
+                    ("exp_avg_sq", spec.exp_avg_sq, tensors.exp_avg_sq_scale),
+                )):
+                    if not layout.scaled:
+                        continue
+                    amax = tensors.amaxes[index] if layout.per_tensor else tensors.row_amaxes[index]
+                    bound = torch.finfo(layout.dtype).max / scale
+                    ratios["tensor" if layout.per_tensor else "row", moment] += (bound / amax)[amax > 0].tolist()
                 if tensors.weight_scale is not None:
                     exact = spec.weight_layout.scales(tensors.amaxes[2], tensors.weight_scale)
                     weight_scales_equal += (exact == tensors.weight_scale).tolist()
-    first, second = (torch.tensor(ratios) for ratios in moment_ratios)
-    assert first.numel() and second.numel(), "the GPT has moments with one scale per tensor"
-    assert float(first.median()) <= 1.5 and float(first.max()) <= 4.0, (first.median(), first.max())
-    assert float(second.median()) <= 1.1 and float(second.max()) <= 2.0, (second.median(), second.max())
+    for key, (median, most) in BOUND_OVER_AMAX.items():
+        measured = torch.tensor(ratios[key])
+        assert measured.numel(), f"no moments scaled per {key[0]}"
+        assert float(measured.min()) >= 1 - 1e-6, (key, "a bound below the amax it bounds")
+        assert float(measured.median()) <= 1.15 * median and float(measured.max()) <= 1.3 * most, (
+            key, float(measured.median()), float(measured.max()))
     assert sum(weight_scales_equal) >= 0.99 * len(weight_scales_equal)
