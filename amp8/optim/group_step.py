@@ -11,9 +11,10 @@ One pass: every element is read once and written once. Every scale, per tensor o
 row, comes from a bound on the new absolute maximum of what it scales, computed before the
 pass from the old one and the gradient's (``amp8.optim.arithmetic.amax_bounds``), and the
 pass measures the new maximum of what it stores for the next step (``GroupTensors``'
-amaxes and row amaxes). So no value a store needs waits on a reduction over a row: a
-compiled pass is one loop over the buffers, however wide their rows. The skip on an inf or NaN
-gradient is a mask on the device (``skip``): a skipped step writes back what it read.
+amaxes and row amaxes), so that no value a store needs waits on a reduction over its
+row (but O3's FP8 weight under row scales, which scale what the GEMMs read: from its
+master's rows). The skip on an inf or NaN gradient is a mask on the device (``skip``): a
+skipped step writes back what it read.
 
 Stochastic rounding takes each element's noise from its tensor's key and its index in that
 tensor (``amp8.quant.noise.update_words``), so every value is computed by the same
