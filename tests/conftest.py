@@ -44,6 +44,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("slow_markers", "markers that put a test outside the fast tier (-m 'not slow')", type="args")
 
 
+SHOW_FAILURES_AT_ONCE = "AMP8_SHOW_FAILURES_AT_ONCE"
+
+
+class FailuresAtOnce:
+    """Prints each failure's traceback as the test ends (pytest prints them only at the
+    end of the run), so that a run its time limit cuts off, as ``bench/run_gpu.sh``'s CUDA
+    tests can be, still says why its tests failed."""
+
+    def __init__(self, terminal: Any) -> None:
+        self.terminal = terminal
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Print ``report``'s traceback where it is a failure."""
+        if report.failed:
+            self.terminal.write_line(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter exists
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``AMP8_SHOW_FAILURES_AT_ONCE=1``, ``FailuresAtOnce`` (in the process that
+    reports: under pytest-xdist the controller, not its workers)."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if os.environ.get(SHOW_FAILURES_AT_ONCE) == "1" and not XDIST_WORKER and terminal is not None:
+        config.pluginmanager.register(FailuresAtOnce(terminal), "amp8-failures-at-once")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``slow`` every test that carries one of pyproject.toml's ``slow_markers``: the

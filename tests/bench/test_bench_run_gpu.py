@@ -38,3 +38,32 @@ def test_run_gpu_refuses_bad_arguments(tmp_path: Path, arguments: list[str], mes
     done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *arguments, str(tmp_path)],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 64 and message in done.stderr, (done.returncode, done.stderr)
+
+
+class _Terminal:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write_line(self, line: str) -> None:
+        self.lines.append(line)
+
+
+@pytest.mark.parametrize("outcome", ["passed", "failed", "skipped"])
+def test_the_cuda_tests_print_a_failure_as_it_happens(outcome: str) -> None:
+    """run_gpu.sh's CUDA tests run with ``AMP8_SHOW_FAILURES_AT_ONCE=1``: a failure's
+    traceback is printed when its test ends, not at the end of a run that its time limit
+    may cut off."""
+    from types import SimpleNamespace
+
+    from conftest import FailuresAtOnce
+
+    terminal = _Terminal()
+    report = SimpleNamespace(failed=outcome == "failed", nodeid="tests/test_cuda.py::test_x", when="call",
+                             longreprtext="AssertionError: one is not two")
+    FailuresAtOnce(terminal).pytest_runtest_logreport(report)  # type: ignore[arg-type]
+    if outcome == "failed":
+        assert len(terminal.lines) == 1 and "FAILED tests/test_cuda.py::test_x (call)" in terminal.lines[0]
+        assert "one is not two" in terminal.lines[0]
+    else:
+        assert terminal.lines == []
+    assert "AMP8_SHOW_FAILURES_AT_ONCE=1" in (ROOT / "bench" / "run_gpu.sh").read_text()
