@@ -59,7 +59,7 @@ def fill_gradients(layers: nn.Sequential, device: torch.device) -> None:
     sum((layer(x) * grad).sum() for layer in layers).backward()
 
 
-def backward_pass(optimizer: torch.optim.Optimizer, layers: nn.Sequential, device: torch.device) -> Callable[[], None]:
+def backward_pass(layers: nn.Sequential, optimizer: torch.optim.Optimizer, device: torch.device) -> Callable[[], None]:
     """What training runs before each step: ``zero_grad()``, then ``fill_gradients``' backward
     (FP8 gradients land in the update groups' buffers, the layers' casts are made again)."""
     def run() -> None:
@@ -78,7 +78,7 @@ def step_row(millions: int, width: int, level: str, device: torch.device, repeat
     reference = square_layers(millions, width, device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     adamw = torch.optim.AdamW(reference.parameters(), lr=1e-4, **fast)
-    torch_s = time_call(adamw.step, device, 1, repeats, before=backward_pass(adamw, reference, device))
+    torch_s = time_call(adamw.step, device, 1, repeats, before=backward_pass(reference, adamw, device))
     del reference, adamw
     free_memory(device)
     model = square_layers(millions, width, device)
@@ -89,7 +89,7 @@ def step_row(millions: int, width: int, level: str, device: torch.device, repeat
                            "parameters": sum(p.numel() for p in model.parameters()), "level": level,
                            "torch_adamw_ms": 1e3 * torch_s}
     fused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True)
-    backward = backward_pass(fused, model, device)
+    backward = backward_pass(model, fused, device)
     backward()
     first_s, _ = time_once(fused.step, device)
     fused_s = time_call(fused.step, device, warmup=2, repeats=repeats, before=backward)
@@ -99,7 +99,7 @@ def step_row(millions: int, width: int, level: str, device: torch.device, repeat
         del fused
         free_memory(device)
         unfused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=False)
-        unfused_s = time_call(unfused.step, device, warmup=1, repeats=repeats, before=backward_pass(unfused, model, device))
+        unfused_s = time_call(unfused.step, device, warmup=1, repeats=repeats, before=backward_pass(model, unfused, device))
         row.update({"amp8_ms": 1e3 * unfused_s, "ratio": unfused_s / torch_s, "fused_speedup": unfused_s / fused_s})
     return row
 

@@ -80,7 +80,7 @@ def rows(millions: int, width: int, levels: list[str], device: torch.device, war
     reference = square_layers(millions, width, device)
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     adamw = torch.optim.AdamW(reference.parameters(), lr=1e-4, **fast)
-    table = kernel_table(adamw.step, device, warmup, steps, before=backward_pass(adamw, reference, device))
+    table = kernel_table(adamw.step, device, warmup, steps, before=backward_pass(reference, adamw, device))
     yield {"run": "torch AdamW " + next(iter(fast)), **table}
     del reference
     for level in levels:
@@ -91,7 +91,7 @@ def rows(millions: int, width: int, levels: list[str], device: torch.device, war
                                            layer_selection="all")
         fused = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), optimizer.level, fused=True)
         yield {"run": f"amp8 {level}",
-               **kernel_table(fused.step, device, warmup, steps, before=backward_pass(fused, model, device))}
+               **kernel_table(fused.step, device, warmup, steps, before=backward_pass(model, fused, device))}
         del model, optimizer, fused
 
 

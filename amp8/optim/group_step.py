@@ -85,11 +85,14 @@ def grad_row_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout
     return scaling.max_value(grad.dtype) / row_scales(scale, layout, tensors)[:, 0]
 
 
-def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, tensors: GroupTensors) -> torch.Tensor:
-    """``grad_row_amax``'s bound over each tensor, (tensors,)."""
+def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, tensors: GroupTensors,
+              row_amax: torch.Tensor | None) -> torch.Tensor:
+    """The same bound over each tensor, (tensors,): from a per-tensor ``scale``, else the
+    max over the tensor's rows of ``grad_row_amax``'s ``row_amax`` (given then)."""
     if scale is not None and not layout.per_row:
         return scaling.max_value(grad.dtype) / scale
-    return per_tensor_max(grad_row_amax(grad, scale, layout, tensors), tensors)
+    assert row_amax is not None, "a gradient scaled per row, or a float one, is bounded row by row"
+    return per_tensor_max(row_amax, tensors)
 
 
 def _store(
@@ -147,14 +150,17 @@ def adam_group_step(
     exp_avg_amax, exp_avg_sq_amax, weight_amax = tensors.amaxes.unbind()
     if spec.weight is WeightKind.PLAIN and spec.decay is Decay.L2:  # read here: the model may write it
         weight_amax = per_tensor_max(weight.abs().amax(dim=1), tensors)
-    bounds = amax_bounds(grad_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors), exp_avg_amax,
-                         exp_avg_sq_amax, weight_amax, h, s, spec.decay)
     rows_scaled = [layout.scaled and layout.per_row for layout in (spec.exp_avg, spec.exp_avg_sq)]
+    grad_rows = None  # the gradient's row bounds, taken once where anything needs them
+    if any(rows_scaled) or tensors.grad_scale is None or spec.grad.per_row:
+        grad_rows = grad_row_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors)
+    bounds = amax_bounds(grad_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors, grad_rows), exp_avg_amax,
+                         exp_avg_sq_amax, weight_amax, h, s, spec.decay)
     exp_avg_bound, exp_avg_sq_bound = bounds.exp_avg, bounds.exp_avg_sq
     if any(rows_scaled):  # the moments' bounds row by row
-        row_bounds = amax_bounds(grad_row_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors),
-                                 tensors.row_amaxes[0], tensors.row_amaxes[1], weight_amax[tensors.row_tensor],
-                                 h, s, spec.decay)
+        assert grad_rows is not None
+        row_bounds = amax_bounds(grad_rows, tensors.row_amaxes[0], tensors.row_amaxes[1],
+                                 weight_amax[tensors.row_tensor], h, s, spec.decay)
         exp_avg_bound = row_bounds.exp_avg if rows_scaled[0] else exp_avg_bound
         exp_avg_sq_bound = row_bounds.exp_avg_sq if rows_scaled[1] else exp_avg_sq_bound
     new = adam_arithmetic(

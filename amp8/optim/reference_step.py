@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from amp8.optim import state as state_storage
-from amp8.optim.arithmetic import adam_arithmetic, amax_bounds, decay_of, hyper, step_scalars
+from amp8.optim.arithmetic import AmaxBounds, adam_arithmetic, amax_bounds, decay_of, hyper, step_scalars
 from amp8.optim.spec import GradParts, grad_codec
 from amp8.optim.state import MOMENTS
 from amp8.optim.stored_state import StoredState
 from amp8.quant import noise, scaling
-from amp8.quant.codec import Layout
+from amp8.quant.codec import Layout, Tiling
 
 
 def grad_amax(grad: GradParts, values: torch.Tensor) -> torch.Tensor:
@@ -66,11 +66,14 @@ def reference_update(
                          weight_amax, h, s, decay)
     layouts = [stored.moment_layout(param, name) for name in MOMENTS]
     moment_bounds = [bounds.exp_avg, bounds.exp_avg_sq]
+    row_bounds: dict[tuple[Tiling, int], AmaxBounds] = {}  # by scale grouping: both moments take one as a rule
     for index, layout in enumerate(layouts):
         if layout.scaled and layout.per_row:  # bounded row by row (block by block)
-            row_bounds = amax_bounds(grad_amaxes(grad, grad_values, layout), layout.amaxes(exp_avg),
-                                     layout.amaxes(exp_avg_sq), weight_amax, h, s, decay)
-            moment_bounds[index] = row_bounds[index]
+            grouping = (layout.tiling, layout.block)
+            if grouping not in row_bounds:
+                row_bounds[grouping] = amax_bounds(grad_amaxes(grad, grad_values, layout), layout.amaxes(exp_avg),
+                                                   layout.amaxes(exp_avg_sq), weight_amax, h, s, decay)
+            moment_bounds[index] = row_bounds[grouping][index]
     exp_avg, exp_avg_sq, weight = adam_arithmetic(
         grad_values, exp_avg, exp_avg_sq, weight, h, s, decay=decay, maximize=bool(group["maximize"]),
         bounded=state_storage.low_bit_moments(param_state),
