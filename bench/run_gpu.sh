@@ -12,22 +12,27 @@
 #                                                    # step, tests not collected (about 30 s)
 #
 # Steps, most important first (limit in seconds on the GPU, as an H200 with torch 2.11
-# needed on 2026-11-28; steps 1-4 add up to 710, so the default budget cuts the tests):
-#   1 optimizer  150  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 1B, then 300M
+# needed on 2026-11-28; steps 1-5 add up to 890, so the default budget cuts the tests):
+#   1 static-shapes 180  amp8's compiled functions (the optimizer's update at 300M parameters,
+#                     O2/O1/O3; the casts of a 2048 -> 8192 -> 2048 MLP on 8192 tokens) as
+#                     amp8 compiles them (dynamic shapes) and for static shapes, their
+#                     kernels on the device clock; the generated code of both in
+#                     OUT/kernel-sources.tar.gz
+#   2 optimizer  150  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 1B, then 300M
 #                     parameters of 1024 x 1024 layers
-#   2 kernels     60  the optimizer step's kernels by name at 300M parameters, O1-O3 and
+#   3 kernels     60  the optimizer step's kernels by name at 300M parameters, O1-O3 and
 #                     torch's fused AdamW
-#   3 gpt        260  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
+#   4 gpt        260  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
 #                     compiled then eager (amp8 O1/O2 eager with compiled casts too), the
 #                     optimizer timed apart
-#   4 cuda-tests 240  the CUDA-only tests (pytest -m cuda), each failure printed as it
+#   5 cuda-tests 240  the CUDA-only tests (pytest -m cuda), each failure printed as it
 #                     happens; their output in OUT/cuda-tests.log
-#   5 llama      150  the same step, compiled, on four layers of Llama-3-8B's shapes, in what
+#   6 llama      150  the same step, compiled, on four layers of Llama-3-8B's shapes, in what
 #                     is left of --budget
-#   6 linear      90  Fp8Linear at the three headline shapes: eager, eager with amp8's
+#   7 linear      90  Fp8Linear at the three headline shapes: eager, eager with amp8's
 #                     compiled casts, compiled, rowwise, torchao, against nn.Linear, in what
 #                     is left of --budget
-#   7 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
+#   8 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
 #                     --budget (default 600 s); cut short, it is not a failure
 # Every benchmark rewrites its JSON after each row, so a step cut short keeps what it
 # measured; the whole output goes to OUT/run_gpu.log too. torchao's rows run where
@@ -36,8 +41,9 @@
 # collected: they need an FP8 GPU), to try the whole script before a GPU run.
 #
 # Exit status: 0 when every step passed; else the sum of the failed steps' bits (1
-# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear, 32 kernels; a step that runs out of time
-# fails); 64 for bad arguments or no CUDA device.
+# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear, 32 kernels, 128 static-shapes; a step
+# that runs out of time fails); 64 for bad arguments or no CUDA device. The run writes
+# about ten files into OUT: pack them into one where fewer can be carried back.
 set -u
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -91,6 +97,7 @@ if [ "$mode" = gpu ]; then
     llama=(--preset llama3-8b-layers --batch-size 1 --warmup 2 --steps 5 --modes compiled)
     linear=(--warmup 5 --repeats 20)
     kernels=(--millions 300)
+    static_shapes=(--tokens 8192 --width 2048 --mlp 4 --millions 300)
     sweep=(--sweep --warmup 3 --repeats 10)
 else
     echo "CPU check: every step with --device cpu at tiny sizes; the numbers check the script, not FP8's speed"
@@ -102,6 +109,7 @@ else
     llama=(--preset llama-tiny --batch-size 2 --warmup 1 --steps 1 --modes compiled)
     linear=(--shapes 64,128,64 --warmup 1 --repeats 1)
     kernels=(--millions 1 --width 256 --levels O1 --warmup 1 --steps 1)
+    static_shapes=(--tokens 32 --width 32 --mlp 2 --millions 1 --levels O2 --repeats 1)
     sweep=(--sweep --shapes 64,128,64 --sweep-m 64 --grid 64 128 --warmup 0 --repeats 1 --no-compile)
     if [ "$quick" = 1 ]; then
         echo "quick: the models run eagerly, the optimizer at O1 alone, the tests are not collected"
@@ -110,6 +118,7 @@ else
         gpt+=(--modes eager)
         llama+=(--modes eager)
         linear+=(--no-compile)
+        static_shapes=()
     fi
 fi
 python -c "import sys; sys.path.insert(0, 'bench'); from common import torchao_float8; print('torchao:', torchao_float8()[1])"
@@ -144,6 +153,17 @@ step() {  # step BIT NAME SECONDS LOG COMMAND...: run COMMAND within SECONDS and
     echo "== $name: $((SECONDS - start)) s, $status"
 }
 
+if [ ${#static_shapes[@]} -gt 0 ]; then
+    # Inductor's code for both variants, in a cache of this step's own, packed for reading.
+    sources="$out/kernel-sources"
+    rm -rf "$sources" && mkdir -p "$sources"
+    step 128 static-shapes 180 - env TORCHINDUCTOR_CACHE_DIR="$sources" \
+        python bench/static_shapes.py --device $device "${static_shapes[@]}" --out "$out"
+    (cd "$sources" && grep -rl --include='*.py' async_compile . | tar czf "$out/kernel-sources.tar.gz" -T -)
+    rm -rf "$sources"
+else
+    echo "== static-shapes: skipped (--quick: it compiles)"
+fi
 step 2 optimizer 150 - python bench/optimizer.py --device $device "${optimizer[@]}" --fused-only --no-memory --out "$out"
 step 32 kernels 60 - python bench/optimizer_kernels.py --device $device "${kernels[@]}" --out "$out"
 step 4 gpt 260 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
