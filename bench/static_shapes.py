@@ -124,6 +124,18 @@ def compare(name: str, dynamic: Callable[..., Any], static: Callable[..., Any], 
     return row
 
 
+def in_grad_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under the grad mode of now (an autograd Function's forward and backward
+    run without grad: a compiled function called with grad on traces a backward too)."""
+    enabled = torch.is_grad_enabled()
+
+    def call(*args: Any) -> Any:
+        with torch.set_grad_enabled(enabled):
+            return fn(*args)
+
+    return call
+
+
 def recorded_casts(level: str, tokens: int, width: int, mlp: int, device: torch.device) -> list[Call]:
     """Every call amp8 compiles in one forward and backward of an eager two-layer MLP
     (``width`` -> ``width * mlp`` -> ``width``, every layer FP8, the casts compiled):
@@ -152,7 +164,8 @@ def recorded_casts(level: str, tokens: int, width: int, mlp: int, device: torch.
             layouts = "".join(name[0] for name in ("rows", "columns", "padded") if getattr(spec, name, False))
             contract = getattr(spec, "contract_dim", None)
             detail = "" if contract is None else f" contracting dim {contract}, layouts {layouts}"
-            calls.append((f"{function.__name__} {tuple(args[0].shape)}{detail}", compiled, statics[key], args))
+            calls.append((f"{function.__name__} {tuple(args[0].shape)}{detail}", in_grad_mode(compiled),
+                          in_grad_mode(statics[key]), args))
             return compiled(*args)
 
         return call
