@@ -124,6 +124,15 @@ def compare(name: str, dynamic: Callable[..., Any], static: Callable[..., Any], 
     return row
 
 
+def cast_case(function: Callable[..., Any], spec: Any, args: tuple[Any, ...]) -> str:
+    """A name for one call of a cast amp8 compiles: the function, its input's shape, and
+    for a ``CastSpec`` the dim its GEMM contracts and the layouts it writes (r, c, p)."""
+    contract = getattr(spec, "contract_dim", None)
+    layouts = "".join(name[0] for name in ("rows", "columns", "padded") if getattr(spec, name, False))
+    detail = "" if contract is None else f" contracting dim {contract}, layouts {layouts}"
+    return f"{function.__name__} {tuple(args[0].shape)}{detail}"
+
+
 def in_grad_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run under the grad mode of now (an autograd Function's forward and backward
     run without grad: a compiled function called with grad on traces a backward too)."""
@@ -161,11 +170,7 @@ def recorded_casts(level: str, tokens: int, width: int, mlp: int, device: torch.
             key = (function, spec, variant, tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor)))
             if key not in statics:
                 statics[key] = compile_static(lambda *xs: function(spec, *xs))
-            layouts = "".join(name[0] for name in ("rows", "columns", "padded") if getattr(spec, name, False))
-            contract = getattr(spec, "contract_dim", None)
-            detail = "" if contract is None else f" contracting dim {contract}, layouts {layouts}"
-            calls.append((f"{function.__name__} {tuple(args[0].shape)}{detail}", in_grad_mode(compiled),
-                          in_grad_mode(statics[key]), args))
+            calls.append((cast_case(function, spec, args), in_grad_mode(compiled), in_grad_mode(statics[key]), args))
             return compiled(*args)
 
         return call

@@ -1,0 +1,85 @@
+"""bench/triton_code.py: the structure of the Triton kernels Inductor writes for amp8."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import load_bench
+
+triton_code = load_bench("triton_code")
+
+# The shape of Inductor's output code: a looped reduction over rows (the amax, then the
+# quantization reading the row again), a persistent one, and a pointwise kernel.
+WRAPPER = '''
+cast_0 = async_compile.triton('triton_red_fused_amax_0', \'\'\'
+@triton_heuristics.reduction(
+    size_hints={'x': 8192, 'r0_': 2048},
+)
+@triton.jit
+def triton_red_fused_amax_0(in_ptr0, out_ptr0, out_ptr1, xnumel, r0_numel, XBLOCK : tl.constexpr, R0_BLOCK : tl.constexpr):
+    for r0_offset in tl.range(0, r0_numel, R0_BLOCK):
+        tmp0 = tl.load(in_ptr0 + (r0_1 + ks0*x0), r0_mask & xmask)
+    tl.store(out_ptr0 + (x0), tmp3, xmask)
+    for r0_offset in tl.range(0, r0_numel, R0_BLOCK):
+        tmp4 = tl.load(in_ptr0 + (r0_1 + ks0*x0), r0_mask & xmask)
+        tl.store(out_ptr1 + (r0_1 + ks0*x0), tmp5, r0_mask & xmask)
+\'\'\', device_str='cpu')
+cast_1 = async_compile.triton('triton_per_fused_amin_1', \'\'\'
+@triton_heuristics.persistent_reduction(
+    size_hints={'x': 1, 'r0_': 8192},
+)
+@triton.jit
+def triton_per_fused_amin_1(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr):
+    tmp0 = tl.load(in_ptr0 + (r0_0), r0_mask)
+    tl.store(out_ptr0 + (tl.full([1], 0, tl.int32)), tmp2, None)
+\'\'\', device_str='cpu')
+cast_2 = async_compile.triton('triton_poi_fused_copy_2', \'\'\'
+@triton_heuristics.pointwise(
+    size_hints={'x': 16777216},
+)
+@triton.jit
+def triton_poi_fused_copy_2(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tmp0 = tl.load(in_ptr0 + (x0), xmask)
+    tl.store(out_ptr0 + (x0), tmp0, xmask)
+\'\'\', device_str='cpu')
+'''
+
+
+def test_kernel_summary_reads_kinds_loops_and_size_hints() -> None:
+    kernels = triton_code.kernel_summary(WRAPPER)
+    assert [(k["kind"], k["loops"], k["size_hint"], k["loads"], k["stores"]) for k in kernels] == [
+        ("looped reduction", 2, 8192 * 2048, 2, 2),
+        ("persistent reduction", 0, 8192, 1, 1),
+        ("pointwise", 0, 16777216, 1, 1),
+    ]
+
+
+@pytest.mark.parametrize("codes, passes", [
+    ([WRAPPER], 3),  # the largest size hint (2**24 elements): the looped reduction's 2 loops + the pointwise kernel
+    ([WRAPPER.split("cast_1")[0]], 2),  # the looped reduction alone
+    ([], 0),
+])
+def test_case_summary_counts_the_passes_over_the_data(codes: list[str], passes: int) -> None:
+    summary = triton_code.case_summary(codes)
+    assert summary["data_passes"] == passes
+    assert summary["kernels"] == len(summary["detail"])
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="needs triton to generate Triton code (pip install triton; no GPU needed)")
+def test_triton_code_reads_the_optimizer_updates_kernels(tmp_path: Path) -> None:
+    path = triton_code.main(["--no-casts", "--width", "256", "--out", str(tmp_path)])
+    record = json.loads(path.read_text())
+    by_level = {case["case"].split()[0]: case for case in record["cases"]}
+    assert set(by_level) == {"O1", "O2", "O3"}
+    for level, case in by_level.items():
+        # One pass over the group's data at O1 and O2: every scale comes from a bound, so
+        # nothing a store needs waits on a reduction over its row.
+        # O3's FP8 weight takes exact row scales from its master: a second pass.
+        assert case["dynamic"]["data_passes"] == (2 if level == "O3" else 1), case
