@@ -189,10 +189,15 @@ def adam_group_step(
     fp8_data = fp8_scale = None
     if spec.weight is WeightKind.MASTER:  # O3's FP8 weight, from the master as stored
         previous = tensors.fp8_weight_scale if spec.fp8_previous_scale else None
-        master = weight_layout.decode_rows(w_data, row_scales(w_scale, weight_layout, tensors))
+        w_row_scale = row_scales(w_scale, weight_layout, tensors)
+        master = weight_layout.decode_rows(w_data, w_row_scale)
         # Its row scales (a rowwise recipe's) come from the master's rows, exactly: they
-        # scale what the GEMMs read.
-        fp8_bound = None if spec.fp8_weight.per_row else bounds.weight
+        # scale what the GEMMs read. The amax is taken over the stored data, then decoded
+        # (decoding scales a row's values alike: the same max, bit for bit), so the cast
+        # reads the master from the data the pass stores; an amax of the decoded rows had
+        # the compiled pass keep a float32 copy of every row for the cast.
+        fp8_bound = weight_layout.decode_rows(w_data.abs().amax(dim=1, keepdim=True), w_row_scale).squeeze(1) \
+            if spec.fp8_weight.per_row else bounds.weight
         fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, fp8_bound, previous, tensors.fp8_weight,
                                         tensors, None, skip)
     _write([
