@@ -12,16 +12,16 @@
 #                                                    # step, tests not collected (about 30 s)
 #
 # Steps, most important first (limit in seconds on the GPU, as an H200 with torch 2.11
-# needed on 2026-11-28; steps 1-5 add up to 890, so the default budget cuts the tests):
-#   1 static-shapes 180  amp8's compiled functions (the optimizer's update at 300M parameters,
-#                     O2/O1/O3; the casts of a 2048 -> 8192 -> 2048 MLP on 8192 tokens) as
-#                     amp8 compiles them (dynamic shapes) and for static shapes, their
-#                     kernels on the device clock; the generated code of both in
-#                     OUT/kernel-sources.tar.gz
-#   2 optimizer  150  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 1B, then 300M
+# needed on 2026-11-28; steps 1-5 add up to 830, so the default budget cuts the tests):
+#   1 optimizer  150  LowBitAdam O1/O2/O3 (fused) vs torch's fused AdamW over 1B, then 300M
 #                     parameters of 1024 x 1024 layers
-#   3 kernels     60  the optimizer step's kernels by name at 300M parameters, O1-O3 and
+#   2 kernels     60  the optimizer step's kernels by name at 300M parameters, O1-O3 and
 #                     torch's fused AdamW
+#   3 static-shapes 120  amp8's compiled functions (the optimizer's update at 300M
+#                     parameters, O2 and O3; the casts of a 2048 -> 8192 -> 2048 MLP on 8192
+#                     tokens) as amp8 compiles them (dynamic shapes) and for static shapes,
+#                     their kernels on the device clock; the generated code of both in
+#                     OUT/kernel-sources.tar.gz
 #   4 gpt        260  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
 #                     compiled then eager (amp8 O1/O2 eager with compiled casts too), the
 #                     optimizer timed apart
@@ -29,9 +29,10 @@
 #                     happens; their output in OUT/cuda-tests.log
 #   6 llama      150  the same step, compiled, on four layers of Llama-3-8B's shapes, in what
 #                     is left of --budget
-#   7 linear      90  Fp8Linear at the three headline shapes: eager, eager with amp8's
-#                     compiled casts, compiled, rowwise, torchao, against nn.Linear, in what
-#                     is left of --budget
+#   7 linear      90  Fp8Linear at 16 x 64 x 64 (what a layer costs the host: every mode's
+#                     time there is launches and Python) and the three headline shapes:
+#                     eager, eager with amp8's compiled casts, compiled, rowwise, torchao,
+#                     against nn.Linear, in what is left of --budget
 #   8 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
 #                     --budget (default 600 s); cut short, it is not a failure
 # Every benchmark rewrites its JSON after each row, so a step cut short keeps what it
@@ -95,9 +96,9 @@ if [ "$mode" = gpu ]; then
     optimizer=(--sizes 1000 300 --widths 1024 --repeats 3)  # the targets' size first
     gpt=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5)
     llama=(--preset llama3-8b-layers --batch-size 1 --warmup 2 --steps 5 --modes compiled)
-    linear=(--warmup 5 --repeats 20)
+    linear=(--shapes 16,64,64 1024,2048,1024 4096,8192,16384 8192,8192,8192 --warmup 5 --repeats 20)
     kernels=(--millions 300)
-    static_shapes=(--tokens 8192 --width 2048 --mlp 4 --millions 300)
+    static_shapes=(--tokens 8192 --width 2048 --mlp 4 --millions 300 --levels O2 O3 --repeats 5)
     sweep=(--sweep --warmup 3 --repeats 10)
 else
     echo "CPU check: every step with --device cpu at tiny sizes; the numbers check the script, not FP8's speed"
@@ -153,19 +154,19 @@ step() {  # step BIT NAME SECONDS LOG COMMAND...: run COMMAND within SECONDS and
     echo "== $name: $((SECONDS - start)) s, $status"
 }
 
+step 2 optimizer 150 - python bench/optimizer.py --device $device "${optimizer[@]}" --fused-only --no-memory --out "$out"
+step 32 kernels 60 - python bench/optimizer_kernels.py --device $device "${kernels[@]}" --out "$out"
 if [ ${#static_shapes[@]} -gt 0 ]; then
     # Inductor's code for both variants, in a cache of this step's own, packed for reading.
     sources="$out/kernel-sources"
     rm -rf "$sources" && mkdir -p "$sources"
-    step 128 static-shapes 180 - env TORCHINDUCTOR_CACHE_DIR="$sources" \
+    step 128 static-shapes 120 - env TORCHINDUCTOR_CACHE_DIR="$sources" \
         python bench/static_shapes.py --device $device "${static_shapes[@]}" --out "$out"
     (cd "$sources" && grep -rl --include='*.py' async_compile . | tar czf "$out/kernel-sources.tar.gz" -T -)
     rm -rf "$sources"
 else
     echo "== static-shapes: skipped (--quick: it compiles)"
 fi
-step 2 optimizer 150 - python bench/optimizer.py --device $device "${optimizer[@]}" --fused-only --no-memory --out "$out"
-step 32 kernels 60 - python bench/optimizer_kernels.py --device $device "${kernels[@]}" --out "$out"
 step 4 gpt 260 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
 if [ ${#tests[@]} -gt 0 ]; then
     # Each failure's traceback as its test ends: a run cut off at its limit still says why.
