@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 import amp8
 import amp8._compiled
 from amp8.optim import LowBitAdam
-from amp8.optim.group_step import COMPILE_OPTIONS
+from amp8.optim.group_step import COMPILE_OPTIONS, adam_group_step
 from common import free_memory, reset_compiler
 from optimizer import backward_pass, square_layers
 from records import RESULTS, write_result
@@ -133,13 +133,16 @@ def cast_case(function: Callable[..., Any], spec: Any, args: tuple[Any, ...]) ->
     return f"{function.__name__} {tuple(args[0].shape)}{detail}"
 
 
-def in_grad_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run under the grad mode of now (an autograd Function's forward and backward
-    run without grad: a compiled function called with grad on traces a backward too)."""
-    enabled = torch.is_grad_enabled()
+def in_call_state(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under the grad mode and CUDA autocast of now, as it was called (an
+    autograd Function's forward and backward run without grad: a compiled function
+    called with grad on traces a backward too; both states are part of its guards)."""
+    grad = torch.is_grad_enabled()
+    autocast = torch.is_autocast_enabled("cuda")
+    autocast_dtype = torch.get_autocast_dtype("cuda")
 
     def call(*args: Any) -> Any:
-        with torch.set_grad_enabled(enabled):
+        with torch.set_grad_enabled(grad), torch.autocast("cuda", autocast_dtype, enabled=autocast):
             return fn(*args)
 
     return call
@@ -170,7 +173,7 @@ def recorded_casts(level: str, tokens: int, width: int, mlp: int, device: torch.
             key = (function, spec, variant, tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor)))
             if key not in statics:
                 statics[key] = compile_static(lambda *xs: function(spec, *xs))
-            calls.append((cast_case(function, spec, args), in_grad_mode(compiled), in_grad_mode(statics[key]), args))
+            calls.append((cast_case(function, spec, args), in_call_state(compiled), in_call_state(statics[key]), args))
             return compiled(*args)
 
         return call
@@ -191,7 +194,6 @@ class _RecordedStep:
 
     def __call__(self, *args: Any) -> Any:
         if self.row is None:
-            from amp8.optim.group_step import adam_group_step
             spec = self.spec
             static = compile_static(lambda *xs: adam_group_step(spec, *xs), COMPILE_OPTIONS)
             self.row = compare("group update", self.compiled, static, args, self.device, self.repeats)
