@@ -196,7 +196,7 @@ def adam_group_step(
         # (decoding scales a row's values alike: the same max, bit for bit), so the cast
         # reads the master from the data the pass stores; an amax of the decoded rows had
         # the compiled pass keep a float32 copy of every row for the cast.
-        fp8_bound = weight_layout.decode_rows(w_data.abs().amax(dim=1, keepdim=True), w_row_scale).squeeze(1) \
+        fp8_bound = weight_layout.decode_rows(w_data.float().abs().amax(dim=1, keepdim=True), w_row_scale).squeeze(1) \
             if spec.fp8_weight.per_row else bounds.weight
         fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, fp8_bound, previous, tensors.fp8_weight,
                                         tensors, None, skip)
