@@ -51,12 +51,16 @@ from static_shapes import cast_case
 
 _KERNEL = re.compile(r"@triton\.jit\ndef (\w+)\(")
 _SIZE_HINTS = re.compile(r"size_hints=\{([^}]*)\}")
+_STATEMENT = re.compile(r"^\s+_?tmp\d+ = ", re.MULTILINE)
+_DIVISION = re.compile(r"= \(tmp\d+ / tmp\d+\)")
 
 
 def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
     """Each Triton kernel in one compiled graph's wrapper code (Inductor's output code):
     its name, kind (``pointwise``, ``looped reduction``, ``persistent reduction``), loops
-    over the reduced dim, loads and stores."""
+    over the reduced dim, loads and stores, and its arithmetic: the values it computes
+    (``tmpN = ...`` statements; inside a loop, each per element) and, of them, float
+    divisions (several instructions each on a GPU)."""
     kernels = []
     for match in _KERNEL.finditer(wrapper_code):
         end = wrapper_code.find("''', device_str", match.end())
@@ -70,7 +74,8 @@ def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
         kind = "pointwise" if name.startswith("triton_poi") else "looped reduction" if loops else \
             "persistent reduction" if name.startswith(("triton_per", "triton_red")) else "other"
         kernels.append({"name": name, "kind": kind, "loops": loops, "size_hint": elements,
-                        "loads": body.count("tl.load("), "stores": body.count("tl.store(")})
+                        "loads": body.count("tl.load("), "stores": body.count("tl.store("),
+                        "statements": len(_STATEMENT.findall(body)), "divisions": len(_DIVISION.findall(body))})
     return kernels
 
 

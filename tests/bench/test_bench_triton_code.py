@@ -35,6 +35,7 @@ cast_1 = async_compile.triton('triton_per_fused_amin_1', \'\'\'
 @triton.jit
 def triton_per_fused_amin_1(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr):
     tmp0 = tl.load(in_ptr0 + (r0_0), r0_mask)
+    tmp2 = (tmp1 / tmp0)
     tl.store(out_ptr0 + (tl.full([1], 0, tl.int32)), tmp2, None)
 \'\'\', device_str='cpu')
 cast_2 = async_compile.triton('triton_poi_fused_copy_2', \'\'\'
@@ -51,10 +52,11 @@ def triton_poi_fused_copy_2(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
 
 def test_kernel_summary_reads_kinds_loops_and_size_hints() -> None:
     kernels = triton_code.kernel_summary(WRAPPER)
-    assert [(k["kind"], k["loops"], k["size_hint"], k["loads"], k["stores"]) for k in kernels] == [
-        ("looped reduction", 2, 8192 * 2048, 2, 2),
-        ("persistent reduction", 0, 8192, 1, 1),
-        ("pointwise", 0, 16777216, 1, 1),
+    assert [(k["kind"], k["loops"], k["size_hint"], k["loads"], k["stores"], k["statements"], k["divisions"])
+            for k in kernels] == [
+        ("looped reduction", 2, 8192 * 2048, 2, 2, 2, 0),
+        ("persistent reduction", 0, 8192, 1, 1, 2, 1),
+        ("pointwise", 0, 16777216, 1, 1, 1, 0),
     ]
 
 
