@@ -53,6 +53,7 @@ _KERNEL = re.compile(r"@triton\.jit\ndef (\w+)\(")
 _SIZE_HINTS = re.compile(r"size_hints=\{([^}]*)\}")
 _STATEMENT = re.compile(r"^\s+_?tmp\d+ = ", re.MULTILINE)
 _DIVISION = re.compile(r"= \(tmp\d+ / tmp\d+\)")
+_CONVERSION = re.compile(r"\.to\(tl\.float(?:16|32)\)")
 
 
 def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
@@ -60,7 +61,8 @@ def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
     its name, kind (``pointwise``, ``looped reduction``, ``persistent reduction``), loops
     over the reduced dim, loads and stores, and its arithmetic: the values it computes
     (``tmpN = ...`` statements; inside a loop, each per element) and, of them, float
-    divisions (several instructions each on a GPU)."""
+    divisions (several instructions each on a GPU) and conversions between float16 and
+    float32 (issued at a fraction of the float32 rate)."""
     kernels = []
     for match in _KERNEL.finditer(wrapper_code):
         end = wrapper_code.find("''', device_str", match.end())
@@ -75,7 +77,8 @@ def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
             "persistent reduction" if name.startswith(("triton_per", "triton_red")) else "other"
         kernels.append({"name": name, "kind": kind, "loops": loops, "size_hint": elements,
                         "loads": body.count("tl.load("), "stores": body.count("tl.store("),
-                        "statements": len(_STATEMENT.findall(body)), "divisions": len(_DIVISION.findall(body))})
+                        "statements": len(_STATEMENT.findall(body)), "divisions": len(_DIVISION.findall(body)),
+                        "conversions": len(_CONVERSION.findall(body))})
     return kernels
 
 

@@ -44,19 +44,19 @@ cast_2 = async_compile.triton('triton_poi_fused_copy_2', \'\'\'
 )
 @triton.jit
 def triton_poi_fused_copy_2(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
-    tmp0 = tl.load(in_ptr0 + (x0), xmask)
-    tl.store(out_ptr0 + (x0), tmp0, xmask)
+    tmp0 = tl.load(in_ptr0 + (x0), xmask).to(tl.float32)
+    tl.store(out_ptr0 + (x0), tmp0.to(tl.float16), xmask)
 \'\'\', device_str='cpu')
 '''
 
 
 def test_kernel_summary_reads_kinds_loops_and_size_hints() -> None:
     kernels = triton_code.kernel_summary(WRAPPER)
-    assert [(k["kind"], k["loops"], k["size_hint"], k["loads"], k["stores"], k["statements"], k["divisions"])
-            for k in kernels] == [
-        ("looped reduction", 2, 8192 * 2048, 2, 2, 2, 0),
-        ("persistent reduction", 0, 8192, 1, 1, 2, 1),
-        ("pointwise", 0, 16777216, 1, 1, 1, 0),
+    assert [(k["kind"], k["loops"], k["size_hint"], k["loads"], k["stores"], k["statements"], k["divisions"],
+             k["conversions"]) for k in kernels] == [
+        ("looped reduction", 2, 8192 * 2048, 2, 2, 2, 0, 0),
+        ("persistent reduction", 0, 8192, 1, 1, 2, 1, 0),
+        ("pointwise", 0, 16777216, 1, 1, 1, 0, 2),
     ]
 
 
