@@ -70,6 +70,13 @@ def row_scales(scale: torch.Tensor, layout: Layout, tensors: GroupTensors) -> to
     return (scale if layout.per_row else scale[tensors.row_tensor])[:, None]
 
 
+def stored_row_amax(data: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """Each row's amax of the real values ``data`` (rows, width) stores under ``row_scale``
+    (rows, 1), as (rows,): taken over the data, then divided by the row's scale, which
+    scales a row's values alike (the amax of the decoded row, bit for bit)."""
+    return data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
+
+
 def per_tensor_max(row_values: torch.Tensor, tensors: GroupTensors) -> torch.Tensor:
     """The max over each tensor's rows of ``row_values`` (rows,), (tensors,) float32."""
     out = tensors.draw.new_zeros(tensors.draw.shape, dtype=torch.float32)
@@ -113,7 +120,7 @@ def _store(
     scale = layout.scales(bound, previous)
     row_scale = row_scales(scale, layout, tensors)
     data = layout.encode_rows(values, row_scale, words)
-    amax = data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
+    amax = stored_row_amax(data, row_scale)
     if previous is not None:
         scale = unless_skipped(skip, previous, scale)
     return unless_skipped(skip, old, data), scale, amax
@@ -192,12 +199,10 @@ def adam_group_step(
         w_row_scale = row_scales(w_scale, weight_layout, tensors)
         master = weight_layout.decode_rows(w_data, w_row_scale)
         # Its row scales (a rowwise recipe's) come from the master's rows, exactly: they
-        # scale what the GEMMs read. The amax is taken over the stored data, then decoded
-        # (decoding scales a row's values alike: the same max, bit for bit), so the cast
-        # reads the master from the data the pass stores; an amax of the decoded rows had
-        # the compiled pass keep a float32 copy of every row for the cast.
-        fp8_bound = weight_layout.decode_rows(w_data.float().abs().amax(dim=1, keepdim=True), w_row_scale).squeeze(1) \
-            if spec.fp8_weight.per_row else bounds.weight
+        # scale what the GEMMs read. Taken over the stored data (``stored_row_amax``), so
+        # the cast reads the master from what the pass stores; an amax of the decoded
+        # rows had the compiled pass keep a float32 copy of every row for the cast.
+        fp8_bound = stored_row_amax(w_data, w_row_scale) if spec.fp8_weight.per_row else bounds.weight
         fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, fp8_bound, previous, tensors.fp8_weight,
                                         tensors, None, skip)
     _write([
