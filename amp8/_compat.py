@@ -93,6 +93,27 @@ FEATURES: tuple[TorchFeature, ...] = (CPU_ROWWISE_SCALED_MM, COMPILED_SHARDED_LA
 """Every feature in this module."""
 
 
+try:  # a private API, in every release amp8 tests (2.11, 2.13); probed, so a torch without it runs amp8
+    from torch._library.opaque_object import register_opaque_type as _register_opaque_type
+    from torch._opaque_base import OpaqueBase as OpaqueReferenceBase
+except ImportError:
+    _register_opaque_type = None
+    OpaqueReferenceBase = object  # type: ignore[assignment,misc]
+"""The base class of a Python object that torch.compile passes to a custom operator as it
+is, by reference, without looking into it (``register_opaque_reference``); ``object`` in a
+torch without opaque objects."""
+
+
+def register_opaque_reference(cls: type) -> bool:
+    """Register ``cls`` (a subclass of ``OpaqueReferenceBase``) as an opaque reference type:
+    custom operators take its objects and torch.compile passes them through its graphs
+    unopened. False, with nothing done, in a torch without opaque objects."""
+    if _register_opaque_type is None:
+        return False
+    _register_opaque_type(cls, typ="reference")
+    return True
+
+
 def fsdp_module_types() -> tuple[type, ...]:
     """``(FSDPModule,)``, the class FSDP2's ``fully_shard`` gives the modules it wraps; empty
     in a torch built without distributed support, where nothing can be wrapped."""

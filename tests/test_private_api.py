@@ -52,6 +52,16 @@ ALLOWED: dict[str, str] = {
         "Read only on that error's path; torch has no public way to ask"
     ),
     # -- beyond the scope: torch features amp8 builds on ---------------------------------------
+    "torch._library": (
+        "opaque_object.register_opaque_type: a custom operator takes the optimizer's GradSlot and torch.compile "
+        "passes it through a graph by reference, so a compiled backward claims the slot when it runs "
+        "and writes the FP8 gradient where the step reads it (amp8/tensor/weight_grad.py). torch has "
+        "no public name for opaque objects; amp8/_compat.py probes it, and without it compiled "
+        "backwards take no slot"
+    ),
+    "torch._opaque_base": (
+        "OpaqueBase: the base class register_opaque_type requires of an opaque type (the same feature)"
+    ),
     "torch.utils._python_dispatch": (
         "is_in_torch_dispatch_mode: whether a torch dispatch mode (a FLOP counter, a tracer) is active, "
         "under which torch.compile(fullgraph=True) runs nothing and raises; amp8's compiled casts then "

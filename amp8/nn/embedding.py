@@ -139,7 +139,7 @@ class LowBitEmbedding(SingleStoredWeightModule):
         config = EmbeddingConfig(
             self.num_embeddings, self.embedding_dim, self.padding_idx, self.stored_weight.grad_layout, self.out_dtype,
         )
-        slot = None if torch.compiler.is_compiling() else self.stored_weight.grad_slot
+        slot = self.stored_weight.backward_slot()
         return _EmbeddingFunction.apply(ids, self._grad_target(), self.stored_weight.stored(), config, slot)
 
     def extra_repr(self) -> str:

@@ -355,7 +355,7 @@ class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
                 if high:
                     self.quantizers.weight.watch(w_stored.dequantize(), contract_dim, self._weight_operands(contract_dim))  # type: ignore[union-attr]
         with torch.autocast(x.device.type, enabled=False):  # the GEMMs choose their own dtypes
-            slot = None if torch.compiler.is_compiling() else self.stored_weight.grad_slot
+            slot = self.stored_weight.backward_slot()
             return _Fp8LinearFunction.apply(
                 x, self._grad_target(), self.bias, w8, w8_dgrad, w_stored, self.quantizers, config, self.grad_health,
                 slot,

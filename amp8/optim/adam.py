@@ -49,6 +49,7 @@ from amp8.optim.support import (
 )
 from amp8.quant import noise
 from amp8.tensor.stored import StoredWeight, stored_weight
+from amp8.tensor.weight_grad import GradSlot
 
 DEFAULT_STATE_BLOCK_SIZE = 0  # one scale per tensor; the measurements behind it are in docs/decisions.md
 # From this many parameter elements on, fused=None compiles the step on the CPU too.
@@ -147,6 +148,9 @@ class LowBitAdam(Copies, DataParallel, Checkpoints, torch.optim.Optimizer):
         self.weights: dict[nn.Parameter, StoredWeight] = {
             param: handle for param in params_in_order if (handle := stored_weight(param)) is not None
         }
+        for handle in self.weights.values():
+            if handle.grad_slot is None and not handle.sharded:  # compiled graphs take the group's later as is
+                handle.grad_slot = GradSlot.empty()
         self.stored = StoredState(level, self.weights, state_block_size, seed, self._own_chunk, self._is_sharded)
         self._layer_modules = layer_state.fp8_layers(self.weights.values())
         self.fused = fused

@@ -241,7 +241,7 @@ class UpdateGroup:
             if registry.get(name) is piece:
                 handle.place_scale(piece.clone())
         for handle in self._handles:
-            handle.grad_slot = None  # (a gradient in the old slot keeps the old buffer alive)
+            handle.grad_slot = GradSlot.empty()  # (a gradient in the old slot keeps the old buffer alive)
 
     # -- the amaxes the scales are bounded from -------------------------------------------
     def measure_amaxes(self) -> None:

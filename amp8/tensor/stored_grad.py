@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from amp8.config.recipe import Recipe
 from amp8.tensor.scaled import ScaledTensor
-from amp8.tensor.weight_grad import GradLayout, GradSlot, WeightGrad
+from amp8.tensor.weight_grad import COMPILED_SLOTS, GradLayout, GradSlot, WeightGrad
 from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 
 
@@ -46,6 +46,13 @@ class GradHome:
     """Where the layer's backward writes the weight's FP8 gradient: views of the gradient
     buffer of the optimizer step that reads it (``amp8.tensor.weight_grad.GradSlot``), or
     None (memory of its own)."""
+
+    def backward_slot(self) -> GradSlot | None:
+        """The slot the layer's backward is given: ``grad_slot``, but None inside a
+        compiled graph in a torch that cannot pass one through it (``COMPILED_SLOTS``)."""
+        if not COMPILED_SLOTS and torch.compiler.is_compiling():
+            return None
+        return self.grad_slot
 
     recipe: Recipe
     sharded: bool

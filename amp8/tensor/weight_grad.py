@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from amp8._compat import OpaqueReferenceBase, register_opaque_reference
 from amp8._compiled import call_compiled
 from amp8.config.recipe import Recipe
 from amp8.quant import scaling
@@ -102,7 +103,16 @@ def _quantized_into(layout: GradLayout, value: torch.Tensor, data: torch.Tensor,
     del fp8
 
 
-class GradSlot:
+# A compiled backward reaches a slot through an operator of its own (``weight_grad_parts``)
+# whose quantization runs outside the graph: 45-100 us of host time a layer on the CPU
+# (an operator call, then amp8's own compiled or eager quantization), against 2 bytes an
+# element of device time for the gradient's copy into its group at the step. Gradients
+# from 2048 x 2048 elements on take the slot: their layers' backward keeps a GPU busy far
+# longer than the host takes. Smaller ones are quantized inside the graph and copied in.
+COMPILED_SLOT_MIN_ELEMENTS = 1 << 22
+
+
+class GradSlot(OpaqueReferenceBase):
     """Memory an optimizer keeps for one FP8 weight's gradient (views of its flat gradient
     buffer), which the layer's backward writes the gradient into: the step then reads it
     where it is, with no copy.
@@ -113,25 +123,104 @@ class GradSlot:
     optimizer advances at each step): a layer called twice in one forward gets its first
     gradient in the slot and the second in memory of its own. As with DDP's
     ``gradient_as_bucket_view``, the gradient a step has read is overwritten by the next
-    backward after ``zero_grad``: clone a gradient to keep it."""
+    backward after ``zero_grad``: clone a gradient to keep it.
+
+    A compiled backward reaches the slot through ``torch.ops.amp8.weight_grad_parts``,
+    which torch.compile passes the slot to as an object it does not look into
+    (``amp8._compat.register_opaque_reference``): the claim runs when the backward runs, as
+    it does eagerly. In a torch without opaque objects compiled backwards take no slot."""
 
     __slots__ = ("data", "scale", "_param", "_round", "_claimed_in")
 
-    def __init__(self, param: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, round: list[int]) -> None:
+    def __init__(self, param: torch.Tensor | None, data: torch.Tensor | None, scale: torch.Tensor | None,
+                 round: list[int]) -> None:
         self.data, self.scale = data, scale
-        self._param = weakref.ref(param)
+        self._param = None if param is None else weakref.ref(param)
         self._round = round
         self._claimed_in = -1
 
+    @classmethod
+    def empty(cls) -> "GradSlot":
+        """A slot with no memory, which no backward takes: what an optimizer gives its
+        FP8 weights until it builds their groups at its first step, so that a graph
+        compiled before then takes a slot as it will after (one slot replacing another
+        compiles nothing new; a slot replacing None would). It holds no reference to the
+        weight (a weak one would stop ``torch.utils.swap_tensors``)."""
+        return cls(None, None, None, [0])
+
     def claim(self) -> bool:
         """Whether this backward may write the gradient here (see the class docstring)."""
-        if self._claimed_in == self._round[0]:
+        if self._param is None or self._claimed_in == self._round[0]:
             return False
         param = self._param()
         if param is None or param.grad is not None:
             return False
         self._claimed_in = self._round[0]
         return True
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "GradSlot":
+        """The slot itself: memory held by reference (a model's copy holds no slot; see
+        ``StoredWeight.__getstate__``)."""
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """A slot pickles as no slot: it belongs to the optimizer that made it. (torch
+        2.11's compile cache pickles the arguments of a graph that takes one, for its key.)"""
+        return _no_slot, ()
+
+
+def _no_slot() -> None:
+    """What a pickled ``GradSlot`` loads as."""
+    return None
+
+
+COMPILED_SLOTS = register_opaque_reference(GradSlot)
+"""Whether compiled backwards can take slots (this torch passes a ``GradSlot`` through a
+graph)."""
+
+
+def _weight_grad_parts(layout: GradLayout, value: torch.Tensor, slot: GradSlot | None,
+                       compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layout.quantize(value)`` as (data, scales): written into ``slot`` where it may be
+    claimed, else into memory of its own."""
+    if slot is not None and slot.data is not None and slot.data.shape == value.shape and slot.claim():
+        call_compiled(_quantized_into, layout, value, slot.data, slot.scale, compiled=compiled)
+        return slot.data, slot.scale  # type: ignore[return-value]
+    return call_compiled(_quantized_parts, layout, value, compiled=compiled)
+
+
+@torch.library.custom_op("amp8::weight_grad_parts", mutates_args=())
+def weight_grad_parts(value: torch.Tensor, slot: GradSlot, dtype: torch.dtype, tile: list[int] | None,
+                      block_size: int, margin: int, power_of_2: bool,
+                      compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight gradient's (data, scales) from the float gradient ``value``, stored at
+    the ``GradLayout`` the other arguments give, in ``slot`` where the backward may claim
+    it: ``WeightGrad.from_float`` inside a compiled graph. An operator of its own, so the
+    claim (whether the weight has a gradient now, whether another backward took the slot
+    since the last step) runs when the compiled backward runs, not once when it is
+    traced; the outputs are the slot's own tensors where it was claimed."""
+    layout = GradLayout(dtype, None if tile is None else (tile[0], tile[1]), block_size, margin, power_of_2)
+    return _weight_grad_parts(layout, value, slot, compiled)
+
+
+@weight_grad_parts.register_fake
+def _weight_grad_parts_shapes(value: torch.Tensor, slot: GradSlot, dtype: torch.dtype, tile: list[int] | None,
+                              block_size: int, margin: int, power_of_2: bool,
+                              compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (data, scales) of ``weight_grad_parts``' shapes and dtypes, to trace with,
+    each one element into memory of its own: the real ones may lie anywhere in a
+    group's buffer, so Inductor must assume no alignment for them (it checks the real
+    outputs against what these say)."""
+    layout = GradLayout(dtype, None if tile is None else (tile[0], tile[1]), block_size, margin, power_of_2)
+    return _unaligned_empty(value, value.shape, dtype), _unaligned_empty(
+        value, layout.scale_shape(tuple(value.shape)), torch.float32,
+    )
+
+
+def _unaligned_empty(like: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of ``shape`` and ``dtype`` on ``like``'s device that starts one
+    element into its memory."""
+    return like.new_empty(shape.numel() + 1, dtype=dtype)[1:].view(shape)
 
 
 class WeightGrad(WeightGradDispatch):
@@ -161,11 +250,18 @@ class WeightGrad(WeightGradDispatch):
         """The float gradient ``value`` stored at ``layout``, reporting ``dtype``: in
         ``slot`` where it may be claimed (``GradSlot``), else in memory of its own. The
         quantization runs as compiled kernels as ``compiled`` says
-        (``amp8._compiled.runs_compiled``), with the same bits."""
-        if slot is not None and slot.data.shape == value.shape and slot.claim():
-            call_compiled(_quantized_into, layout, value, slot.data, slot.scale, compiled=compiled)
-            return cls(ScaledTensor(slot.data, slot.scale, layout.block_size), dtype, layout)
-        data, scale = call_compiled(_quantized_parts, layout, value, compiled=compiled)
+        (``amp8._compiled.runs_compiled``), with the same bits. Inside a compiled graph
+        only gradients of ``COMPILED_SLOT_MIN_ELEMENTS`` elements or more go to the slot."""
+        if slot is not None and torch.compiler.is_compiling():
+            if not COMPILED_SLOTS or value.numel() < COMPILED_SLOT_MIN_ELEMENTS:
+                slot = None  # quantized inside the graph, copied in at the step
+            else:
+                data, scale = torch.ops.amp8.weight_grad_parts(
+                    value, slot, layout.dtype, None if layout.tile is None else list(layout.tile),
+                    layout.block_size, layout.margin, layout.power_of_2, compiled,
+                )
+                return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
+        data, scale = _weight_grad_parts(layout, value, slot, compiled)
         return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
 
     @classmethod

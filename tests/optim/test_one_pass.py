@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp8
 from amp8.optim import LowBitAdam
+from amp8.tensor import weight_grad
 from conftest import assert_bitwise_equal
 
 aten = torch.ops.aten
@@ -80,6 +81,86 @@ def test_fp8_gradients_are_where_the_step_reads_them(level: str) -> None:
     with Operations() as seen:
         optimizer.step()
     assert not [name for name in seen.names if "copy" in name and "foreach" in name], seen.names
+
+
+class _TokenModel(nn.Module):
+    """An embedding (a ``LowBitEmbedding`` at O2 and O3) and two linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(64, 32)
+        self.layers = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.embedding(ids))
+
+
+def _train_tokens(level: str, compiled: bool,
+                  backwards: str) -> tuple[dict[str, torch.Tensor], set[str], list[list[bool]]]:
+    """Three steps of ``_TokenModel`` at ``level``: the weights after them (by name), the
+    names of those with FP8 gradients, and, at each step, whether each FP8 gradient the
+    step reads lies in its group's buffer.
+    ``backwards``: "one" a step; "accumulated": two before each step; "zeroed": one,
+    after ``zero_grad(set_to_none=False)``."""
+    model, _ = amp8.initialize(_TokenModel(), None, level, layer_selection="all")
+    optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=level)
+    if compiled:
+        model.compile()
+    generator = torch.Generator().manual_seed(1)
+    placed = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=backwards != "zeroed")
+        for _ in range(2 if backwards == "accumulated" else 1):
+            model(torch.randint(0, 64, (8, 4), generator=generator)).square().mean().backward()
+        placed.append([
+            member.param.grad.parts()[0] is view
+            for group in optimizer.update_groups if group.key.spec.grad.scaled
+            for member, view in zip(group.members, group._grad_views)
+        ])
+        fp8_grads = {name for name, param in model.named_parameters() if type(param.grad).__name__ == "WeightGrad"}
+        optimizer.step()
+    return dict(model.state_dict()), fp8_grads, placed
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "level, backwards",
+    [("O1", "one"), ("O2", "one"), ("O3", "one"), ("O2", "accumulated"), ("O2", "zeroed")],
+)
+def test_a_compiled_backward_writes_fp8_gradients_where_the_step_reads_them(
+    level: str, backwards: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torch.compile the backward takes the gradient slots as the eager one does
+    (``torch.ops.amp8.weight_grad_parts`` claims a slot when the backward runs; here for
+    gradients of any size): from the second step on, when the slots exist, each FP8
+    gradient lies in its group's buffer, except where the weight already had a gradient
+    (``zero_grad(set_to_none=False)``); micro-batches add into the slot; and the weights
+    with FP8 gradients are the eager model's bit for bit (the others within float32
+    rounding: Inductor sums a bias's gradient in another order)."""
+    monkeypatch.setattr(weight_grad, "COMPILED_SLOT_MIN_ELEMENTS", 0)
+    eager_weights, eager_fp8, eager_placed = _train_tokens(level, False, backwards)
+    weights, fp8, placed = _train_tokens(level, True, backwards)
+    assert fp8 == eager_fp8 and fp8
+    for name, expected in eager_weights.items():
+        if name in fp8:
+            assert_bitwise_equal(weights[name], expected)
+        else:
+            torch.testing.assert_close(weights[name], expected)
+    assert placed == eager_placed
+    assert all(placed[1]) == (backwards != "zeroed") and placed[1]
+    assert not any(placed[0])  # the first step builds the groups and their slots
+
+
+@pytest.mark.compile
+def test_a_compiled_backward_quantizes_small_gradients_in_its_graph() -> None:
+    """Below ``COMPILED_SLOT_MIN_ELEMENTS`` a compiled backward quantizes the gradient
+    inside its graph, into memory of its own (the step copies it in), with the same bits."""
+    eager_weights, _, eager_placed = _train_tokens("O2", False, "one")
+    weights, _, placed = _train_tokens("O2", True, "one")
+    assert all(eager_placed[1]) and placed[1] and not any(placed[1])
+    for name, expected in eager_weights.items():
+        torch.testing.assert_close(weights[name], expected)
 
 
 def test_a_second_call_of_a_layer_gets_a_gradient_of_its_own() -> None:
