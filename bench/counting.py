@@ -16,6 +16,8 @@ and, inside amp8's optimizer step, per part (``OPTIMIZER_PARTS``):
   the GEMMs and fallbacks a graph calls (``extern_kernels``) are aten operations this mode
   sees: their bytes and FLOPs go to the graph's counts;
 - int ops: element operations on int32 and int64 tensors (the stochastic rounding's hash).
+A compiled backward's ``amp8.weight_grad_parts`` (an FP8 weight gradient written into its
+optimizer slot) runs its quantization compiled, as on CUDA, and counts as that graph call.
 Besides, ``dispatched`` counts every aten operation dispatched while the counter is
 active, in a phase or not, a compiled graph's call as one (``dispatched_operations``):
 what must not grow with the number of parameters.
@@ -33,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from amp8.tensor.weight_grad import weight_grad_parts
 from compiled_graphs import GraphCall, GraphCalls
 
 aten = torch.ops.aten
@@ -58,6 +61,9 @@ NO_KERNEL = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.d
 # Operations that overwrite their first argument without reading it: it counts as written only.
 OVERWRITE = {aten.copy_.default, aten.fill_.Scalar, aten.zero_.default}
 SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default}
+# amp8's FP8 weight gradient written into its slot from a compiled backward: no kernel of
+# its own; its quantization runs as the compiled kernels CUDA runs, counted as a graph call.
+WEIGHT_GRAD_PARTS = weight_grad_parts._opoverload  # torch.ops.amp8.weight_grad_parts.default
 COUNTS = ("ops", "host_ops", "syncs", "bytes", "fp8_flops", "other_flops", "graph_calls", "graph_kernels", "graph_bytes",
           "int_ops")
 INTEGER = (torch.int32, torch.int64)  # dtypes whose element operations count as int_ops
@@ -183,6 +189,8 @@ class StepCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self._graphs.inside:
             self.dispatched += 1
+        if func is WEIGHT_GRAD_PARTS:  # (its last argument: whether the quantization runs compiled)
+            return func(*args[:-1], True, **kwargs)
         out = func(*args, **kwargs)
         if not self.current:
             return out

@@ -22,9 +22,10 @@
 #                     tokens) as amp8 compiles them (dynamic shapes) and for static shapes,
 #                     their kernels on the device clock; the generated code of both in
 #                     OUT/kernel-sources.tar.gz
-#   4 gpt        260  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
-#                     compiled then eager (amp8 O1/O2 eager with compiled casts too), the
-#                     optimizer timed apart
+#   4 gpt        290  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
+#                     compiled then eager (amp8 O2 compiled with its FP8 gradients copied in
+#                     at the step, as before they took their slots; amp8 O1/O2 eager with
+#                     compiled casts too), the optimizer timed apart
 #   5 cuda-tests 240  the CUDA-only tests (pytest -m cuda), each failure printed as it
 #                     happens; their output in OUT/cuda-tests.log
 #   6 llama      150  the same step, compiled, on four layers of Llama-3-8B's shapes, in what
@@ -167,7 +168,7 @@ if [ ${#static_shapes[@]} -gt 0 ]; then
 else
     echo "== static-shapes: skipped (--quick: it compiles)"
 fi
-step 4 gpt 260 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
+step 4 gpt 290 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
 if [ ${#tests[@]} -gt 0 ]; then
     # Each failure's traceback as its test ends: a run cut off at its limit still says why.
     step 1 cuda-tests 240 "$out/cuda-tests.log" env AMP8_SHOW_FAILURES_AT_ONCE=1 \
