@@ -1,9 +1,13 @@
 """Host time of one FP8 layer's forward, this checkout against another revision.
 
     OMP_NUM_THREADS=1 python bench/layer_host.py --against HEAD~1
+    OMP_NUM_THREADS=1 python bench/layer_host.py --against HEAD~1 --layers 32 --rounds 3 --repeats 30
 
 A 64 x 64 ``Fp8Linear`` on a batch of 16 rows, in training mode with autograd on, so
-that the time is the layer's Python and dispatch work rather than its arithmetic. Each
+that the time is the layer's Python and dispatch work rather than its arithmetic. With
+``--layers N``: ``zero_grad``, forward and backward of ``model.compile()`` of N such
+layers trained by ``LowBitAdam`` (after three steps, so its gradient slots exist), the
+host work of a compiled training step besides the optimizer's. Each
 revision runs in its own process (``git worktree`` of ``--against`` in a temporary
 folder), the two alternating ``--rounds`` times so that drift of the machine falls on
 both; per level, the median over rounds of each round's median forward time, and the
@@ -44,11 +48,41 @@ def measure(repeats: int) -> dict[str, float]:
     return times
 
 
-def _run(tree: Path, repeats: int) -> dict[str, float]:
+def measure_compiled_training(layers: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one ``zero_grad``, forward and backward per level of a compiled
+    model of ``layers`` 64 x 64 FP8 layers that ``LowBitAdam`` trains, in this process's amp8."""
+    import amp8
+    from amp8.optim import LowBitAdam
+
+    x = torch.randn(16, 64)
+    times = {}
+    for level in LEVELS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)])
+        model, _ = amp8.initialize(model, None, level, layer_selection="all")
+        optimizer = LowBitAdam(model.parameters(), lr=1e-3, level=level)
+        model.compile()
+
+        def forward_backward() -> None:
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+
+        for _ in range(3):
+            forward_backward()
+            optimizer.step()
+        samples = []
+        for _ in range(repeats):
+            samples.append(time_call(forward_backward, torch.device("cpu"), 0, 1))
+            optimizer.step()
+        times[level] = statistics.median(samples)
+    return times
+
+
+def _run(tree: Path, repeats: int, layers: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     script = Path(__file__).resolve()
     out = subprocess.run(
-        [sys.executable, str(script), "--measure", "--repeats", str(repeats)],
+        [sys.executable, str(script), "--measure", "--repeats", str(repeats), "--layers", str(layers)],
         env=env, cwd=script.parent, check=True, capture_output=True, text=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -60,11 +94,14 @@ def main() -> None:
     parser.add_argument("--against", default="HEAD~1", help="the revision to compare with")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--layers", type=int, default=0,
+                        help="time a compiled model of this many layers' forward and backward (0: one layer's forward)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.repeats)))
+        times = measure_compiled_training(args.layers, args.repeats) if args.layers else measure(args.repeats)
+        print(json.dumps(times))
         return
     with tempfile.TemporaryDirectory() as folder:
         other = Path(folder) / "other"
@@ -73,8 +110,8 @@ def main() -> None:
         try:
             rounds: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
             for _ in range(args.rounds):
-                rounds["this"].append(_run(ROOT, args.repeats))
-                rounds["other"].append(_run(other, args.repeats))
+                rounds["this"].append(_run(ROOT, args.repeats, args.layers))
+                rounds["other"].append(_run(other, args.repeats, args.layers))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=True)
     result = {}
@@ -83,9 +120,11 @@ def main() -> None:
         that = statistics.median(r[level] for r in rounds["other"])
         result[level] = {"this_us": this * 1e6, "other_us": that * 1e6, "ratio": this / that}
         print(f"{level}: {this * 1e6:.1f} us against {that * 1e6:.1f} us ({this / that:.3f}x)")
-    write_result("layer_host", torch.device("cpu"), {
+    name, timed = ("layer_host-compiled-training", f"compiled_{args.layers}_layers") if args.layers \
+        else ("layer_host", "forward")
+    write_result(name, torch.device("cpu"), {
         "against": args.against, "rounds": args.rounds, "repeats": args.repeats,
-        "threads": torch.get_num_threads(), "forward": result,
+        "threads": torch.get_num_threads(), timed: result,
     }, args.out)
 
 

@@ -1,6 +1,8 @@
-"""bench/layer_host.py: one forward timed per level."""
+"""bench/layer_host.py: one forward, and a compiled model's forward and backward, timed per level."""
 
 from __future__ import annotations
+
+import pytest
 
 from conftest import load_bench
 
@@ -9,3 +11,10 @@ def test_layer_host_times_one_forward_per_level() -> None:
     layer_host = load_bench("layer_host")
     times = layer_host.measure(repeats=3)
     assert set(times) == set(layer_host.LEVELS) and all(0 < t < 1 for t in times.values())
+
+
+@pytest.mark.compile
+def test_layer_host_times_a_compiled_training_step_per_level() -> None:
+    layer_host = load_bench("layer_host")
+    times = layer_host.measure_compiled_training(layers=2, repeats=2)
+    assert set(times) == set(layer_host.LEVELS) and all(0 < t < 10 for t in times.values())
