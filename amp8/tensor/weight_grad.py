@@ -148,11 +148,12 @@ class GradSlot(OpaqueReferenceBase):
         weight (a weak one would stop ``torch.utils.swap_tensors``)."""
         return cls(None, None, None, [0])
 
-    def claim(self) -> bool:
-        """Whether this backward may write the gradient here (see the class docstring)."""
-        if self._param is None or self._claimed_in == self._round[0]:
+    def claim(self, shape: torch.Size) -> bool:
+        """Whether this backward may write a gradient of ``shape`` here (see the class
+        docstring); never for an ``empty`` slot."""
+        if self.data is None or self.data.shape != shape or self._claimed_in == self._round[0]:
             return False
-        param = self._param()
+        param = None if self._param is None else self._param()
         if param is None or param.grad is not None:
             return False
         self._claimed_in = self._round[0]
@@ -183,10 +184,17 @@ def _weight_grad_parts(layout: GradLayout, value: torch.Tensor, slot: GradSlot |
                        compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``layout.quantize(value)`` as (data, scales): written into ``slot`` where it may be
     claimed, else into memory of its own."""
-    if slot is not None and slot.data is not None and slot.data.shape == value.shape and slot.claim():
+    if slot is not None and slot.claim(value.shape):
         call_compiled(_quantized_into, layout, value, slot.data, slot.scale, compiled=compiled)
         return slot.data, slot.scale  # type: ignore[return-value]
     return call_compiled(_quantized_parts, layout, value, compiled=compiled)
+
+
+def _layout_of(dtype: torch.dtype, tile: list[int] | None, block_size: int, margin: int,
+               power_of_2: bool) -> GradLayout:
+    """The ``GradLayout`` that ``weight_grad_parts``' arguments spell out (an operator takes
+    no dataclass)."""
+    return GradLayout(dtype, None if tile is None else (tile[0], tile[1]), block_size, margin, power_of_2)
 
 
 @torch.library.custom_op("amp8::weight_grad_parts", mutates_args=())
@@ -199,7 +207,7 @@ def weight_grad_parts(value: torch.Tensor, slot: GradSlot, dtype: torch.dtype, t
     claim (whether the weight has a gradient now, whether another backward took the slot
     since the last step) runs when the compiled backward runs, not once when it is
     traced; the outputs are the slot's own tensors where it was claimed."""
-    layout = GradLayout(dtype, None if tile is None else (tile[0], tile[1]), block_size, margin, power_of_2)
+    layout = _layout_of(dtype, tile, block_size, margin, power_of_2)
     return _weight_grad_parts(layout, value, slot, compiled)
 
 
@@ -211,7 +219,7 @@ def _weight_grad_parts_shapes(value: torch.Tensor, slot: GradSlot, dtype: torch.
     each one element into memory of its own: the real ones may lie anywhere in a
     group's buffer, so Inductor must assume no alignment for them (it checks the real
     outputs against what these say)."""
-    layout = GradLayout(dtype, None if tile is None else (tile[0], tile[1]), block_size, margin, power_of_2)
+    layout = _layout_of(dtype, tile, block_size, margin, power_of_2)
     return _unaligned_empty(value, value.shape, dtype), _unaligned_empty(
         value, layout.scale_shape(tuple(value.shape)), torch.float32,
     )
@@ -252,15 +260,14 @@ class WeightGrad(WeightGradDispatch):
         quantization runs as compiled kernels as ``compiled`` says
         (``amp8._compiled.runs_compiled``), with the same bits. Inside a compiled graph
         only gradients of ``COMPILED_SLOT_MIN_ELEMENTS`` elements or more go to the slot."""
-        if slot is not None and torch.compiler.is_compiling():
-            if not COMPILED_SLOTS or value.numel() < COMPILED_SLOT_MIN_ELEMENTS:
-                slot = None  # quantized inside the graph, copied in at the step
-            else:
+        if slot is not None and torch.compiler.is_compiling():  # (a slot reaches a graph only where COMPILED_SLOTS)
+            if value.numel() >= COMPILED_SLOT_MIN_ELEMENTS:
                 data, scale = torch.ops.amp8.weight_grad_parts(
                     value, slot, layout.dtype, None if layout.tile is None else list(layout.tile),
                     layout.block_size, layout.margin, layout.power_of_2, compiled,
                 )
                 return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
+            slot = None  # quantized inside the graph, copied in at the step
         data, scale = _weight_grad_parts(layout, value, slot, compiled)
         return cls(ScaledTensor(data, scale, layout.block_size), dtype, layout)
 
