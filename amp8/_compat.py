@@ -89,7 +89,14 @@ wraps. torch 2.11's Dynamo fails an internal assert there (in
 forward outside the compiled graphs (``torch.compiler.disable``), and the rest of the
 model compiles."""
 
-FEATURES: tuple[TorchFeature, ...] = (CPU_ROWWISE_SCALED_MM, COMPILED_SHARDED_LAYERS)
+DYNAMIC_SHAPE_LAYERS = TorchFeature("torch.compile(model, dynamic=True) of FP8 layers", (2, 13))
+"""Dynamo tracing an FP8 layer's autograd.Function with every size symbolic
+(``dynamic=True``), when a new sequence length makes it compile again. torch 2.11's Dynamo
+fails the internal assert of ``COMPILED_SHARDED_LAYERS`` there for most recipes; 2.12 is
+untried. The default ``torch.compile(model)`` marks sizes dynamic only once they change,
+and works on every supported torch."""
+
+FEATURES: tuple[TorchFeature, ...] = (CPU_ROWWISE_SCALED_MM, COMPILED_SHARDED_LAYERS, DYNAMIC_SHAPE_LAYERS)
 """Every feature in this module."""
 
 

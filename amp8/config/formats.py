@@ -22,7 +22,8 @@ E8M0: torch.dtype = torch.float8_e8m0fnu
 FP4: torch.dtype = torch.float4_e2m1fn_x2
 """Two E2M1 values packed in a byte."""
 FP4_MAX = 6.0
-"""The largest E2M1 value (torch has no ``finfo`` for a packed dtype)."""
+"""The largest E2M1 value (torch has no ``finfo`` for a packed dtype); code that
+``torch.compile`` may trace reads it through ``max_value(FP4)`` (see there)."""
 
 
 class Fp8Format(str, Enum):
@@ -52,8 +53,11 @@ def max_margin(fmt: Fp8Format) -> int:
 
 
 def max_value(dtype: torch.dtype) -> float:
-    """The largest finite value of a floating dtype, read from ``torch.finfo``."""
-    return float(torch.finfo(dtype).max)
+    """The largest finite value of a floating dtype, read from ``torch.finfo`` (6 for
+    FP4, which has none)."""
+    # A literal, not FP4_MAX: under torch.compile(dynamic=True) Dynamo lifts a module's
+    # float into a graph input when it recompiles, which fails inside an autograd.Function.
+    return 6.0 if is_fp4(dtype) else float(torch.finfo(dtype).max)
 
 
 def short_name(dtype: torch.dtype | None) -> str | None:

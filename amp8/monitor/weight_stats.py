@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from amp8.config.formats import E8M0, FP4_MAX, is_fp4, max_value, short_name
+from amp8.config.formats import E8M0, is_fp4, max_value, short_name
 from amp8.nn.linear import Fp8Linear
 from amp8.nn.quantizer import TensorRole
 from amp8.monitor.report_row import WeightCastStats
@@ -70,7 +70,7 @@ def _microscaled_cast_stats(layer: Fp8Linear, weight: torch.Tensor) -> WeightCas
     cast = layer.cast(TensorRole.WEIGHT, weight, record=False)
     decode = cast.decode_scales()
     scales = decode[decode > 0].reciprocal()
-    element_max = FP4_MAX if is_fp4(cast.dtype) else max_value(cast.dtype)
+    element_max = max_value(cast.dtype)
     nonzero = weight != 0
     underflow = (nonzero & (cast.dequantize() == 0)).sum() / nonzero.sum().clamp(min=1)
     scaled = weight.float().abs() / cast.full_scales()

@@ -25,7 +25,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from amp8.config.formats import FP4_MAX, is_fp4, max_value
+from amp8.config.formats import is_fp4, max_value
 from amp8.config.gemms import Gemm, GemmOperand, Signal
 
 if TYPE_CHECKING:  # a cast of that type is read, never built, here
@@ -80,7 +80,7 @@ def block_cast_health(x: torch.Tensor, cast: BlockScaledTensor) -> torch.Tensor:
             return torch.zeros(SIGNALS, device=x.device)
         decode = cast.full_scales()
         fp4 = is_fp4(cast.dtype)
-        element_limit = FP4_MAX + 1.0 if fp4 else clip_limit(cast.dtype)
+        element_limit = max_value(cast.dtype) + 1.0 if fp4 else clip_limit(cast.dtype)
         clipped = torch.where(decode > 0, magnitude / decode, 0.0) > element_limit
         dequantized = cast.dequantize()
         return _signals(x.detach().float(), dequantized, clipped, decode == 0 if fp4 else dequantized == 0)

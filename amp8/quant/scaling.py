@@ -55,7 +55,7 @@ def scale_from_amax(
     amax_value = amax_value.float()
     # A tensor numerator: ``float / tensor`` would multiply by a rounded reciprocal.
     scale = torch.full_like(amax_value, max_value(dtype)) / amax_value / (2.0**margin)
-    scale = scale.clamp(max=MAX_SCALE)
+    scale = scale.clamp(max=2.0**126)  # MAX_SCALE, a literal for the reason in formats.max_value
     if power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     fallback = torch.ones_like(scale) if previous is None else previous.float().expand_as(scale)

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from amp8.config.formats import E4M3, E8M0, FP4, FP4_MAX, is_fp4, max_value
+from amp8.config.formats import E4M3, E8M0, FP4, is_fp4, max_value
 from amp8.quant import noise, scaling
 
-_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0-7
 _FP4_SIGN = 0x8
 
 
@@ -38,7 +37,8 @@ def encode_fp4(values: torch.Tensor, noise_key: torch.Tensor | int | None = None
     """The 4-bit E2M1 codes (uint8, sign in bit 3) of float ``values`` already scaled
     into ``[-6, 6]`` (larger magnitudes saturate, NaN takes the largest code). Rounds to
     nearest, ties to the even code, or stochastically under ``noise_key``."""
-    magnitude = values.float().abs().clamp(max=FP4_MAX).nan_to_num(nan=FP4_MAX)
+    fp4_max = max_value(FP4)
+    magnitude = values.float().abs().clamp(max=fp4_max).nan_to_num(nan=fp4_max)
     # E2M1's grid is 0.5 apart below 2, 1 apart in [2, 4] and 2 apart in [4, 6]: in each
     # of these three ranges a code is the number of steps from the range's start plus
     # 2 per range below it, so the even step count is the even code.
@@ -56,7 +56,8 @@ def encode_fp4(values: torch.Tensor, noise_key: torch.Tensor | int | None = None
 
 def decode_fp4(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of E2M1 ``codes`` (uint8, sign in bit 3)."""
-    grid = torch.tensor(_FP4_VALUES, device=codes.device)
+    # The magnitudes of codes 0-7, a literal for the reason in amp8.config.formats.max_value.
+    grid = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=codes.device)
     magnitude = grid[(codes & 0x7).long()]
     return torch.where((codes & _FP4_SIGN) > 0, -magnitude, magnitude)
 
@@ -185,7 +186,7 @@ def quantize_mx(
 def nvfp4_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     """The float32 decode scale of an NVFP4 tensor with absolute maximum ``amax``: the
     power of two ``2**-floor(log2(448 * 6 / amax))`` (1 for a zero or non-finite amax)."""
-    encode = scaling.scale_from_amax(amax / FP4_MAX, E4M3, power_of_2=True)  # floored 448 * 6 / amax
+    encode = scaling.scale_from_amax(amax / max_value(FP4), E4M3, power_of_2=True)  # floored 448 * 6 / amax
     return encode.reciprocal()
 
 
@@ -200,7 +201,7 @@ def quantize_nvfp4(
     tensor_scale = nvfp4_tensor_scale(scaling.amax(x))
     block_amax = scaling.tile_amax(x, tile)
     # A block holding inf or NaN gets a NaN scale (E2M1 has none), so the overflow stays visible.
-    block_scales = (block_amax / FP4_MAX / tensor_scale).clamp(max=max_value(E4M3)).add_(block_amax * 0.0).to(E4M3)
+    block_scales = (block_amax / max_value(FP4) / tensor_scale).clamp(max=max_value(E4M3)).add_(block_amax * 0.0).to(E4M3)
     decode = scaling.expand_scale(block_scales.float() * tensor_scale, tuple(x.shape), max(tile))
     scaled = torch.where(decode > 0, x.float() / decode, 0.0)  # an all-zero tile (or an underflowed scale)
     dim = _contract_dim(tile)

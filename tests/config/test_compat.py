@@ -55,6 +55,7 @@ PROBES: dict[_compat.TorchFeature, Callable[[], bool]] = {
 }
 PROBED_ELSEWHERE = {  # probes that need torch.compile or two processes
     _compat.COMPILED_SHARDED_LAYERS: "tests/nn/test_compile.py::test_sharded_layers_trace_where_the_table_says",
+    _compat.DYNAMIC_SHAPE_LAYERS: "tests/nn/test_compile.py::test_dynamic_shapes_trace_where_the_table_says",
 }
 
 

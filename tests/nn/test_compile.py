@@ -54,15 +54,18 @@ def _model(level: str, recipe: amp8.Recipe) -> tuple[nn.Module, torch.optim.Opti
     return amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, recipe=recipe)
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, run: nn.Module) -> list[dict[str, torch.Tensor]]:
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, run: nn.Module,
+           lengths: tuple[int, ...] = (8,)) -> list[dict[str, torch.Tensor]]:
     """``STEPS`` optimizer steps of ``MICRO_BATCHES`` micro-batches through ``run`` (the
-    model or its compiled form); what each micro-batch produced."""
+    model or its compiled form), their sequence lengths taken from ``lengths`` in turn;
+    what each micro-batch produced."""
     generator = torch.Generator().manual_seed(1)
     seen = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         optimizer.zero_grad()
-        for _ in range(MICRO_BATCHES):
-            x = torch.randn(2, 8, 32, generator=generator).requires_grad_()
+        for micro_batch in range(MICRO_BATCHES):
+            length = lengths[(step * MICRO_BATCHES + micro_batch) % len(lengths)]
+            x = torch.randn(2, length, 32, generator=generator).requires_grad_()
             y = run(x)
             y.square().mean().backward()
             grads = {f"{i}.weight_grad": m.weight_grad.dequantize() for i, m in enumerate(model) if isinstance(m, Fp8Linear)}
@@ -75,6 +78,17 @@ def _stored(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict())
 
 
+def _assert_bitwise_equal_runs(eager_model: nn.Module, model: nn.Module, expected: list[dict[str, torch.Tensor]],
+                               actual: list[dict[str, torch.Tensor]]) -> None:
+    """What each micro-batch gave, and the stored state after training, bit for bit."""
+    for want, got in zip(expected, actual):
+        for key in want:
+            assert_bitwise_equal(got[key], want[key])
+    stored = _stored(model)
+    for key, value in _stored(eager_model).items():
+        assert_bitwise_equal(stored[key], value)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_fullgraph_capture_is_bitwise_eager(case: str) -> None:
     level, recipe = CASES[case]
@@ -83,12 +97,7 @@ def test_fullgraph_capture_is_bitwise_eager(case: str) -> None:
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     expected, actual = _train(eager_model, eager_optimizer, eager_model), _train(model, optimizer, compiled)
-    for want, got in zip(expected, actual):
-        for key in want:
-            assert_bitwise_equal(got[key], want[key])
-    stored = _stored(model)
-    for key, value in _stored(eager_model).items():
-        assert_bitwise_equal(stored[key], value)
+    _assert_bitwise_equal_runs(eager_model, model, expected, actual)
     # One graph for the first micro-batch (casts the weight), one for the cached weight;
     # the steps after the first compile nothing new.
     cached_graphs = 2 if level != "O3" else 1
@@ -96,6 +105,29 @@ def test_fullgraph_capture_is_bitwise_eager(case: str) -> None:
 
 
 Runs = list[dict[str, torch.Tensor]]
+LENGTHS = (4, 6, 9)  # sequence lengths of successive micro-batches
+
+
+def _train_dynamic(case: str) -> tuple[nn.Module, Runs]:
+    """``case``'s model trained under ``torch.compile(model, dynamic=True)`` (captured by
+    ``aot_eager``) on micro-batches of ``LENGTHS``: the model, and what each gave."""
+    level, recipe = CASES[case]
+    model, optimizer = _model(level, recipe)
+    return model, _train(model, optimizer, torch.compile(model, dynamic=True, backend="aot_eager"), LENGTHS)
+
+
+@pytest.mark.skipif(not _compat.DYNAMIC_SHAPE_LAYERS.available(),
+                    reason=str(_compat.DYNAMIC_SHAPE_LAYERS.missing_reason()))
+@pytest.mark.parametrize("case", ["O1-tensorwise", "O2-rowwise", "O2-block", "O3-delayed", "O3-nvfp4"])
+def test_dynamic_shapes_capture_is_bitwise_eager(case: str) -> None:
+    """``torch.compile(model, dynamic=True)`` over batches of changing sequence length:
+    each recompile traces amp8's autograd Functions again, with symbolic sizes (and
+    Dynamo turns the floats it reads from modules into graph inputs)."""
+    level, recipe = CASES[case]
+    eager_model, eager_optimizer = _model(level, recipe)
+    expected = _train(eager_model, eager_optimizer, eager_model, LENGTHS)
+    model, actual = _train_dynamic(case)
+    _assert_bitwise_equal_runs(eager_model, model, expected, actual)
 
 
 def _eager_and_inductor(case: str) -> tuple[nn.Module, nn.Module, Runs, Runs]:
@@ -175,6 +207,17 @@ def test_sharded_layers_trace_where_the_table_says(tmp_path) -> None:
     else:
         with pytest.raises(Exception, match="overwrite_tensor_vt_proxy"):
             multiprocess.run(_compiled_data_parallel, tmp_path, True, "O3", "tensorwise", True)
+
+
+def test_dynamic_shapes_trace_where_the_table_says() -> None:
+    """``amp8._compat.DYNAMIC_SHAPE_LAYERS`` against this torch: with every size
+    symbolic, a model trains where the table has the feature, and Dynamo fails an
+    assert of its own where it does not."""
+    if _compat.DYNAMIC_SHAPE_LAYERS.available():
+        _train_dynamic("O1-tensorwise")
+    else:
+        with pytest.raises(AssertionError):
+            _train_dynamic("O1-tensorwise")
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
