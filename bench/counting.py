@@ -96,9 +96,10 @@ def _optimizer_part() -> str:
 
 
 def _order(name: str) -> tuple[int, bool]:
-    """A phase's row, then its parts (``sorted`` keeps their order of first run)."""
+    """A phase's row, then its parts (``sorted`` keeps their order of first run); a phase
+    of the caller's own after the step's."""
     phase = name.split(":")[0]
-    return PHASES.index(phase), name != phase
+    return PHASES.index(phase) if phase in PHASES else len(PHASES), name != phase
 
 
 class StepCounter(TorchDispatchMode):

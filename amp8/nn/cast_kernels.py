@@ -3,7 +3,8 @@
 ``scaled_cast`` does all of a (not microscaled) cast: the amax, the scale, the record of
 both in the layer's buffers, the FP8 data in the layouts the GEMMs read (the operand's
 own, and the transposed copy for the other GEMM, written in the same pass), its health
-signals. Inside the user's
+signals, and, for a weight, the decoding of its stored form (``CastSpec.stored_as``), so
+that no float32 copy of the weight goes through memory. Inside the user's
 ``torch.compile`` it is traced like any other code; outside it, ``run_cast`` runs it
 compiled (``torch.compile``, full graph, dynamic shapes), so a model the user does not
 compile still gets its casts as a few fused kernels instead of a dozen eager operations
@@ -23,6 +24,7 @@ from amp8._compiled import call_compiled
 from amp8.config.recipe import Granularity, Scaling
 from amp8.nn.cast_rule import CastRule
 from amp8.quant import scaling
+from amp8.quant.codec import Layout
 from amp8.quant.health import GemmOperand, cast_health, record_health
 from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, pad_rows
 
@@ -46,6 +48,11 @@ class CastSpec:
         padded: the column-major copy has zero rows appended to a multiple of
             ``GEMM_ALIGNMENT``, as the GEMM takes it. Without ``rows`` the cast scales
             (and watches) the padded input, whose zero rows change no amax.
+        stored_as: the storage codec of the input, which is then stored data (its
+            scales passed beside it) that the cast decodes first, in the same call;
+            None for real values.
+        transposed: the input's real values are transposed before the cast (a
+            Parameter that holds ``W^T``).
     """
 
     rule: CastRule
@@ -57,6 +64,8 @@ class CastSpec:
     rows: bool = True
     columns: bool = False
     padded: bool = False
+    stored_as: Layout | None = None
+    transposed: bool = False
 
     def __post_init__(self) -> None:
         if self.rule.microscaled:
@@ -145,12 +154,22 @@ def record_scale(
             histories[row] = scaling.push_history(histories[row], finite_amax)
 
 
+def decoded(stored_as: Layout | None, transposed: bool, data: torch.Tensor,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """The real values of stored ``data`` with its ``scale`` under the codec ``stored_as``
+    (float32; ``data`` itself without a codec), transposed where ``transposed``."""
+    real = data if stored_as is None else stored_as.decode(data, scale)
+    return real.t().contiguous() if transposed else real
+
+
 def scaled_cast(
     spec: CastSpec, x: torch.Tensor, scales: torch.Tensor | None, histories: torch.Tensor | None,
-    health: torch.Tensor | None,
+    health: torch.Tensor | None, stored_scale: torch.Tensor | None = None,
 ) -> CastOutputs:
     """The cast of the 2-D ``x`` that ``spec`` describes (see ``CastSpec``), writing the
-    layer's ``scales``, ``histories`` and ``health`` buffers in place as it says."""
+    layer's ``scales``, ``histories`` and ``health`` buffers in place as it says;
+    ``stored_scale``: the scales of ``x``'s stored data under ``spec.stored_as``."""
+    x = decoded(spec.stored_as, spec.transposed, x, stored_scale)
     # A padded cast pads before the cast where it scales the padded tensor (columns only)
     # and where it is compiled: there the zero rows cost no pass, and one loop writes both
     # layouts (rows and columns share one scale per tensor, which the zero rows do not
@@ -175,8 +194,8 @@ def scaled_cast(
 
 def run_cast(
     spec: CastSpec, x: torch.Tensor, scales: torch.Tensor | None, histories: torch.Tensor | None,
-    health: torch.Tensor | None, compiled: bool = False,
+    health: torch.Tensor | None, compiled: bool = False, stored_scale: torch.Tensor | None = None,
 ) -> CastOutputs:
     """``scaled_cast(spec, ...)``, as compiled kernels where
     ``amp8._compiled.runs_compiled(x, compiled)``."""
-    return call_compiled(scaled_cast, spec, x, scales, histories, health, compiled=compiled)
+    return call_compiled(scaled_cast, spec, x, scales, histories, health, stored_scale, compiled=compiled)

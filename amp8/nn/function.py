@@ -17,7 +17,7 @@ from amp8.nn.wgrad import real_values, wgrad_operands
 from amp8.ops.gemm import fp8_gemm, rounded_dtype
 from amp8.quant import scaling
 from amp8.quant.health import GemmOperand, cast_health
-from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, pad_rows
+from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, is_column_major, pad_rows
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.weight_grad import GradSlot, WeightGrad, WeightGradInFlight
 
@@ -129,9 +129,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if config.high_dgrad:
                 grad_x = (g2.float() @ ctx.w_stored.dequantize()).to(ctx.x_dtype)
             else:
-                w8: ScaledTensor = ctx.w8_dgrad
+                w8: ScaledTensor = ctx.w8_dgrad  # column-major already where cast for this GEMM alone
+                w8_columns = w8.data if is_column_major(w8.data) else column_major(w8.data)
                 grad_x = fp8_gemm(
-                    g8.with_data(g8.data.contiguous()), w8.with_data(column_major(w8.data)),  # type: ignore[union-attr]
+                    g8.with_data(g8.data.contiguous()), w8.with_data(w8_columns),  # type: ignore[union-attr]
                     ctx.x_dtype, Gemm.DGRAD,
                 )
             grad_x = grad_x.reshape(ctx.x_shape)

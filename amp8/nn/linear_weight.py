@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from amp8.config.levels import Precision
+from amp8.nn.cast_kernels import decoded
 from amp8.nn.quantizer import Quantizer
 from amp8.quant.health import GemmOperand
 from amp8.tensor.scaled import ScaledTensor
@@ -31,8 +32,24 @@ def gemm_weight_shape(weight: torch.Tensor, transposed: bool) -> tuple[int, int]
 def real_for_gemms(handle: StoredWeight, transposed: bool) -> torch.Tensor:
     """The real values of ``handle``'s weight in float32 as the GEMMs take them, (N, K):
     the transpose of ``handle.read()`` where the Parameter holds ``W^T``."""
-    real = handle.read()
-    return real.t().contiguous() if transposed else real
+    stored = handle.stored()
+    return decoded(handle.layout, transposed, stored.data, stored.scale)
+
+
+def _cast_stored(quantizer: Quantizer, handle: StoredWeight, transposed: bool, contract_dim: int, *,
+                 record: bool, training: bool, watch: tuple[GemmOperand, ...]) -> ScaledTensor:
+    """The cast of ``handle``'s weight as the GEMMs take it, decoded from its stored form
+    in the cast itself (no float32 copy of the weight in memory where the cast is
+    compiled); with ``record``, it records its scale (in ``training``, its amax). For the
+    input-gradient GEMM (``contract_dim`` 0), which alone reads this cast, the FP8 data is
+    written column-major, as that GEMM takes it, rather than copied so at each backward."""
+    stored = handle.stored()
+    cast = quantizer.cast_layouts(
+        stored.data, contract_dim, record=record, update_history=record and training, watch=watch,
+        rows=contract_dim == 1, columns=contract_dim == 0, stored_as=handle.layout, stored_scale=stored.scale,
+        transposed=transposed,
+    )
+    return cast.rows if contract_dim == 1 else cast.columns  # type: ignore[return-value]
 
 
 def stored_for_gemms(handle: StoredWeight, transposed: bool) -> tuple[ScaledTensor, Tile]:
@@ -61,22 +78,22 @@ def cast_weight(
 ) -> ScaledTensor:
     """The (N, K) FP8 weight of ``handle`` for a GEMM contracting its dim ``contract_dim``
     with scales of ``tile``: the stored FP8 weight at O3 where its scales fit, else a
-    cast by ``quantizer`` (from the FP8 weight's real values at O3). What is not the
-    stored weight itself is kept in ``cache``, by ``contract_dim``, and taken from there
-    (the caller empties it when the weight changes), except for a weight amp8 does not
-    store (``AS_IS``), which the user's optimizer writes. The casts from the real weight
-    for the forward GEMM record their scale (and, in ``training``, their amax);
-    ``watch``: the operands whose health signals the cast writes."""
+    cast by ``quantizer`` (from the FP8 weight's real values at O3), which decodes the
+    stored weight itself. What is not the stored weight itself is kept in ``cache``, by
+    ``contract_dim``, and taken from there (the caller empties it when the weight
+    changes), except for a weight amp8 does not store (``AS_IS``), which the user's
+    optimizer writes, and O3's casts from the FP8 weight's values. The casts from the
+    real weight for the forward GEMM record their scale (and, in ``training``, their
+    amax); ``watch``: the operands whose health signals the cast writes."""
     if handle.storage is Precision.AS_IS:
-        return quantizer.cast(
-            real_for_gemms(handle, transposed), contract_dim, record=contract_dim == 1, update_history=training,
-            watch=watch,
-        )
+        return _cast_stored(quantizer, handle, transposed, contract_dim, record=contract_dim == 1, training=training,
+                            watch=watch)
     if handle.storage is Precision.FP8:
         stored, stored_tile = stored_for_gemms(handle, transposed)
         # Microscaled GEMMs take their own format: re-cast from the stored real values.
         if tile != stored_tile or quantizer.rule.microscaled:
-            return quantizer.cast(stored.dequantize().contiguous(), contract_dim, watch=watch)
+            return _cast_stored(quantizer, handle, transposed, contract_dim, record=False, training=training,
+                                watch=watch)
         if not transposed:
             return stored  # the optimizer cast it: nothing to watch here
         # W^T's bytes laid out as (N, K), once until the weight is next written.
@@ -86,9 +103,6 @@ def cast_weight(
         return cached
     cached = cache.get(contract_dim)
     if cached is None:
-        cached = quantizer.cast(
-            real_for_gemms(handle, transposed), contract_dim, record=contract_dim == 1, update_history=training,
-            watch=watch,
-        )
-        cache[contract_dim] = cached
+        cached = cache[contract_dim] = _cast_stored(quantizer, handle, transposed, contract_dim,
+                                                    record=contract_dim == 1, training=training, watch=watch)
     return cached

@@ -14,9 +14,10 @@ from typing import NamedTuple
 import torch
 
 from amp8.config.recipe import Recipe, Scaling
-from amp8.nn.cast_kernels import CastSpec, check_layouts, record_scale, run_cast, tile_scales
+from amp8.nn.cast_kernels import CastSpec, check_layouts, decoded, record_scale, run_cast, tile_scales
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.quant import hadamard, scaling
+from amp8.quant.codec import Layout
 from amp8.quant.health import GemmOperand, block_cast_health, record_health
 from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, pad_rows
 from amp8.tensor import block_scaled as microscaling
@@ -110,23 +111,29 @@ class Quantizer:
         rows: bool = True,
         columns: bool = False,
         padded: bool = False,
+        stored_as: Layout | None = None,
+        stored_scale: torch.Tensor | None = None,
+        transposed: bool = False,
     ) -> OperandCast:
         """``cast``, with the FP8 data in the layouts the GEMMs read, from one read of
         ``x`` (see ``amp8.nn.cast_kernels.CastSpec``), run as compiled kernels where
         ``compiled`` says (``amp8.nn.cast_kernels.run_cast``). A microscaled cast runs
-        eagerly and gives one layout, rows or columns."""
+        eagerly and gives one layout, rows or columns. With ``stored_as``, ``x`` is stored
+        data under that codec, with scales ``stored_scale``, decoded (and ``transposed``)
+        in the cast."""
         if record and x.numel() > 0 and (self.scales is None or self.histories is None):
             raise ValueError("this Quantizer has no scale buffers to record into; cast with record=False")
         if watch and self.health is None:
             raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
         if self.rule.microscaled:
             check_layouts(rows, columns, padded, one_scale=False)
+            x = decoded(stored_as, transposed, x, stored_scale)
             cast = self._microscaled_cast(pad_rows(x, GEMM_ALIGNMENT) if padded else x, contract_dim, record,
                                           update_history, watch)
             return OperandCast(cast if rows else None, cast.with_data(column_major(cast.data)) if columns else None)
         spec = CastSpec(self.rule, self.row, contract_dim, record, record and update_history, watch,
-                        rows, columns, padded)
-        out = run_cast(spec, x, self.scales, self.histories, self.health, self.compiled)
+                        rows, columns, padded, stored_as, transposed)
+        out = run_cast(spec, x, self.scales, self.histories, self.health, self.compiled, stored_scale)
         block_size = self.rule.scale_block_size
         return OperandCast(
             None if out.rows is None else ScaledTensor(out.rows, out.scale, block_size, out.inverse),

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.pytorch_utils import Conv1D
 
 import amp8
 from amp8 import _compiled
@@ -133,6 +134,37 @@ def test_layers_with_compiled_casts_train_as_eager_ones_bit_for_bit(recipe: str,
         torch.testing.assert_close(left, right, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_weight_casts_decode_the_stored_weight_as_eager_ones_do(level: str, transposed: bool) -> None:
+    """A weight's casts decode its stored form inside the compiled cast (no float32 copy
+    of the weight in between): over steps that write the weight, and so cast it again,
+    compiled and eager casts give the same outputs, weights, optimizer state and buffers,
+    bit for bit, for a Parameter holding ``W`` or (GPT-2's ``Conv1D``) ``W^T``."""
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        layer = Conv1D(48, 64) if transposed else nn.Linear(64, 48)
+        model, optimizer = amp8.initialize(
+            nn.Sequential(layer), torch.optim.AdamW(layer.parameters(), lr=1e-2), level, RECIPES["rowwise"],
+            layer_selection="all", compiled_casts=compiled,
+        )
+        seen = []
+        for step in range(3):
+            torch.manual_seed(100 + step)
+            out = model(torch.randn(32, 64))
+            out.float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            state = [value for param_state in optimizer.state_dict()["state"].values()
+                     for value in param_state.values() if isinstance(value, torch.Tensor)]
+            seen += [out.detach(), *model.state_dict().values(), *state]
+        runs.append(seen)
+    assert len(runs[0]) == len(runs[1])
+    for left, right in zip(*runs):
+        torch.testing.assert_close(left, right, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("level", ["O1", "O3"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_experts_with_compiled_casts_train_as_eager_ones_bit_for_bit(recipe: str, level: str) -> None:
@@ -174,7 +206,8 @@ def test_twenty_steps_of_three_layer_shapes_compile_nothing_after_the_first() ->
 class _FP8Producers(TorchDispatchMode):
     """Records the eager operations that convert to FP8: an FP8 output from tensor inputs
     none of which is FP8 (an allocation converts nothing; compiled graphs run inside as one call: an infra mode lets them run
-    compiled)."""
+    compiled); and every eager operation's new tensor (not a view of an input), as
+    (operation, dtype, elements)."""
 
     @classmethod
     def is_infra_mode(cls) -> bool:
@@ -183,10 +216,13 @@ class _FP8Producers(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.fp8_writes: list[str] = []
+        self.outputs: list[tuple[str, torch.dtype, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if isinstance(out, torch.Tensor) and not func.is_view:
+            self.outputs.append((str(func), out.dtype, out.numel()))
         if isinstance(out, torch.Tensor) and out.dtype in FP8_DTYPES and inputs and not any(a.dtype in FP8_DTYPES for a in inputs):
             self.fp8_writes.append(str(func))
         return out
@@ -205,6 +241,47 @@ def test_an_eager_layer_casts_only_in_compiled_kernels(recipe: str) -> None:
         layer.set_compiled_casts(False)
         layer(x).sum().backward()
     assert len(producers.fp8_writes) >= 3
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_weight_cast_makes_no_float32_copy_of_the_weight(level: str) -> None:
+    """After a step writes the 16-bit stored weight, the forward's casts of it (for the
+    forward and the input-gradient GEMM) decode it inside their compiled kernels: no
+    eager operation makes a float32 tensor of the weight's size."""
+    torch.manual_seed(0)
+    model, optimizer = amp8.initialize(nn.Sequential(nn.Linear(64, 48)), None, level, RECIPES["rowwise"],
+                                       layer_selection="all", compiled_casts=True)
+    optimizer = amp8.optim.LowBitAdam(model.parameters(), lr=1e-2, level=level)
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with _FP8Producers() as seen:
+        model(x)
+    weight_copies = [name for name, dtype, numel in seen.outputs if dtype == torch.float32 and numel == 64 * 48]
+    assert weight_copies == []
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_the_input_gradient_gemm_takes_its_weight_cast_as_written(level: str) -> None:
+    """Under rowwise scales the input-gradient GEMM has a weight cast of its own (scales
+    per column), written column-major as the GEMM takes it: the backward copies no FP8
+    weight (at O3 the cast is from the FP8 weight's values, at each forward)."""
+    torch.manual_seed(0)
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(64, 48)), None, level, RECIPES["rowwise"],
+                               layer_selection="all", compiled_casts=True)
+    optimizer = amp8.optim.LowBitAdam(model.parameters(), lr=1e-2, level=level)
+    x = torch.randn(32, 64, requires_grad=True)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    y = model(x)
+    with _FP8Producers() as seen:
+        y.square().mean().backward()
+    weight_copies = [name for name, dtype, numel in seen.outputs if dtype in FP8_DTYPES and numel == 64 * 48]
+    assert weight_copies == []
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
