@@ -291,7 +291,8 @@ class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
         """The (N, K) weight as the FP8 GEMMs get it, with scales for a GEMM contracting
         its dim ``contract_dim``: the stored FP8 weight at O3 where its scales fit, else a
         cast (from the FP8 weight's real values at O3: rowwise scales along the other
-        dim, for the input-gradient GEMM).
+        dim, for the input-gradient GEMM). A cast for ``contract_dim`` 0 serves that GEMM
+        alone and holds its data column-major, as the GEMM reads it.
 
         The cast of an FP16 weight is cached until the weight is next written, by any
         path (the stored weight's ``version``, read in eager code; the optimizer's step,
