@@ -1,4 +1,5 @@
-"""bench/layer_host.py: one forward, and a compiled model's forward and backward, timed per level."""
+"""bench/layer_host.py: one forward, and a model's forward and backward (compiled, or eager with
+compiled casts), timed per level."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def test_layer_host_times_one_forward_per_level() -> None:
 
 
 @pytest.mark.compile
-def test_layer_host_times_a_compiled_training_step_per_level() -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager-compiled-casts"])
+def test_layer_host_times_a_training_step_per_level(compiled: bool) -> None:
     layer_host = load_bench("layer_host")
-    times = layer_host.measure_compiled_training(layers=2, repeats=2)
+    times = layer_host.measure_training(layers=2, repeats=2, compiled=compiled)
     assert set(times) == set(layer_host.LEVELS) and all(0 < t < 10 for t in times.values())
