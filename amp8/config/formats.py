@@ -21,9 +21,6 @@ E8M0: torch.dtype = torch.float8_e8m0fnu
 """The MX block-scale dtype (an 8-bit power of two)."""
 FP4: torch.dtype = torch.float4_e2m1fn_x2
 """Two E2M1 values packed in a byte."""
-FP4_MAX = 6.0
-"""The largest E2M1 value (torch has no ``finfo`` for a packed dtype); code that
-``torch.compile`` may trace reads it through ``max_value(FP4)`` (see there)."""
 
 
 class Fp8Format(str, Enum):
@@ -68,6 +65,11 @@ def short_name(dtype: torch.dtype | None) -> str | None:
 def is_fp4(dtype: torch.dtype | None) -> bool:
     """Whether ``dtype`` is the packed FP4 dtype."""
     return dtype == FP4
+
+
+FP4_MAX: float = max_value(FP4)
+"""The largest E2M1 value (torch has no ``finfo`` for a packed dtype); code that
+``torch.compile`` may trace reads it through ``max_value(FP4)`` (see there)."""
 
 
 _REMOVED = {

@@ -47,13 +47,6 @@ class GradHome:
     buffer of the optimizer step that reads it (``amp8.tensor.weight_grad.GradSlot``), or
     None (memory of its own)."""
 
-    def backward_slot(self) -> GradSlot | None:
-        """The slot the layer's backward is given: ``grad_slot``, but None inside a
-        compiled graph in a torch that cannot pass one through it (``COMPILED_SLOTS``)."""
-        if not COMPILED_SLOTS and torch.compiler.is_compiling():
-            return None
-        return self.grad_slot
-
     recipe: Recipe
     sharded: bool
     _held_grad: WeightGrad | None
@@ -63,6 +56,13 @@ class GradHome:
     if TYPE_CHECKING:  # defined by StoredWeight
         @property
         def param(self) -> nn.Parameter: ...
+
+    def backward_slot(self) -> GradSlot | None:
+        """The slot the layer's backward is given: ``grad_slot``, but None inside a
+        compiled graph in a torch that cannot pass one through it (``COMPILED_SLOTS``)."""
+        if not COMPILED_SLOTS and torch.compiler.is_compiling():
+            return None
+        return self.grad_slot
 
     def _hook_grad_ready(self, param: nn.Parameter, again: bool = False) -> None:
         """Run the grad-ready hooks after each backward has accumulated into
