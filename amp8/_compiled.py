@@ -63,25 +63,42 @@ def compiled_for(function: Callable[..., Any], spec: Hashable, variant: Hashable
     return compile_privately(call)
 
 
-def runs_compiled(x: torch.Tensor, compiled: bool) -> bool:
-    """Whether work on ``x`` that may run compiled does: asked to, outside any compiled
-    region and any torch dispatch mode (a FLOP counter, say: torch.compile runs nothing
-    under one), for a plain tensor that is not empty (not a subclass such as a DTensor)
-    on a device a compiler is found for."""
+Inputs = torch.Tensor | tuple[torch.Tensor, ...]
+"""What work that may run compiled works on: one tensor, or a tuple of them."""
+
+
+def runs_compiled(x: Inputs, compiled: bool) -> bool:
+    """Whether work on ``x`` (a tensor, or a tuple of tensors) that may run compiled
+    does: asked to, outside any compiled region and any torch dispatch mode (a FLOP
+    counter, say: torch.compile runs nothing under one), for plain tensors that are not
+    empty (not a subclass such as a DTensor) on a device a compiler is found for."""
+    tensors = x if isinstance(x, tuple) else (x,)
     return (
-        compiled and type(x) is torch.Tensor and x.numel() > 0 and not torch.compiler.is_compiling()
-        and not is_in_torch_dispatch_mode(include_infra_modes=False) and compiler_found(x.device.type)
+        compiled and len(tensors) > 0
+        and all(type(tensor) is torch.Tensor and tensor.numel() > 0 for tensor in tensors)
+        and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode(include_infra_modes=False)
+        and all(compiler_found(tensor.device.type) for tensor in tensors)
     )
 
 
-def call_compiled(function: Callable[..., Any], spec: Hashable, x: torch.Tensor, *args: Any,
+def _signature(arg: Any) -> Hashable:
+    """What of an argument makes a compiled function's graphs differ beyond its sizes:
+    a tensor's dtype, None, or a tuple's items' signatures."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype
+    if isinstance(arg, tuple):
+        return tuple(_signature(item) for item in arg)
+    return arg is None
+
+
+def call_compiled(function: Callable[..., Any], spec: Hashable, x: Inputs, *args: Any,
                   compiled: bool = False) -> Any:
     """``function(spec, x, *args)``, as compiled kernels where ``runs_compiled(x, compiled)``
     (the same bits either way), else eagerly; eagerly too, with a warning, where torch
     cannot compile it for these arguments or its compiler fails (it then ran nothing)."""
     if not runs_compiled(x, compiled):
         return function(spec, x, *args)
-    variant = (x.dtype, tuple(arg is None for arg in args), torch.is_grad_enabled())
+    variant = (_signature(x), tuple(_signature(arg) for arg in args), torch.is_grad_enabled())
     try:
         return compiled_for(function, spec, variant)(x, *args)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit,

@@ -126,11 +126,17 @@ def compare(name: str, dynamic: Callable[..., Any], static: Callable[..., Any], 
 
 def cast_case(function: Callable[..., Any], spec: Any, args: tuple[Any, ...]) -> str:
     """A name for one call of a cast amp8 compiles: the function, its input's shape, and
-    for a ``CastSpec`` the dim its GEMM contracts and the layouts it writes (r, c, p)."""
-    contract = getattr(spec, "contract_dim", None)
-    layouts = "".join(name[0] for name in ("rows", "columns", "padded") if getattr(spec, name, False))
-    detail = "" if contract is None else f" contracting dim {contract}, layouts {layouts}"
-    return f"{function.__name__} {tuple(args[0].shape)}{detail}"
+    for a ``CastSpec`` the dim its GEMM contracts and the layouts it writes (r, c, p); for
+    several casts made in one call (a tuple of specs and of inputs), each of them."""
+    specs = spec if isinstance(spec, tuple) else (spec,)
+    inputs = args[0] if isinstance(args[0], tuple) else (args[0],)
+    parts = []
+    for one, x in zip(specs, inputs):
+        contract = getattr(one, "contract_dim", None)
+        layouts = "".join(name[0] for name in ("rows", "columns", "padded") if getattr(one, name, False))
+        detail = "" if contract is None else f" contracting dim {contract}, layouts {layouts}"
+        parts.append(f"{tuple(x.shape)}{detail}")
+    return f"{function.__name__} " + "; ".join(parts)
 
 
 def in_call_state(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -170,7 +176,7 @@ def recorded_casts(level: str, tokens: int, width: int, mlp: int, device: torch.
         compiled = original(function, spec, variant)
 
         def call(*args: Any) -> Any:
-            key = (function, spec, variant, tuple(arg.shape for arg in args if isinstance(arg, torch.Tensor)))
+            key = (function, spec, variant, tuple(arg.shape for arg in tree_leaves(args) if isinstance(arg, torch.Tensor)))
             if key not in statics:
                 statics[key] = compile_static(lambda *xs: function(spec, *xs))
             calls.append((cast_case(function, spec, args), in_call_state(compiled), in_call_state(statics[key]), args))

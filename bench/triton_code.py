@@ -193,9 +193,12 @@ def cast_cases(width: int, tokens: int) -> Iterator[tuple[str, Callable[..., Any
     with mock.patch.object(amp8._compiled, "compiled_for", recording), \
             mock.patch.object(amp8._compiled, "runs_compiled", lambda x, compiled: True):
         model(torch.randn(64, width)).square().mean().backward()
+    def resized(x: torch.Tensor) -> torch.Tensor:  # an activation or its gradient: as many rows as tokens
+        return torch.zeros(tokens, *x.shape[1:], dtype=x.dtype) if x.shape[0] == 64 else x
+
     for function, spec, args in recorded:
-        if args[0].shape[0] == 64:  # an activation or its gradient: as many rows as tokens
-            args = (torch.zeros(tokens, *args[0].shape[1:], dtype=args[0].dtype), *args[1:])
+        inputs = tuple(map(resized, args[0])) if isinstance(args[0], tuple) else resized(args[0])
+        args = (inputs, *args[1:])
         yield cast_case(function, spec, args), lambda *xs, function=function, spec=spec: function(spec, *xs), args, {}
 
 

@@ -5,12 +5,14 @@ both in the layer's buffers, the FP8 data in the layouts the GEMMs read (the ope
 own, and the transposed copy for the other GEMM, written in the same pass), its health
 signals, and, for a weight, the decoding of its stored form (``CastSpec.stored_as``), so
 that no float32 copy of the weight goes through memory. Inside the user's
-``torch.compile`` it is traced like any other code; outside it, ``run_cast`` runs it
+``torch.compile`` it is traced like any other code; outside it, ``run_casts`` runs it
 compiled (``torch.compile``, full graph, dynamic shapes), so a model the user does not
 compile still gets its casts as a few fused kernels instead of a dozen eager operations
-each. One compiled function per ``CastSpec`` (the static settings) serves every layer
-and shape, from a bounded cache (``amp8._compiled.compiled_for``); without a compiler for
-the device the cast runs eagerly, with the same bits.
+each; the casts of a layer that happen at one time (``scaled_casts``) run in one call,
+which costs the host as much as one cast's. One compiled function per tuple of
+``CastSpec`` (the static settings) serves every layer and shape, from a bounded cache
+(``amp8._compiled.compiled_for``); without a compiler for the device the casts run
+eagerly, with the same bits.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from amp8.quant.scale_layout import GEMM_ALIGNMENT, column_major, pad_rows
 @dataclass(frozen=True)
 class CastSpec:
     """The static settings of one cast: all but its tensors, so one compiled function
-    per spec serves every layer and shape.
+    per spec serves every layer and shape. ``scaled_cast`` makes the casts with scales;
+    a microscaled one has its own path (``amp8.nn.quantizer.Quantizer``).
 
     Attributes:
-        rule: the role's ``CastRule`` (not microscaled).
+        rule: the role's ``CastRule``.
         row: the role's row in the layer's ``scale`` and ``amax_history`` buffers.
         contract_dim: the dim of the 2-D input the GEMM contracts.
         record: the scale (the smallest, for finer granularities) goes to the role's row
@@ -68,8 +71,6 @@ class CastSpec:
     transposed: bool = False
 
     def __post_init__(self) -> None:
-        if self.rule.microscaled:
-            raise ValueError("a CastSpec takes FP8 casts with scales; microscaled casts have their own path")
         check_layouts(self.rows, self.columns, self.padded, self.rule.granularity is Granularity.TENSORWISE)
 
 
@@ -168,7 +169,13 @@ def scaled_cast(
 ) -> CastOutputs:
     """The cast of the 2-D ``x`` that ``spec`` describes (see ``CastSpec``), writing the
     layer's ``scales``, ``histories`` and ``health`` buffers in place as it says;
-    ``stored_scale``: the scales of ``x``'s stored data under ``spec.stored_as``."""
+    ``stored_scale``: the scales of ``x``'s stored data under ``spec.stored_as``.
+
+    Raises:
+        ValueError: a microscaled cast, which has its own path.
+    """
+    if spec.rule.microscaled:
+        raise ValueError("scaled_cast makes FP8 casts with scales; microscaled casts have their own path")
     x = decoded(spec.stored_as, spec.transposed, x, stored_scale)
     # A padded cast pads before the cast where it scales the padded tensor (columns only)
     # and where it is compiled: there the zero rows cost no pass, and one loop writes both
@@ -192,10 +199,34 @@ def scaled_cast(
     return CastOutputs(rows, columns, scale, scale.reciprocal())
 
 
+def scaled_casts(
+    specs: tuple[CastSpec, ...], inputs: tuple[torch.Tensor, ...], scales: torch.Tensor | None,
+    histories: torch.Tensor | None, health: torch.Tensor | None,
+    stored_scales: tuple[torch.Tensor | None, ...],
+) -> tuple[CastOutputs, ...]:
+    """``scaled_cast`` of each of ``inputs`` under its spec (and stored scale), in order:
+    the casts of one layer (one ``scales``, ``histories`` and ``health``) that a forward
+    or a backward makes together."""
+    return tuple(scaled_cast(spec, x, scales, histories, health, stored_scale)
+                 for spec, x, stored_scale in zip(specs, inputs, stored_scales, strict=True))
+
+
+def run_casts(
+    specs: tuple[CastSpec, ...], inputs: tuple[torch.Tensor, ...], scales: torch.Tensor | None,
+    histories: torch.Tensor | None, health: torch.Tensor | None, compiled: bool = False,
+    stored_scales: tuple[torch.Tensor | None, ...] | None = None,
+) -> tuple[CastOutputs, ...]:
+    """``scaled_casts(specs, ...)``, as one call of compiled kernels where
+    ``amp8._compiled.runs_compiled(inputs, compiled)``: each compiled call costs the host
+    tens of microseconds, whatever it casts."""
+    stored_scales = (None,) * len(specs) if stored_scales is None else stored_scales
+    return call_compiled(scaled_casts, specs, inputs, scales, histories, health, stored_scales, compiled=compiled)
+
+
 def run_cast(
     spec: CastSpec, x: torch.Tensor, scales: torch.Tensor | None, histories: torch.Tensor | None,
     health: torch.Tensor | None, compiled: bool = False, stored_scale: torch.Tensor | None = None,
 ) -> CastOutputs:
     """``scaled_cast(spec, ...)``, as compiled kernels where
     ``amp8._compiled.runs_compiled(x, compiled)``."""
-    return call_compiled(scaled_cast, spec, x, scales, histories, health, stored_scale, compiled=compiled)
+    return run_casts((spec,), (x,), scales, histories, health, compiled, (stored_scale,))[0]

@@ -20,7 +20,7 @@ from amp8.config.gemms import Gemm
 from amp8.nn.function import graph_retained
 from amp8.nn.gemm_config import LinearGemmConfig
 from amp8.nn.quantizer import LinearQuantizers, Quantizer
-from amp8.nn.wgrad import wgrad_operands
+from amp8.nn.wgrad import cast_wgrad_operands
 from amp8.ops.grouped_gemm import (
     ExpertGroups, Operand, expert_matrices, expert_rows, grouped_fp8_gemm, grouped_fp8_wgrad,
 )
@@ -153,7 +153,7 @@ def _weight_grad(
     x8_block_size: int | None,
 ) -> torch.Tensor:
     """The float32 (E, N, K) weight gradients, each expert's ``g_e^T @ x_e`` over its
-    tokens: in FP8 (``wgrad_operands`` per expert, one grouped GEMM) unless
+    tokens: in FP8 (``cast_wgrad_operands`` per expert, one grouped GEMM) unless
     ``config.high_wgrad``. ``saved`` holds the high-precision input, or the flattened FP8
     input parts where ``x8_block_size`` is not None."""
     shape = (config.out_features, config.in_features)
@@ -170,7 +170,7 @@ def _weight_grad(
     outliers: dict[int, torch.Tensor] = {}
     for e in groups.active:
         g8_e = None if g8 is None else g8[e]
-        g_parts[e], x_parts[e], split = wgrad_operands(
+        g_parts[e], x_parts[e], split = cast_wgrad_operands(
             inputs[e], g[groups.group(e)], g8_e, quantizers, config  # type: ignore[arg-type]
         )
         if split is not None:

@@ -12,8 +12,8 @@ import torch
 
 from amp8.config.gemms import Gemm
 from amp8.nn.gemm_config import LinearGemmConfig
-from amp8.nn.quantizer import LinearQuantizers
-from amp8.nn.wgrad import real_values, wgrad_operands
+from amp8.nn.quantizer import CastRequest, LinearQuantizers, OperandCast, cast_operands
+from amp8.nn.wgrad import WgradCasts, real_values, wgrad_casts, wgrad_operands
 from amp8.ops.gemm import fp8_gemm, rounded_dtype
 from amp8.quant import scaling
 from amp8.quant.health import GemmOperand, cast_health
@@ -111,18 +111,32 @@ class _Fp8LinearFunction(torch.autograd.Function):
         quantizers: LinearQuantizers = ctx.quantizers
         needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
         g2 = grad_output.reshape(-1, config.out_features)  # (M, N)
-        g8 = g8_columns = None
+        # The backward's casts run together (one call of compiled kernels): the output
+        # gradient's for dgrad (one read: its FP8 rows and, under one scale per tensor,
+        # the transposed copy for wgrad), and wgrad's own under finer scales.
         fp8_wgrad_grad = needs_w and not config.high_wgrad and config.tensorwise
-        if (needs_x and not config.high_dgrad) or fp8_wgrad_grad:
-            # One read of the output gradient: its FP8 rows for dgrad and the transposed
-            # copy for wgrad (one scale per tensor).
-            cast = quantizers.grad_output.cast_layouts(
+        grad_cast = (needs_x and not config.high_dgrad) or fp8_wgrad_grad
+        requests: list[CastRequest] = []
+        if grad_cast:
+            requests.append(quantizers.grad_output.request(
                 g2, record=True, update_history=config.update_history, watch=config.grad_output_operands,
                 columns=fp8_wgrad_grad, padded=fp8_wgrad_grad,
-            )
-            g8, g8_columns = cast.rows, cast.columns
+            ))
         elif config.watch_health:
             quantizers.grad_output.watch(g2, 1, config.grad_output_operands)
+        wgrad_input = wgrad = None
+        if needs_w:
+            saved = ctx.saved_tensors
+            wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(
+                saved[0], saved[1], ctx.x8_block_size, saved[2]
+            )
+            if not config.high_wgrad:
+                wgrad = wgrad_casts(wgrad_input, g2, quantizers, config)
+                requests += wgrad.requests
+        casts = cast_operands(tuple(requests))
+        g8 = g8_columns = None
+        if grad_cast:
+            (g8, g8_columns), casts = casts[0], casts[1:]
 
         grad_x = None
         if needs_x:
@@ -139,11 +153,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         grad_w = None
         if needs_w:
-            saved = ctx.saved_tensors
-            wgrad_input = saved[0] if ctx.x8_block_size is None else ScaledTensor(
-                saved[0], saved[1], ctx.x8_block_size, saved[2]
-            )
-            grad_w = _weight_grad(wgrad_input, g2, g8_columns, quantizers, config)
+            grad_w = _weight_grad(wgrad_input, g2, g8_columns, wgrad, casts, quantizers, config)  # type: ignore[arg-type]
         grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if needs_b else None  # no float32 copy of g2
         if not graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
             ctx.w8_dgrad = ctx.w_stored = None
@@ -185,12 +195,15 @@ def _weight_grad(
     wgrad_input: torch.Tensor | ScaledTensor,
     g2: torch.Tensor,
     g8: ScaledTensor | None,
+    wgrad: WgradCasts | None,
+    casts: tuple[OperandCast, ...],
     quantizers: LinearQuantizers,
     config: LinearGemmConfig,
 ) -> torch.Tensor:
     """The (N, K) weight gradient ``g2^T @ x2`` (wgrad), float32 or the values the FP8
     GEMM rounded to (``amp8.ops.gemm.rounded_dtype``), from FP8 operands unless
-    ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast.
+    ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast, ``wgrad``
+    the GEMM's own casts (``amp8.nn.wgrad.wgrad_casts``) and ``casts`` what they gave.
     ``wgrad_input`` is the forward's FP8 input where it was kept (tensorwise, or
     ``config.fp8_saved_input``), else the high-precision input."""
     if config.high_wgrad:
@@ -199,7 +212,8 @@ def _weight_grad(
             quantizers.grad_output.watch(pad_rows(g2, GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_GRAD_OUTPUT,))
             quantizers.input.watch(pad_rows(real_values(wgrad_input), GEMM_ALIGNMENT), 0, (GemmOperand.WGRAD_INPUT,))
         return g2.float().t() @ real_values(wgrad_input)
-    g_t, x_rows, outliers = wgrad_operands(wgrad_input, g2, g8, quantizers, config)
+    g_t, x_rows = wgrad_operands(wgrad_input, g8, casts)
     # In the dtype the GEMM rounds to (the values of a float32 result, not converted here).
     grad_w = fp8_gemm(g_t, x_rows, rounded_dtype(g_t, x_rows, torch.float32), Gemm.WGRAD)
+    outliers = None if wgrad is None else wgrad.outliers
     return grad_w if outliers is None else grad_w + outliers

@@ -32,7 +32,7 @@ from amp8.nn.gemm_config import LinearGemmConfig, output_dtype
 from amp8.nn.gemm_layers import GemmKind, gemm_kind
 from amp8.nn.gemm_precision import GemmPrecisionChoice
 from amp8.nn.linear_checkpoint import prepare_linear_state
-from amp8.nn.linear_weight import cast_weight, gemm_weight_shape, real_for_gemms, stored_for_gemms, weight_operands
+from amp8.nn.linear_weight import WeightUse, cast_weights, gemm_weight_shape, real_for_gemms, stored_for_gemms, weight_operands
 from amp8.nn.quantizer import LinearQuantizers, TensorRole
 from amp8.nn.single_weight import SingleStoredWeightModule
 from amp8.quant.hadamard import random_hadamard
@@ -299,16 +299,22 @@ class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
         ``load_state_dict`` and ``.to()`` also drop the cache for compiled code), so the
         micro-batches of gradient accumulation cast it once per optimizer step.
         """
+        return self.fp8_weights((contract_dim,))[0]
+
+    def fp8_weights(self, contract_dims: tuple[int, ...]) -> tuple[ScaledTensor, ...]:
+        """``fp8_weight`` for each of ``contract_dims``, the casts made together (one call
+        of compiled kernels where the casts are compiled)."""
         if not torch.compiler.is_compiling():
             version = self.stored_weight.version
             if version != getattr(self, "_weight_cache_version", None):
                 self._weight_cache.clear()
                 self._weight_cache_version = version
-        return cast_weight(
-            self.quantizers.weight, self.stored_weight, self.weight_transposed, self._weight_cache, contract_dim,
-            self.weight_tile(contract_dim), training=self.training,
-            watch=self._weight_operands(contract_dim) if self.watch_health else (),
+        uses = tuple(
+            WeightUse(dim, self.weight_tile(dim), self._weight_operands(dim) if self.watch_health else ())
+            for dim in contract_dims
         )
+        return cast_weights(self.quantizers.weight, self.stored_weight, self.weight_transposed, self._weight_cache,
+                            uses, training=self.training)
 
     def _weight_operands(self, contract_dim: int) -> tuple[GemmOperand, ...]:
         """The GEMM operands a cast of the weight for ``contract_dim`` serves."""
@@ -343,11 +349,12 @@ class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
         )
         # The weight's FP8 casts happen here, outside the autograd.Function, so that the
         # cache (a module attribute) is written where a compiled graph may write it.
-        w8 = self.fp8_weight() if not (config.high_fprop and config.high_dgrad) else None  # (N, K)
-        w8_dgrad = w8
+        w8 = w8_dgrad = None  # (N, K)
         needs_dgrad = torch.is_grad_enabled() and x.requires_grad and not config.high_dgrad
-        if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):
-            w8_dgrad = self.fp8_weight(contract_dim=0)  # rowwise: scales per column
+        if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):  # rowwise: scales per column for dgrad
+            w8, w8_dgrad = self.fp8_weights((1, 0))
+        elif not (config.high_fprop and config.high_dgrad):
+            w8 = w8_dgrad = self.fp8_weight()
         w_stored = None
         if config.high_fprop or config.high_dgrad:
             w_stored = stored_for_gemms(self.stored_weight, self.weight_transposed)[0]

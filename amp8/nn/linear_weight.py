@@ -9,11 +9,13 @@ cast, which the layer caches until the weight is next written (``Fp8Linear.fp8_w
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from amp8.config.levels import Precision
 from amp8.nn.cast_kernels import decoded
-from amp8.nn.quantizer import Quantizer
+from amp8.nn.quantizer import CastRequest, Quantizer, cast_operands
 from amp8.quant.health import GemmOperand
 from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.stored import StoredWeight
@@ -36,20 +38,20 @@ def real_for_gemms(handle: StoredWeight, transposed: bool) -> torch.Tensor:
     return decoded(handle.layout, transposed, stored.data, stored.scale)
 
 
-def _cast_stored(quantizer: Quantizer, handle: StoredWeight, transposed: bool, contract_dim: int, *,
-                 record: bool, training: bool, watch: tuple[GemmOperand, ...]) -> ScaledTensor:
-    """The cast of ``handle``'s weight as the GEMMs take it, decoded from its stored form
-    in the cast itself (no float32 copy of the weight in memory where the cast is
-    compiled); with ``record``, it records its scale (in ``training``, its amax). For the
-    input-gradient GEMM (``contract_dim`` 0), which alone reads this cast, the FP8 data is
-    written column-major, as that GEMM takes it, rather than copied so at each backward."""
+def _stored_cast(quantizer: Quantizer, handle: StoredWeight, transposed: bool, use: "WeightUse", *,
+                 record: bool, training: bool) -> CastRequest:
+    """The cast of ``handle``'s weight as the GEMMs take it, for ``use``, decoded from its
+    stored form in the cast itself (no float32 copy of the weight in memory where the
+    cast is compiled); with ``record``, it records its scale (in ``training``, its amax).
+    For the input-gradient GEMM (``contract_dim`` 0), which alone reads this cast, the
+    FP8 data is written column-major, as that GEMM takes it, rather than copied so at
+    each backward."""
     stored = handle.stored()
-    cast = quantizer.cast_layouts(
-        stored.data, contract_dim, record=record, update_history=record and training, watch=watch,
-        rows=contract_dim == 1, columns=contract_dim == 0, stored_as=handle.layout, stored_scale=stored.scale,
+    return quantizer.request(
+        stored.data, stored.scale, contract_dim=use.contract_dim, record=record, update_history=record and training,
+        watch=use.watch, rows=use.contract_dim == 1, columns=use.contract_dim == 0, stored_as=handle.layout,
         transposed=transposed,
     )
-    return cast.rows if contract_dim == 1 else cast.columns  # type: ignore[return-value]
 
 
 def stored_for_gemms(handle: StoredWeight, transposed: bool) -> tuple[ScaledTensor, Tile]:
@@ -72,37 +74,53 @@ def weight_operands(contract_dim: int, one_tile: bool) -> tuple[GemmOperand, ...
     return (GemmOperand.FPROP_WEIGHT,)
 
 
-def cast_weight(
-    quantizer: Quantizer, handle: StoredWeight, transposed: bool, cache: dict[int, ScaledTensor], contract_dim: int,
-    tile: Tile, *, training: bool, watch: tuple[GemmOperand, ...],
-) -> ScaledTensor:
-    """The (N, K) FP8 weight of ``handle`` for a GEMM contracting its dim ``contract_dim``
-    with scales of ``tile``: the stored FP8 weight at O3 where its scales fit, else a
-    cast by ``quantizer`` (from the FP8 weight's real values at O3), which decodes the
-    stored weight itself. What is not the stored weight itself is kept in ``cache``, by
-    ``contract_dim``, and taken from there (the caller empties it when the weight
-    changes), except for a weight amp8 does not store (``AS_IS``), which the user's
-    optimizer writes, and O3's casts from the FP8 weight's values. The casts from the
-    real weight for the forward GEMM record their scale (and, in ``training``, their
-    amax); ``watch``: the operands whose health signals the cast writes."""
-    if handle.storage is Precision.AS_IS:
-        return _cast_stored(quantizer, handle, transposed, contract_dim, record=contract_dim == 1, training=training,
-                            watch=watch)
-    if handle.storage is Precision.FP8:
-        stored, stored_tile = stored_for_gemms(handle, transposed)
-        # Microscaled GEMMs take their own format: re-cast from the stored real values.
-        if tile != stored_tile or quantizer.rule.microscaled:
-            return _cast_stored(quantizer, handle, transposed, contract_dim, record=False, training=training,
-                                watch=watch)
-        if not transposed:
-            return stored  # the optimizer cast it: nothing to watch here
-        # W^T's bytes laid out as (N, K), once until the weight is next written.
-        cached = cache.get(contract_dim)
-        if cached is None:
-            cached = cache[contract_dim] = stored.with_data(stored.data.contiguous())
-        return cached
-    cached = cache.get(contract_dim)
-    if cached is None:
-        cached = cache[contract_dim] = _cast_stored(quantizer, handle, transposed, contract_dim,
-                                                    record=contract_dim == 1, training=training, watch=watch)
-    return cached
+class WeightUse(NamedTuple):
+    """A GEMM's use of the weight: the dim of (N, K) it contracts, the tile of the
+    scales it takes (None for one per tensor), and the operands whose health signals
+    its cast writes."""
+
+    contract_dim: int
+    tile: Tile
+    watch: tuple[GemmOperand, ...] = ()
+
+
+def cast_weights(
+    quantizer: Quantizer, handle: StoredWeight, transposed: bool, cache: dict[int, ScaledTensor],
+    uses: tuple[WeightUse, ...], *, training: bool,
+) -> tuple[ScaledTensor, ...]:
+    """The (N, K) FP8 weight of ``handle`` for each of ``uses``: the stored FP8 weight at
+    O3 where its scales fit, else a cast by ``quantizer`` (from the FP8 weight's real
+    values at O3), which decodes the stored weight itself; the casts run together (one
+    call of compiled kernels, ``amp8.nn.quantizer.cast_operands``). What is not the stored
+    weight itself is kept in ``cache``, by ``contract_dim``, and taken from there (the
+    caller empties it when the weight changes), except for a weight amp8 does not store
+    (``AS_IS``), which the user's optimizer writes, and O3's casts from the FP8 weight's
+    values. The casts from the real weight for the forward GEMM record their scale (and,
+    in ``training``, their amax)."""
+    ready: dict[int, ScaledTensor] = {}
+    requests: list[CastRequest] = []
+    for use in uses:
+        dim = use.contract_dim
+        if handle.storage is Precision.AS_IS:
+            requests.append(_stored_cast(quantizer, handle, transposed, use, record=dim == 1, training=training))
+        elif handle.storage is Precision.FP8:
+            stored, stored_tile = stored_for_gemms(handle, transposed)
+            if use.tile != stored_tile or quantizer.rule.microscaled:
+                # Microscaled GEMMs take their own format: re-cast from the stored real values.
+                requests.append(_stored_cast(quantizer, handle, transposed, use, record=False, training=training))
+            elif not transposed:
+                ready[dim] = stored  # the optimizer cast it: nothing to watch here
+            else:  # W^T's bytes laid out as (N, K), once until the weight is next written
+                if dim not in cache:
+                    cache[dim] = stored.with_data(stored.data.contiguous())
+                ready[dim] = cache[dim]
+        elif dim in cache:
+            ready[dim] = cache[dim]
+        else:
+            requests.append(_stored_cast(quantizer, handle, transposed, use, record=dim == 1, training=training))
+    for request, cast in zip(requests, cast_operands(tuple(requests))):
+        dim = request.spec.contract_dim
+        ready[dim] = cast.rows if dim == 1 else cast.columns  # type: ignore[assignment]
+        if handle.storage not in (Precision.AS_IS, Precision.FP8):
+            cache[dim] = ready[dim]
+    return tuple(ready[use.contract_dim] for use in uses)

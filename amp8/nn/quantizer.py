@@ -9,12 +9,12 @@ place (so a compiled graph writes them too). It never holds the layer itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from amp8.config.recipe import Recipe, Scaling
-from amp8.nn.cast_kernels import CastSpec, check_layouts, decoded, record_scale, run_cast, tile_scales
+from amp8.nn.cast_kernels import CastSpec, check_layouts, decoded, record_scale, run_casts, tile_scales
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.quant import hadamard, scaling
 from amp8.quant.codec import Layout
@@ -117,28 +117,35 @@ class Quantizer:
     ) -> OperandCast:
         """``cast``, with the FP8 data in the layouts the GEMMs read, from one read of
         ``x`` (see ``amp8.nn.cast_kernels.CastSpec``), run as compiled kernels where
-        ``compiled`` says (``amp8.nn.cast_kernels.run_cast``). A microscaled cast runs
+        ``compiled`` says (``amp8.nn.cast_kernels.run_casts``). A microscaled cast runs
         eagerly and gives one layout, rows or columns. With ``stored_as``, ``x`` is stored
         data under that codec, with scales ``stored_scale``, decoded (and ``transposed``)
-        in the cast."""
-        if record and x.numel() > 0 and (self.scales is None or self.histories is None):
+        in the cast. ``cast_operands`` makes several casts in one call."""
+        spec = CastSpec(self.rule, self.row, contract_dim, record, record and update_history, watch, rows, columns,
+                        padded, stored_as, transposed)
+        return cast_operands((CastRequest(self, x, spec, stored_scale),))[0]
+
+    def request(self, x: torch.Tensor, stored_scale: torch.Tensor | None = None, **settings: Any) -> "CastRequest":
+        """A cast of ``x`` for ``cast_operands``, with the settings of a ``CastSpec`` (its
+        fields after ``rule`` and ``row``; ``update_history`` counts only with
+        ``record``)."""
+        return CastRequest(self, x, CastSpec(self.rule, self.row, **settings), stored_scale)
+
+    def _microscaled_layouts(self, request: "CastRequest") -> OperandCast:
+        """The microscaled cast ``request`` asks for, in the one layout it gives."""
+        spec = request.spec
+        check_layouts(spec.rows, spec.columns, spec.padded, one_scale=False)
+        x = decoded(spec.stored_as, spec.transposed, request.x, request.stored_scale)
+        cast = self._microscaled_cast(pad_rows(x, GEMM_ALIGNMENT) if spec.padded else x, spec.contract_dim,
+                                      spec.record, spec.update_history, spec.watch)
+        return OperandCast(cast if spec.rows else None, cast.with_data(column_major(cast.data)) if spec.columns else None)
+
+    def _check_request(self, request: "CastRequest") -> None:
+        """Raise ``ValueError`` where ``request`` asks for buffers this quantizer has not."""
+        if request.spec.record and request.x.numel() > 0 and (self.scales is None or self.histories is None):
             raise ValueError("this Quantizer has no scale buffers to record into; cast with record=False")
-        if watch and self.health is None:
+        if request.spec.watch and self.health is None:
             raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
-        if self.rule.microscaled:
-            check_layouts(rows, columns, padded, one_scale=False)
-            x = decoded(stored_as, transposed, x, stored_scale)
-            cast = self._microscaled_cast(pad_rows(x, GEMM_ALIGNMENT) if padded else x, contract_dim, record,
-                                          update_history, watch)
-            return OperandCast(cast if rows else None, cast.with_data(column_major(cast.data)) if columns else None)
-        spec = CastSpec(self.rule, self.row, contract_dim, record, record and update_history, watch,
-                        rows, columns, padded, stored_as, transposed)
-        out = run_cast(spec, x, self.scales, self.histories, self.health, self.compiled, stored_scale)
-        block_size = self.rule.scale_block_size
-        return OperandCast(
-            None if out.rows is None else ScaledTensor(out.rows, out.scale, block_size, out.inverse),
-            None if out.columns is None else ScaledTensor(out.columns, out.scale, block_size, out.inverse),
-        )
 
     def _microscaled_cast(
         self, x: torch.Tensor, contract_dim: int, record: bool, update_history: bool, watch: tuple[GemmOperand, ...]
@@ -174,6 +181,54 @@ class Quantizer:
         return microscaling.quantize_block_scaled(
             x, self.rule.dtype, tile, margin=self.rule.margin, noise_key=key  # type: ignore[arg-type]
         )
+
+
+class CastRequest(NamedTuple):
+    """One cast for ``cast_operands``: the quantizer that makes it, its input, its settings
+    (whose ``rule`` and ``row`` are the quantizer's) and the input's stored scales where
+    ``spec.stored_as`` says the input is stored data (see ``Quantizer.request``)."""
+
+    quantizer: Quantizer
+    x: torch.Tensor
+    spec: CastSpec
+    stored_scale: torch.Tensor | None = None
+
+
+def cast_operands(requests: tuple[CastRequest, ...]) -> tuple[OperandCast, ...]:
+    """The casts of ``requests`` (as ``Quantizer.cast_layouts`` makes each), in order. The
+    casts with scales run together: one call of compiled kernels where their quantizers
+    are compiled (``amp8.nn.cast_kernels.run_casts``). Their quantizers share one layer's
+    buffers (``scales``, ``histories``, ``health``); microscaled casts run one by one.
+
+    Raises:
+        ValueError: a request records or watches into buffers its quantizer has not, or
+            the requests' quantizers belong to different layers.
+    """
+    for request in requests:
+        request.quantizer._check_request(request)
+    scaled = [i for i, request in enumerate(requests) if not request.quantizer.rule.microscaled]
+    casts: dict[int, OperandCast] = {}
+    if scaled:
+        first = requests[scaled[0]].quantizer
+        if not all(_same_buffers(requests[i].quantizer, first) for i in scaled):
+            raise ValueError("cast_operands casts one layer's operands: these quantizers hold different buffers")
+        outs = run_casts(tuple(requests[i].spec for i in scaled), tuple(requests[i].x for i in scaled),
+                         first.scales, first.histories, first.health, first.compiled,
+                         tuple(requests[i].stored_scale for i in scaled))
+        for i, out in zip(scaled, outs):
+            block_size = requests[i].quantizer.rule.scale_block_size
+            casts[i] = OperandCast(
+                None if out.rows is None else ScaledTensor(out.rows, out.scale, block_size, out.inverse),
+                None if out.columns is None else ScaledTensor(out.columns, out.scale, block_size, out.inverse),
+            )
+    return tuple(casts[i] if i in casts else request.quantizer._microscaled_layouts(request)
+                 for i, request in enumerate(requests))
+
+
+def _same_buffers(quantizer: Quantizer, other: Quantizer) -> bool:
+    """Whether two quantizers write the same layer's buffers and run alike compiled."""
+    return (quantizer.scales is other.scales and quantizer.histories is other.histories
+            and quantizer.health is other.health and quantizer.compiled == other.compiled)
 
 
 class LinearQuantizers(NamedTuple):

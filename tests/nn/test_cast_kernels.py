@@ -17,6 +17,7 @@ from amp8.config.formats import FP8_DTYPES
 from amp8.config.gemms import Signal
 from amp8.nn import Fp8Linear
 from amp8.nn.cast_kernels import CastSpec, run_cast
+from amp8.nn.quantizer import CastRequest, LinearQuantizers, cast_operands
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.quant.health import GemmOperand, new_health
 from tests.conftest import load_bench
@@ -98,7 +99,8 @@ def test_cast_spec_refuses_what_one_cast_cannot_give() -> None:
     with pytest.raises(ValueError, match="ask for columns too"):
         CastSpec(rowwise, 0, padded=True)
     with pytest.raises(ValueError, match="microscaled"):
-        CastSpec(CastRule.for_role(amp8.Recipe.preset("mxfp8"), TensorRole.INPUT), 0)
+        run_cast(CastSpec(CastRule.for_role(amp8.Recipe.preset("mxfp8"), TensorRole.INPUT), 0), torch.ones(32, 32),
+                 None, None, None)
 
 
 def _layers(recipe: amp8.Recipe, level: str, compiled: bool, seed: int = 0) -> nn.Module:
@@ -300,10 +302,64 @@ def test_an_eager_layer_runs_about_the_kernels_of_a_compiled_one(recipe: str) ->
         assert eager[phase]["kernels"] <= compiled[phase]["kernels"] + 1
         assert eager[phase]["kernels"] * 2 < eager_ops[phase]["kernels"]
         assert eager[phase]["bytes"] < eager_ops[phase]["bytes"] / 2
-    assert eager["forward"]["graph_calls"] == 1
+    # One call of compiled casts a pass: the forward's input; the backward's casts (the
+    # output gradient's and, rowwise, wgrad's re-casts of it and of the input), then the
+    # weight gradient into its slot; after a step, the weight's casts (rowwise, one for
+    # each GEMM) and the input's.
+    assert (eager["forward"]["graph_calls"], eager["backward"]["graph_calls"], eager["step's forward"]["graph_calls"]) == (1, 2, 2)
     # The forward: the input's cast (its amax, then one pass writing both layouts), the
     # GEMM, the bias's conversion; rowwise, the bias is added after the GEMM as well.
     assert eager["forward"]["kernels"] <= least["forward"]["kernels"] + (2 if recipe == "tensorwise" else 4)
+
+
+def _backward_requests(quantizers: LinearQuantizers, g2: torch.Tensor, x2: torch.Tensor) -> tuple[CastRequest, ...]:
+    """A rowwise backward's casts: the output gradient's for dgrad (recording its scale and
+    amax), and wgrad's padded column-major re-casts of it and of the input."""
+    wgrad = dict(contract_dim=0, rows=False, columns=True, padded=True)
+    return (
+        quantizers.grad_output.request(g2, record=True, update_history=True, watch=(GemmOperand.DGRAD_GRAD_OUTPUT,)),
+        quantizers.grad_output.request(g2, watch=(GemmOperand.WGRAD_GRAD_OUTPUT,), **wgrad),
+        quantizers.input.request(x2, watch=(GemmOperand.WGRAD_INPUT,), **wgrad),
+    )
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_casts_made_together_are_the_casts_made_one_by_one(monkeypatch: pytest.MonkeyPatch, compiled: bool,
+                                                           recipe: str) -> None:
+    """``cast_operands`` makes a layer's casts in one call of compiled kernels: the same FP8
+    data, scales and buffer writes as each cast made alone, in one compiled call instead
+    of one each."""
+    torch.manual_seed(0)
+    g2 = torch.randn(37, 48) * torch.logspace(-2, 2, 48)
+    x2 = torch.randn(37, 64).to(torch.bfloat16)
+    calls = []
+    compiled_for = _compiled.compiled_for
+
+    def counted(function, spec, variant):  # type: ignore[no-untyped-def]
+        calls.append(function.__name__)
+        return compiled_for(function, spec, variant)
+
+    monkeypatch.setattr(_compiled, "compiled_for", counted)
+    runs = []
+    for together in (True, False):
+        quantizers = LinearQuantizers.build(RECIPES[recipe], torch.ones(3), torch.zeros(3, 4), new_health(),
+                                            compiled=compiled)
+        requests = _backward_requests(quantizers, g2, x2)
+        casts = cast_operands(requests) if together else [cast_operands((request,))[0] for request in requests]
+        tensors = [part for cast in casts for side in cast if side is not None
+                   for part in (side.data, side.scale, side.inverse)]
+        runs.append((*tensors, quantizers.input.scales, quantizers.input.histories, quantizers.input.health))
+    _assert_same(runs[0], runs[1])
+    expected = ["scaled_casts"] * 4 if compiled and _compiled.compiler_found("cpu") else []
+    assert calls == expected  # together one call, alone three
+
+
+def test_casts_of_different_layers_are_not_made_together() -> None:
+    first, second = (LinearQuantizers.build(amp8.Recipe(), torch.ones(3), torch.zeros(3, 1)) for _ in range(2))
+    x = torch.randn(16, 32)
+    with pytest.raises(ValueError, match="one layer's operands"):
+        cast_operands((first.input.request(x), second.input.request(x)))
 
 
 def test_casts_run_eagerly_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
