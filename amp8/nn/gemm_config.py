@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from amp8.config.recipe import ActivationFormat, Granularity, Recipe
+from amp8.nn.outlier_split import token_share
 from amp8.quant.health import GemmOperand
 from amp8.tensor.weight_grad import GradLayout
 
@@ -37,9 +38,9 @@ class LinearGemmConfig:
             cast it would get) writes its health signals (see ``amp8.quant.health``).
         grad_layout: how the FP8 weight gradient is stored (the stored weight's
             ``grad_layout``); None where it is not FP8.
-        wgrad_outlier_share: the most tokens, as a share, whose wgrad contribution
-            runs in float32 (``Recipe.wgrad_outlier_split``, ``split_outlier_tokens``);
-            0 where wgrad does not split.
+        wgrad_outlier_share: the most tokens, as a ratio of ints (``token_share``),
+            whose wgrad contribution runs in float32 (``Recipe.wgrad_outlier_split``,
+            ``split_outlier_tokens``); None where wgrad does not split.
         weight_transposed: the weight Parameter holds ``W^T``, (K, N) (a ``Conv1D``-like
             layer): the (N, K) weight gradient is handed to autograd transposed, in the
             Parameter's shape.
@@ -57,7 +58,7 @@ class LinearGemmConfig:
     out_dtype: torch.dtype
     watch_health: bool = False
     grad_layout: GradLayout | None = None
-    wgrad_outlier_share: float = 0.0
+    wgrad_outlier_share: tuple[int, int] | None = None
     weight_transposed: bool = False
 
     def __post_init__(self) -> None:
@@ -89,7 +90,7 @@ class LinearGemmConfig:
             out_dtype=out_dtype,
             watch_health=watch_health,
             grad_layout=grad_layout if fp8_wgrad else None,
-            wgrad_outlier_share=recipe.wgrad_outlier_share if recipe.wgrad_outlier_split else 0.0,
+            wgrad_outlier_share=token_share(recipe.wgrad_outlier_share) if recipe.wgrad_outlier_split else None,
             weight_transposed=weight_transposed,
         )
 

@@ -10,7 +10,7 @@ product.
 
 from __future__ import annotations
 
-import math
+from fractions import Fraction
 
 import torch
 
@@ -23,25 +23,37 @@ split takes such rows with four times to spare, while rows of healthy activation
 gradients stay within a few binades of the median."""
 
 
+def token_share(share: float) -> tuple[int, int]:
+    """``share`` (of a recipe's ``wgrad_outlier_share``) as the ratio of ints
+    ``(numerator, denominator)`` that ``split_outlier_tokens`` counts tokens with: the
+    fraction nearest it with a denominator up to a million (0.07 is 7/100). In integers
+    the window ``ceil(share * M)`` is exact, where a float product rounds up across an
+    integer for some M (``0.07 * 100`` is 7.000000000000001), and it traces with symbolic
+    sizes (``torch.compile(dynamic=True)``), which a float read in traced code does not."""
+    ratio = Fraction(share).limit_denominator(1_000_000)
+    return ratio.numerator, ratio.denominator
+
+
 def split_outlier_tokens(
-    x2: torch.Tensor, g2: torch.Tensor, share: float
+    x2: torch.Tensor, g2: torch.Tensor, share: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Take the outlier tokens out of a weight-gradient GEMM ``g2^T @ x2`` (x2: (M, K),
     g2: (M, N)): the rows whose amax in either operand exceeds that operand's median
     row amax more than ``OUTLIER_ROW_RATIO`` times, at most ``ceil(share * M)`` of them
-    (the largest). Returns their float32 contribution ``(N, K)`` and both operands with
-    their rows zeroed, so the FP8 GEMM of the rest, plus the contribution, is the whole
-    product; with no outlier row the operands are returned unchanged and the
-    contribution is zero.
+    (the largest; ``share`` as ``token_share`` gives it). Returns their float32
+    contribution ``(N, K)`` and both operands with their rows zeroed, so the FP8 GEMM of
+    the rest, plus the contribution, is the whole product; with no outlier row the
+    operands are returned unchanged and the contribution is zero.
 
     The float32 product runs over the ``ceil(share * M)`` candidate rows with the
     largest ratio, those that are not outliers zeroed: the shapes depend on M alone,
     so compiled graphs keep static shapes, and the count of rows taken out follows the
     batch."""
-    window = min(x2.shape[0], math.ceil(share * x2.shape[0]))
+    numerator, denominator = share
+    window = min(x2.shape[0], -(-x2.shape[0] * numerator // denominator))
     score = torch.fmax(_relative_row_amax(x2), _relative_row_amax(g2))
     rows = score.topk(window, sorted=False).indices.sort().values  # in token order, as the GEMM sums
-    taken = score.index_select(0, rows) > OUTLIER_ROW_RATIO  # (window,)
+    taken = score.index_select(0, rows) > 256.0  # OUTLIER_ROW_RATIO, a literal: a float global is a graph input
     g_taken = torch.where(taken[:, None], g2.index_select(0, rows).float(), 0.0)
     x_taken = torch.where(taken[:, None], x2.index_select(0, rows).float(), 0.0)
     outliers = g_taken.t() @ x_taken

@@ -20,7 +20,8 @@ from torch import nn
 import amp8
 import multiprocess
 from amp8 import _compat
-from amp8.nn import Fp8Linear
+from amp8.nn import Fp8Linear, wgrad
+from amp8.nn.outlier_split import split_outlier_tokens
 from amp8.tensor.weight_grad import WeightGrad
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
@@ -43,6 +44,7 @@ CASES = {
     "O3-mxfp8": ("O3", amp8.Recipe.preset("mxfp8")),
     "O1-nvfp4": ("O1", amp8.Recipe.preset("nvfp4")),
     "O3-nvfp4": ("O3", amp8.Recipe.preset("nvfp4")),
+    "O2-outlier-split": ("O2", amp8.Recipe(granularity="rowwise", wgrad_outlier_split=True, wgrad_outlier_share=0.07)),
 }
 STEPS = 3
 MICRO_BATCHES = 2  # the second micro-batch takes the cached FP8 weight
@@ -55,17 +57,20 @@ def _model(level: str, recipe: amp8.Recipe) -> tuple[nn.Module, torch.optim.Opti
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, run: nn.Module,
-           lengths: tuple[int, ...] = (8,)) -> list[dict[str, torch.Tensor]]:
+           lengths: tuple[int, ...] = (8,), outlier_gain: float = 1.0) -> list[dict[str, torch.Tensor]]:
     """``STEPS`` optimizer steps of ``MICRO_BATCHES`` micro-batches through ``run`` (the
-    model or its compiled form), their sequence lengths taken from ``lengths`` in turn;
-    what each micro-batch produced."""
+    model or its compiled form), their sequence lengths taken from ``lengths`` in turn,
+    each batch's first token ``outlier_gain`` times the others; what each micro-batch
+    produced."""
     generator = torch.Generator().manual_seed(1)
     seen = []
     for step in range(STEPS):
         optimizer.zero_grad()
         for micro_batch in range(MICRO_BATCHES):
             length = lengths[(step * MICRO_BATCHES + micro_batch) % len(lengths)]
-            x = torch.randn(2, length, 32, generator=generator).requires_grad_()
+            x = torch.randn(2, length, 32, generator=generator)
+            x[:, 0] *= outlier_gain
+            x.requires_grad_()
             y = run(x)
             y.square().mean().backward()
             grads = {f"{i}.weight_grad": m.weight_grad.dequantize() for i, m in enumerate(model) if isinstance(m, Fp8Linear)}
@@ -127,6 +132,31 @@ def test_dynamic_shapes_capture_is_bitwise_eager(case: str) -> None:
     eager_model, eager_optimizer = _model(level, recipe)
     expected = _train(eager_model, eager_optimizer, eager_model, LENGTHS)
     model, actual = _train_dynamic(case)
+    _assert_bitwise_equal_runs(eager_model, model, expected, actual)
+
+
+@pytest.mark.skipif(not _compat.DYNAMIC_SHAPE_LAYERS.available(),
+                    reason=str(_compat.DYNAMIC_SHAPE_LAYERS.missing_reason()))
+def test_dynamic_shapes_split_outlier_tokens_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight-gradient GEMM's outlier split (``wgrad_outlier_split``) under
+    ``torch.compile(model, dynamic=True)``: its window of ``ceil(share * M)`` tokens comes
+    from integers, so it traces with a symbolic M, and training takes out the same
+    outlier tokens as eagerly, bit for bit (each batch's first token far above the rest)."""
+    level, recipe = CASES["O2-outlier-split"]
+    taken = []
+
+    def split(x2: torch.Tensor, g2: torch.Tensor, share: tuple[int, int]):  # type: ignore[no-untyped-def]
+        outliers, x_rest, g_rest = split_outlier_tokens(x2, g2, share)
+        taken.append(int((x_rest == 0).all(1).sum()))
+        return outliers, x_rest, g_rest
+
+    eager_model, eager_optimizer = _model(level, recipe)
+    with monkeypatch.context() as patch:
+        patch.setattr(wgrad, "split_outlier_tokens", split)
+        expected = _train(eager_model, eager_optimizer, eager_model, LENGTHS, outlier_gain=1e4)
+    assert max(taken) >= 2, "the outlier tokens (one a sequence) are taken out"
+    model, optimizer = _model(level, recipe)
+    actual = _train(model, optimizer, torch.compile(model, dynamic=True, backend="aot_eager"), LENGTHS, outlier_gain=1e4)
     _assert_bitwise_equal_runs(eager_model, model, expected, actual)
 
 

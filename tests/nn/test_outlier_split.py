@@ -11,7 +11,7 @@ from torch import nn
 
 import amp8
 from amp8.nn.linear import Fp8Linear
-from amp8.nn.outlier_split import OUTLIER_ROW_RATIO, split_outlier_tokens
+from amp8.nn.outlier_split import OUTLIER_ROW_RATIO, split_outlier_tokens, token_share
 
 GAIN = 2.0**20
 
@@ -39,7 +39,7 @@ def test_the_split_takes_out_the_outlier_rows_and_keeps_the_product(m, k, n, ope
     rows = torch.tensor([0, m // 2, m - 1])
     (x if operand == "input" else g)[rows] *= GAIN
     share = 3 / m
-    outliers, x_rest, g_rest = split_outlier_tokens(x, g, share)
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, token_share(share))
     assert torch.equal(outliers, g[rows].t() @ x[rows]), "the outliers' product, in float32"
     for rest, whole in ((x_rest, x), (g_rest, g)):
         assert torch.equal(rest[rows], torch.zeros_like(rest[rows]))
@@ -64,7 +64,7 @@ def test_the_split_takes_as_many_rows_as_there_are_outliers(m, outlier_share, op
     x, g = torch.randn(m, 48, generator=generator), torch.randn(m, 24, generator=generator)
     rows = torch.arange(0, m, round(1 / outlier_share))[: math.ceil(m / 4)]
     (x if operand == "input" else g)[rows] *= 2 * OUTLIER_ROW_RATIO
-    outliers, x_rest, g_rest = split_outlier_tokens(x, g, 1 / 4)
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, token_share(1 / 4))
     assert torch.equal(_taken(x_rest), rows) and torch.equal(_taken(g_rest), rows)
     # The same float32 sums, over a window with zeroed rows besides the outliers'.
     torch.testing.assert_close(outliers, g[rows].t() @ x[rows], rtol=1e-6, atol=1e-6 * float(outliers.abs().max()))
@@ -75,7 +75,7 @@ def test_beyond_the_cap_the_split_takes_the_largest_outliers(cap, m) -> None:
     x, g = torch.randn(m, 16), torch.randn(m, 16)
     gains = torch.linspace(2 * OUTLIER_ROW_RATIO, 2**20, m // 2)
     x[::2] = gains[:, None] * x[::2].sign()  # every other row an outlier of amax ``gain``, the later ones larger
-    _, x_rest, _ = split_outlier_tokens(x, g, cap)
+    _, x_rest, _ = split_outlier_tokens(x, g, token_share(cap))
     count = math.ceil(cap * m)
     assert torch.equal(_taken(x_rest), torch.arange(0, m, 2)[-count:]), "the cap's count, largest first"
 
@@ -84,7 +84,7 @@ def test_without_outliers_the_split_takes_nothing() -> None:
     x, g = torch.randn(256, 32), torch.randn(256, 16)
     x[::16] *= OUTLIER_ROW_RATIO / 4  # large rows, but not outliers
     g[: 200] = 0  # most tokens left out of the loss: the median is of the rows that are not zero
-    outliers, x_rest, g_rest = split_outlier_tokens(x, g, 1 / 4)
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, token_share(1 / 4))
     assert torch.equal(x_rest, x) and torch.equal(g_rest, g)
     assert torch.equal(outliers, torch.zeros(16, 32))
 
@@ -92,7 +92,7 @@ def test_without_outliers_the_split_takes_nothing() -> None:
 @pytest.mark.parametrize("m", [0, 1, 5])
 def test_an_empty_or_zero_batch_splits_nothing(m) -> None:
     x, g = torch.zeros(m, 8), torch.zeros(m, 4)
-    outliers, x_rest, g_rest = split_outlier_tokens(x, g, 1 / 4)
+    outliers, x_rest, g_rest = split_outlier_tokens(x, g, token_share(1 / 4))
     assert torch.equal(outliers, torch.zeros(4, 8)) and x_rest.shape == (m, 8) and g_rest.shape == (m, 4)
 
 
