@@ -121,6 +121,21 @@ def register_opaque_reference(cls: type) -> bool:
     return True
 
 
+try:  # a private API, in every release amp8 tests (2.11, 2.13); probed, so a torch without it runs amp8
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:
+    _eval_frame_callback = None
+
+
+def inside_compiled_call() -> bool:
+    """Whether code runs inside a call of a ``torch.compile`` wrapper, traced or run
+    eagerly between its graphs (where ``torch.compiler.is_compiling()`` is False, but the
+    frames it calls are compiled); False in a torch without the probe."""
+    if torch.compiler.is_compiling():
+        return True
+    return _eval_frame_callback is not None and _eval_frame_callback() not in (None, False)
+
+
 def fsdp_module_types() -> tuple[type, ...]:
     """``(FSDPModule,)``, the class FSDP2's ``fully_shard`` gives the modules it wraps; empty
     in a torch built without distributed support, where nothing can be wrapped."""

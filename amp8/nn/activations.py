@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp8 import _compat
 from amp8.config.formats import E4M3
 from amp8.nn.hooks import remove_forward_hooks
 from amp8.nn.memory import (
@@ -197,9 +198,10 @@ class ActivationStorage:
         """Forward pre-hook: store what the forward saves from here on.
 
         Raises:
-            RuntimeError: the model, or a module inside it, runs under ``torch.compile``.
+            RuntimeError: the model, or a module inside it, runs under ``torch.compile``
+                (``module.compile()``, or a ``torch.compile`` wrapper's call).
         """
-        if torch.compiler.is_compiling() or any(_is_compiled(module) for module in model.modules()):
+        if _compat.inside_compiled_call() or any(_is_compiled(module) for module in model.modules()):
             raise RuntimeError(
                 "Recipe(activations='fp8') stores saved tensors through autograd's saved-tensor "
                 "hooks, and a torch.compile'd region saves its tensors itself, in high precision "

@@ -191,16 +191,27 @@ def test_default_recipe_attaches_nothing() -> None:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("compiled", ["model", "submodule"])
+@pytest.mark.parametrize("compiled", ["model", "submodule", "wrapper", "wrapper of the caller"])
 def test_compiled_regions_are_refused(compiled: str) -> None:
     """A compiled region saves its own tensors, which the hooks cannot store in FP8:
-    ``Module.compile()`` on the model or inside it is refused before anything runs."""
+    ``Module.compile()`` on the model or inside it, and a call of a ``torch.compile``
+    wrapper of the model or of a function that calls it, are refused before anything
+    runs."""
+    torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
     amp8.initialize(model, None, "O0", recipe=amp8.Recipe(activations="fp8"))
-    (model if compiled == "model" else model[1]).compile()
+    run = model
+    if compiled in ("model", "submodule"):
+        (model if compiled == "model" else model[1]).compile()
+    elif compiled == "wrapper":
+        run = torch.compile(model)
+    else:
+        run = torch.compile(lambda x: model(x).relu())
     with pytest.raises(RuntimeError, match="activations='high'"):
-        model(torch.randn(4, 16))
+        run(torch.randn(4, 16))
     assert _saves_as_torch_does(), "the refusal left the hooks active"
+    if run is not model:  # called as it is, the model runs eagerly and stores its activations
+        model(torch.randn(4, 16)).sum().backward()
 
 
 class _InPlaceAfterSave(nn.Module):
