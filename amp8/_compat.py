@@ -18,6 +18,7 @@ sm_100: ``native_grouped_scaled_mm``), and FSDP2's public API (``torch.distribut
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -41,8 +42,9 @@ def parse_version(version: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+@functools.cache
 def torch_version() -> tuple[int, int]:
-    """The installed torch's (major, minor) release."""
+    """The installed torch's (major, minor) release (read once: every GEMM asks)."""
     return parse_version(str(torch.__version__))
 
 
@@ -134,6 +136,13 @@ def inside_compiled_call() -> bool:
     if torch.compiler.is_compiling():
         return True
     return _eval_frame_callback is not None and _eval_frame_callback() not in (None, False)
+
+
+def running_backward() -> bool:
+    """Whether code runs inside autograd's backward: where activation checkpointing runs
+    a forward again (``torch.utils.checkpoint``, reentrant or not). False while
+    ``torch.compile`` traces (a compiled graph recomputes without running Python)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def fsdp_module_types() -> tuple[type, ...]:

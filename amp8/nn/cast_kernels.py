@@ -56,6 +56,10 @@ class CastSpec:
             None for real values.
         transposed: the input's real values are transposed before the cast (a
             Parameter that holds ``W^T``).
+        replay: the cast repeats one made before (a forward that activation
+            checkpointing runs again in backward): under delayed scaling it takes the
+            scale the first cast recorded, not the history that cast has since
+            advanced, so its FP8 data is the first cast's; it records nothing.
     """
 
     rule: CastRule
@@ -69,8 +73,11 @@ class CastSpec:
     padded: bool = False
     stored_as: Layout | None = None
     transposed: bool = False
+    replay: bool = False
 
     def __post_init__(self) -> None:
+        if self.replay and self.record:
+            raise ValueError("a replayed cast records nothing: cast with record=False")
         check_layouts(self.rows, self.columns, self.padded, self.rule.granularity is Granularity.TENSORWISE)
 
 
@@ -131,13 +138,16 @@ and the amax history."""
 
 def tile_scales(
     rule: CastRule, x: torch.Tensor, contract_dim: int, scales: torch.Tensor | None,
-    histories: torch.Tensor | None, row: int,
+    histories: torch.Tensor | None, row: int, replay: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, amax)`` of a cast of the 2-D ``x`` under ``rule`` (see
-    ``Quantizer.next_scale``), reading the role's ``row`` of the layer's buffers."""
+    ``Quantizer.next_scale``), reading the role's ``row`` of the layer's buffers; with
+    ``replay`` (see ``CastSpec.replay``), delayed scaling's scale is the recorded one."""
     tile = rule.tile(tuple(x.shape), contract_dim)
     amaxes = scaling.tile_amax(x, tile)
     previous = scales[row] if tile is None and scales is not None else None
+    if replay and rule.scaling is Scaling.DELAYED and previous is not None:
+        return previous.clone(), amaxes.amax()
     history = histories[row] if histories is not None else None
     return SCALE_RULES[rule.scaling](rule, amaxes, previous, history), amaxes.amax()
 
@@ -184,7 +194,7 @@ def scaled_cast(
     pad_first = spec.padded and (not spec.rows or torch.compiler.is_compiling())
     source = pad_rows(x, GEMM_ALIGNMENT) if pad_first else x
     scaled = x if spec.rows else source  # what the scale is taken from and the health watches
-    scale, current_amax = tile_scales(spec.rule, scaled, spec.contract_dim, scales, histories, spec.row)
+    scale, current_amax = tile_scales(spec.rule, scaled, spec.contract_dim, scales, histories, spec.row, spec.replay)
     if spec.record and x.numel() > 0:  # an empty batch says nothing about the range
         record_scale(scales, histories, spec.row, scale, current_amax, spec.update_history)  # type: ignore[arg-type]
     data = scaling.quantize(source, scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size),

@@ -64,8 +64,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x8 = x8_columns = None
         if not config.high_fprop or fp8_wgrad_input:
             cast = quantizers.input.cast_layouts(
-                x2, record=True, update_history=config.update_history, watch=config.input_operands,
-                columns=fp8_wgrad_input,
+                x2, record=not config.replay, update_history=config.update_history, watch=config.input_operands,
+                columns=fp8_wgrad_input, replay=config.replay,
             )
             x8, x8_columns = cast.rows, cast.columns
         if config.high_fprop:
@@ -89,9 +89,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2)
         else:
             if x8 is None:
-                x8 = quantizers.input.cast(
-                    x2, record=True, update_history=config.update_history, watch=config.input_operands
-                )
+                x8 = quantizers.input.cast_layouts(
+                    x2, record=not config.replay, update_history=config.update_history, watch=config.input_operands,
+                    replay=config.replay,
+                ).rows
             ctx.save_for_backward(x8.data, x8.scale, x8.inverse)
             ctx.x8_block_size = x8.block_size
         if x8 is None and config.watch_health:

@@ -44,6 +44,8 @@ class LinearGemmConfig:
         weight_transposed: the weight Parameter holds ``W^T``, (K, N) (a ``Conv1D``-like
             layer): the (N, K) weight gradient is handed to autograd transposed, in the
             Parameter's shape.
+        replay: the forward runs again in backward (activation checkpointing): its casts
+            repeat the first forward's and record nothing (``CastSpec.replay``).
     """
 
     in_features: int
@@ -60,6 +62,7 @@ class LinearGemmConfig:
     grad_layout: GradLayout | None = None
     wgrad_outlier_share: tuple[int, int] | None = None
     weight_transposed: bool = False
+    replay: bool = False
 
     def __post_init__(self) -> None:
         if self.fp8_wgrad and self.grad_layout is None:
@@ -69,7 +72,7 @@ class LinearGemmConfig:
     def build(
         cls, recipe: Recipe, in_features: int, out_features: int, *,
         fp8_wgrad: bool, update_history: bool, out_dtype: torch.dtype, watch_health: bool = False,
-        grad_layout: GradLayout | None = None, weight_transposed: bool = False,
+        grad_layout: GradLayout | None = None, weight_transposed: bool = False, replay: bool = False,
     ) -> "LinearGemmConfig":
         """The config of one call of a layer with ``recipe`` and an (N, K) weight
         (``grad_layout``: see the attribute; the recipe's, for its shape, when None)."""
@@ -92,6 +95,7 @@ class LinearGemmConfig:
             grad_layout=grad_layout if fp8_wgrad else None,
             wgrad_outlier_share=token_share(recipe.wgrad_outlier_share) if recipe.wgrad_outlier_split else None,
             weight_transposed=weight_transposed,
+            replay=replay,
         )
 
     def watched(self, *operands: GemmOperand) -> tuple[GemmOperand, ...]:

@@ -301,9 +301,10 @@ class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
         """
         return self.fp8_weights((contract_dim,))[0]
 
-    def fp8_weights(self, contract_dims: tuple[int, ...]) -> tuple[ScaledTensor, ...]:
+    def fp8_weights(self, contract_dims: tuple[int, ...], replay: bool = False) -> tuple[ScaledTensor, ...]:
         """``fp8_weight`` for each of ``contract_dims``, the casts made together (one call
-        of compiled kernels where the casts are compiled)."""
+        of compiled kernels where the casts are compiled); with ``replay``, casts that
+        repeat a forward's (``amp8.nn.cast_kernels.CastSpec.replay``)."""
         if not torch.compiler.is_compiling():
             version = self.stored_weight.version
             if version != getattr(self, "_weight_cache_version", None):
@@ -314,7 +315,7 @@ class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
             for dim in contract_dims
         )
         return cast_weights(self.quantizers.weight, self.stored_weight, self.weight_transposed, self._weight_cache,
-                            uses, training=self.training)
+                            uses, training=self.training, replay=replay)
 
     def _weight_operands(self, contract_dim: int) -> tuple[GemmOperand, ...]:
         """The GEMM operands a cast of the weight for ``contract_dim`` serves."""
@@ -341,20 +342,23 @@ class Fp8Linear(GemmPrecisionChoice, SingleStoredWeightModule):
                 return F.linear(x, plain.t() if self.weight_transposed else plain, self.bias)
             self._refresh_grad_routes()
         fp8_wgrad = self.weight_storage is not Precision.AS_IS
+        # Activation checkpointing runs the forward again in backward: its casts repeat
+        # the first forward's (the same scales, so the same FP8 data) and record nothing.
+        replay = _compat.running_backward()
         config = LinearGemmConfig.build(
             self.gemm_recipe, self.in_features, self.out_features,
             fp8_wgrad=fp8_wgrad, update_history=self.training, out_dtype=output_dtype(x),
             watch_health=self.watch_health, grad_layout=self.stored_weight.grad_layout if fp8_wgrad else None,
-            weight_transposed=self.weight_transposed,
+            weight_transposed=self.weight_transposed, replay=replay,
         )
         # The weight's FP8 casts happen here, outside the autograd.Function, so that the
         # cache (a module attribute) is written where a compiled graph may write it.
         w8 = w8_dgrad = None  # (N, K)
         needs_dgrad = torch.is_grad_enabled() and x.requires_grad and not config.high_dgrad
         if needs_dgrad and self.weight_tile(0) != self.weight_tile(1):  # rowwise: scales per column for dgrad
-            w8, w8_dgrad = self.fp8_weights((1, 0))
+            w8, w8_dgrad = self.fp8_weights((1, 0), replay)
         elif not (config.high_fprop and config.high_dgrad):
-            w8 = w8_dgrad = self.fp8_weight()
+            w8 = w8_dgrad = self.fp8_weights((1,), replay)[0]
         w_stored = None
         if config.high_fprop or config.high_dgrad:
             w_stored = stored_for_gemms(self.stored_weight, self.weight_transposed)[0]

@@ -39,18 +39,20 @@ def real_for_gemms(handle: StoredWeight, transposed: bool) -> torch.Tensor:
 
 
 def _stored_cast(quantizer: Quantizer, handle: StoredWeight, transposed: bool, use: "WeightUse", *,
-                 record: bool, training: bool) -> CastRequest:
+                 record: bool, training: bool, replay: bool) -> CastRequest:
     """The cast of ``handle``'s weight as the GEMMs take it, for ``use``, decoded from its
     stored form in the cast itself (no float32 copy of the weight in memory where the
     cast is compiled); with ``record``, it records its scale (in ``training``, its amax).
     For the input-gradient GEMM (``contract_dim`` 0), which alone reads this cast, the
     FP8 data is written column-major, as that GEMM takes it, rather than copied so at
-    each backward."""
+    each backward. With ``replay`` it repeats a cast made before and records nothing
+    (``CastSpec.replay``)."""
     stored = handle.stored()
+    record = record and not replay
     return quantizer.request(
         stored.data, stored.scale, contract_dim=use.contract_dim, record=record, update_history=record and training,
         watch=use.watch, rows=use.contract_dim == 1, columns=use.contract_dim == 0, stored_as=handle.layout,
-        transposed=transposed,
+        transposed=transposed, replay=replay,
     )
 
 
@@ -86,7 +88,7 @@ class WeightUse(NamedTuple):
 
 def cast_weights(
     quantizer: Quantizer, handle: StoredWeight, transposed: bool, cache: dict[int, ScaledTensor],
-    uses: tuple[WeightUse, ...], *, training: bool,
+    uses: tuple[WeightUse, ...], *, training: bool, replay: bool = False,
 ) -> tuple[ScaledTensor, ...]:
     """The (N, K) FP8 weight of ``handle`` for each of ``uses``: the stored FP8 weight at
     O3 where its scales fit, else a cast by ``quantizer`` (from the FP8 weight's real
@@ -96,18 +98,22 @@ def cast_weights(
     caller empties it when the weight changes), except for a weight amp8 does not store
     (``AS_IS``), which the user's optimizer writes, and O3's casts from the FP8 weight's
     values. The casts from the real weight for the forward GEMM record their scale (and,
-    in ``training``, their amax)."""
+    in ``training``, their amax), unless they ``replay`` a forward's (``CastSpec.replay``)."""
     ready: dict[int, ScaledTensor] = {}
     requests: list[CastRequest] = []
+
+    def cast(use: WeightUse, record: bool) -> CastRequest:
+        return _stored_cast(quantizer, handle, transposed, use, record=record, training=training, replay=replay)
+
     for use in uses:
         dim = use.contract_dim
         if handle.storage is Precision.AS_IS:
-            requests.append(_stored_cast(quantizer, handle, transposed, use, record=dim == 1, training=training))
+            requests.append(cast(use, dim == 1))
         elif handle.storage is Precision.FP8:
             stored, stored_tile = stored_for_gemms(handle, transposed)
             if use.tile != stored_tile or quantizer.rule.microscaled:
                 # Microscaled GEMMs take their own format: re-cast from the stored real values.
-                requests.append(_stored_cast(quantizer, handle, transposed, use, record=False, training=training))
+                requests.append(cast(use, False))
             elif not transposed:
                 ready[dim] = stored  # the optimizer cast it: nothing to watch here
             else:  # W^T's bytes laid out as (N, K), once until the weight is next written
@@ -117,7 +123,7 @@ def cast_weights(
         elif dim in cache:
             ready[dim] = cache[dim]
         else:
-            requests.append(_stored_cast(quantizer, handle, transposed, use, record=dim == 1, training=training))
+            requests.append(cast(use, dim == 1))
     for request, cast in zip(requests, cast_operands(tuple(requests))):
         dim = request.spec.contract_dim
         ready[dim] = cast.rows if dim == 1 else cast.columns  # type: ignore[assignment]

@@ -114,15 +114,17 @@ class Quantizer:
         stored_as: Layout | None = None,
         stored_scale: torch.Tensor | None = None,
         transposed: bool = False,
+        replay: bool = False,
     ) -> OperandCast:
         """``cast``, with the FP8 data in the layouts the GEMMs read, from one read of
         ``x`` (see ``amp8.nn.cast_kernels.CastSpec``), run as compiled kernels where
         ``compiled`` says (``amp8.nn.cast_kernels.run_casts``). A microscaled cast runs
         eagerly and gives one layout, rows or columns. With ``stored_as``, ``x`` is stored
         data under that codec, with scales ``stored_scale``, decoded (and ``transposed``)
-        in the cast. ``cast_operands`` makes several casts in one call."""
+        in the cast; with ``replay``, the cast repeats one made before (``CastSpec.replay``).
+        ``cast_operands`` makes several casts in one call."""
         spec = CastSpec(self.rule, self.row, contract_dim, record, record and update_history, watch, rows, columns,
-                        padded, stored_as, transposed)
+                        padded, stored_as, transposed, replay)
         return cast_operands((CastRequest(self, x, spec, stored_scale),))[0]
 
     def request(self, x: torch.Tensor, stored_scale: torch.Tensor | None = None, **settings: Any) -> "CastRequest":
