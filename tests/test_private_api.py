@@ -45,6 +45,12 @@ ALLOWED: dict[str, str] = {
         "backward frees its FP8 weight copy unless the graph is kept, and autograd tells a "
         "Function's backward no other way"
     ),
+    "torch._C._current_graph_task_id": (
+        "whether code runs inside a backward (-1 outside): where activation checkpointing runs a "
+        "forward again, whose FP8 casts must repeat the first forward's scales and record nothing "
+        "(amp8/_compat.py running_backward). torch.utils.checkpoint asks the same function; torch "
+        "has no public way to ask"
+    ),
     "torch._C._current_autograd_node": (
         "the backward node running now: when an FP8 weight gradient is written into a plain tensor, "
         "whether that is autograd's AccumulateGrad adding it to a plain .grad assigned by hand (the "
@@ -58,6 +64,13 @@ ALLOWED: dict[str, str] = {
         "and writes the FP8 gradient where the step reads it (amp8/tensor/weight_grad.py). torch has "
         "no public name for opaque objects; amp8/_compat.py probes it, and without it compiled "
         "backwards take no slot"
+    ),
+    "torch._C._dynamo": (
+        "eval_frame.get_eval_frame_callback: whether a torch.compile wrapper's call is running, also "
+        "where Dynamo runs a forward's hooks eagerly between its graphs (torch.compiler.is_compiling() "
+        "is False there), so FP8 activations, which a compiled region cannot store, are refused "
+        "(amp8/_compat.py inside_compiled_call). torch has no public way to ask; probed, and without it "
+        "only traced code is seen"
     ),
     "torch._opaque_base": (
         "OpaqueBase: the base class register_opaque_type requires of an opaque type (the same feature)"
