@@ -4,7 +4,8 @@ O1, O2 and O3. Each trains with finite losses, runs its GEMMs in FP8 (a share of
 FLOPs of one forward and backward, measured by torch's FLOP counter), gives a reason in
 the precision report for every GEMM weight it keeps in high precision, saves with
 ``save_pretrained`` what the plain class loads back (the logits of ``amp8.export``), and
-reports the dtype it had before ``initialize``. Then T5's feed-forward, which casts its
+reports the dtype it had before ``initialize``; each language model ``generate``s the same
+tokens through its key-value cache as without it. Then T5's feed-forward, which casts its
 input to ``wo``'s weight dtype, and timm's Vision Transformer: timm's own where timm imports
 (its torchvision needs a CUDA build of torch), and everywhere its plain-torch twin
 (``zoo_models.TimmStyleViT``), checked against timm's where both run."""
@@ -188,6 +189,28 @@ def test_zoo_save_pretrained_loads_into_the_plain_class(name: str, level: str, t
         got = loaded.eval()(**batch).logits
         expected = exported.eval()(**batch).logits
     assert_same_logits(got, expected, level, name)
+
+
+GENERATORS = [pytest.param(name, level, id=f"{name}-{level}") for name, zoo in ZOO.items()
+              if zoo.model_class.endswith(("CausalLM", "LMHeadModel")) for level in LEVELS]
+"""The zoo's language models that ``generate`` text, at every level."""
+
+
+@pytest.mark.parametrize(("name", "level"), GENERATORS)
+def test_zoo_decoder_generates_the_same_with_and_without_its_cache(name: str, level: str) -> None:
+    """Greedy ``generate`` through the key-value cache (each step's GEMMs take one row per
+    sequence, padded for the FP8 GEMM) gives the tokens that recomputing the whole prefix
+    at every step gives."""
+    zoo = ZOO[name]
+    model, _ = amp8.initialize(zoo.build(), None, level)
+    model.eval()
+    prompt = zoo.make_batch()["input_ids"][:, :5]
+    settings = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cached = model.generate(prompt, **settings)
+        recomputed = model.generate(prompt, use_cache=False, **settings)
+    assert cached.shape == (prompt.shape[0], prompt.shape[1] + 6)
+    assert torch.equal(cached, recomputed)
 
 
 @pytest.mark.parametrize(("name", "level"), CASES)
