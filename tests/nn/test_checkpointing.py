@@ -160,3 +160,14 @@ def test_transformers_gradient_checkpointing_trains_as_without(recipe: str) -> N
         return seen + [value for value in model.state_dict().values() if isinstance(value, torch.Tensor)]
 
     _assert_bitwise(run(False), run(True))
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+def test_fp8_activations_change_nothing_inside_checkpointed_blocks(how: str) -> None:
+    """A checkpointed block keeps none of its activations until backward recomputes them,
+    outside the FP8 activation storage's hooks (docs/memory.md)."""
+    torch.manual_seed(0)
+    high = _train(_Blocks(how), "O1", amp8.Recipe())
+    torch.manual_seed(0)
+    fp8 = _train(_Blocks(how), "O1", amp8.Recipe(activations="fp8"))
+    _assert_bitwise(high, fp8)
