@@ -18,7 +18,6 @@ sm_100: ``native_grouped_scaled_mm``), and FSDP2's public API (``torch.distribut
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
@@ -42,9 +41,8 @@ def parse_version(version: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-@functools.cache
 def torch_version() -> tuple[int, int]:
-    """The installed torch's (major, minor) release (read once: every GEMM asks)."""
+    """The installed torch's (major, minor) release."""
     return parse_version(str(torch.__version__))
 
 

@@ -59,7 +59,8 @@ class CastSpec:
         replay: the cast repeats one made before (a forward that activation
             checkpointing runs again in backward): under delayed scaling it takes the
             scale the first cast recorded, not the history that cast has since
-            advanced, so its FP8 data is the first cast's; it records nothing.
+            advanced, so its FP8 data is the first cast's; it records nothing, whatever
+            ``record`` says (``records``).
     """
 
     rule: CastRule
@@ -76,9 +77,12 @@ class CastSpec:
     replay: bool = False
 
     def __post_init__(self) -> None:
-        if self.replay and self.record:
-            raise ValueError("a replayed cast records nothing: cast with record=False")
         check_layouts(self.rows, self.columns, self.padded, self.rule.granularity is Granularity.TENSORWISE)
+
+    @property
+    def records(self) -> bool:
+        """Whether the cast records its scale (and amax): asked to, and not a replay."""
+        return self.record and not self.replay
 
 
 def check_layouts(rows: bool, columns: bool, padded: bool, one_scale: bool) -> None:
@@ -195,7 +199,7 @@ def scaled_cast(
     source = pad_rows(x, GEMM_ALIGNMENT) if pad_first else x
     scaled = x if spec.rows else source  # what the scale is taken from and the health watches
     scale, current_amax = tile_scales(spec.rule, scaled, spec.contract_dim, scales, histories, spec.row, spec.replay)
-    if spec.record and x.numel() > 0:  # an empty batch says nothing about the range
+    if spec.records and x.numel() > 0:  # an empty batch says nothing about the range
         record_scale(scales, histories, spec.row, scale, current_amax, spec.update_history)  # type: ignore[arg-type]
     data = scaling.quantize(source, scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size),
                             spec.rule.dtype)
@@ -223,13 +227,12 @@ def scaled_casts(
 
 def run_casts(
     specs: tuple[CastSpec, ...], inputs: tuple[torch.Tensor, ...], scales: torch.Tensor | None,
-    histories: torch.Tensor | None, health: torch.Tensor | None, compiled: bool = False,
-    stored_scales: tuple[torch.Tensor | None, ...] | None = None,
+    histories: torch.Tensor | None, health: torch.Tensor | None, compiled: bool,
+    stored_scales: tuple[torch.Tensor | None, ...],
 ) -> tuple[CastOutputs, ...]:
     """``scaled_casts(specs, ...)``, as one call of compiled kernels where
     ``amp8._compiled.runs_compiled(inputs, compiled)``: each compiled call costs the host
     tens of microseconds, whatever it casts."""
-    stored_scales = (None,) * len(specs) if stored_scales is None else stored_scales
     return call_compiled(scaled_casts, specs, inputs, scales, histories, health, stored_scales, compiled=compiled)
 
 

@@ -13,7 +13,7 @@ import torch
 from amp8.config.gemms import Gemm
 from amp8.nn.gemm_config import LinearGemmConfig
 from amp8.nn.quantizer import CastRequest, LinearQuantizers, OperandCast, cast_operands
-from amp8.nn.wgrad import WgradCasts, real_values, wgrad_casts, wgrad_operands
+from amp8.nn.wgrad import real_values, wgrad_casts, wgrad_operands
 from amp8.ops.gemm import fp8_gemm, rounded_dtype
 from amp8.quant import scaling
 from amp8.quant.health import GemmOperand, cast_health
@@ -64,7 +64,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x8 = x8_columns = None
         if not config.high_fprop or fp8_wgrad_input:
             cast = quantizers.input.cast_layouts(
-                x2, record=not config.replay, update_history=config.update_history, watch=config.input_operands,
+                x2, record=True, update_history=config.update_history, watch=config.input_operands,
                 columns=fp8_wgrad_input, replay=config.replay,
             )
             x8, x8_columns = cast.rows, cast.columns
@@ -90,7 +90,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         else:
             if x8 is None:
                 x8 = quantizers.input.cast_layouts(
-                    x2, record=not config.replay, update_history=config.update_history, watch=config.input_operands,
+                    x2, record=True, update_history=config.update_history, watch=config.input_operands,
                     replay=config.replay,
                 ).rows
             ctx.save_for_backward(x8.data, x8.scale, x8.inverse)
@@ -154,7 +154,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         grad_w = None
         if needs_w:
-            grad_w = _weight_grad(wgrad_input, g2, g8_columns, wgrad, casts, quantizers, config)  # type: ignore[arg-type]
+            outliers = None if wgrad is None else wgrad.outliers
+            grad_w = _weight_grad(wgrad_input, g2, g8_columns, casts, outliers, quantizers, config)  # type: ignore[arg-type]
         grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if needs_b else None  # no float32 copy of g2
         if not graph_retained():  # free the FP8 weight now, as autograd frees saved tensors
             ctx.w8_dgrad = ctx.w_stored = None
@@ -196,15 +197,16 @@ def _weight_grad(
     wgrad_input: torch.Tensor | ScaledTensor,
     g2: torch.Tensor,
     g8: ScaledTensor | None,
-    wgrad: WgradCasts | None,
     casts: tuple[OperandCast, ...],
+    outliers: torch.Tensor | None,
     quantizers: LinearQuantizers,
     config: LinearGemmConfig,
 ) -> torch.Tensor:
     """The (N, K) weight gradient ``g2^T @ x2`` (wgrad), float32 or the values the FP8
     GEMM rounded to (``amp8.ops.gemm.rounded_dtype``), from FP8 operands unless
-    ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast, ``wgrad``
-    the GEMM's own casts (``amp8.nn.wgrad.wgrad_casts``) and ``casts`` what they gave.
+    ``config.high_wgrad``; ``g8`` is the output gradient's tensorwise FP8 cast, ``casts``
+    what the GEMM's own casts gave (``amp8.nn.wgrad.wgrad_casts``) and ``outliers`` the
+    float32 contribution of the tokens they took out (None where none are).
     ``wgrad_input`` is the forward's FP8 input where it was kept (tensorwise, or
     ``config.fp8_saved_input``), else the high-precision input."""
     if config.high_wgrad:
@@ -216,5 +218,4 @@ def _weight_grad(
     g_t, x_rows = wgrad_operands(wgrad_input, g8, casts)
     # In the dtype the GEMM rounds to (the values of a float32 result, not converted here).
     grad_w = fp8_gemm(g_t, x_rows, rounded_dtype(g_t, x_rows, torch.float32), Gemm.WGRAD)
-    outliers = None if wgrad is None else wgrad.outliers
     return grad_w if outliers is None else grad_w + outliers

@@ -48,7 +48,6 @@ def _stored_cast(quantizer: Quantizer, handle: StoredWeight, transposed: bool, u
     each backward. With ``replay`` it repeats a cast made before and records nothing
     (``CastSpec.replay``)."""
     stored = handle.stored()
-    record = record and not replay
     return quantizer.request(
         stored.data, stored.scale, contract_dim=use.contract_dim, record=record, update_history=record and training,
         watch=use.watch, rows=use.contract_dim == 1, columns=use.contract_dim == 0, stored_as=handle.layout,
@@ -124,9 +123,9 @@ def cast_weights(
             ready[dim] = cache[dim]
         else:
             requests.append(cast(use, dim == 1))
-    for request, cast in zip(requests, cast_operands(tuple(requests))):
+    for request, made in zip(requests, cast_operands(tuple(requests))):
         dim = request.spec.contract_dim
-        ready[dim] = cast.rows if dim == 1 else cast.columns  # type: ignore[assignment]
+        ready[dim] = made.rows if dim == 1 else made.columns  # type: ignore[assignment]
         if handle.storage not in (Precision.AS_IS, Precision.FP8):
             cache[dim] = ready[dim]
     return tuple(ready[use.contract_dim] for use in uses)

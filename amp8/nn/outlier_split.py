@@ -14,13 +14,14 @@ from fractions import Fraction
 
 import torch
 
-OUTLIER_ROW_RATIO = 2.0**8
+OUTLIER_ROW_RATIO = 2**8
 """A token row is an outlier where its amax exceeds the median row amax of its operand
 (over the rows that are not all zero) more than this many times. A row ``2**r`` above
 the others pushes them ``r`` binades down a scale along tokens: E4M3 flushes 1 % of a
 GELU output's values from about ``r = 10`` on (the controller's threshold), so the
 split takes such rows with four times to spare, while rows of healthy activations and
-gradients stay within a few binades of the median."""
+gradients stay within a few binades of the median. An int: ``torch.compile(dynamic=True)``
+reads a global int as a constant, where it makes a float a graph input."""
 
 
 def token_share(share: float) -> tuple[int, int]:
@@ -53,7 +54,7 @@ def split_outlier_tokens(
     window = min(x2.shape[0], -(-x2.shape[0] * numerator // denominator))
     score = torch.fmax(_relative_row_amax(x2), _relative_row_amax(g2))
     rows = score.topk(window, sorted=False).indices.sort().values  # in token order, as the GEMM sums
-    taken = score.index_select(0, rows) > 256.0  # OUTLIER_ROW_RATIO, a literal: a float global is a graph input
+    taken = score.index_select(0, rows) > OUTLIER_ROW_RATIO  # (window,)
     g_taken = torch.where(taken[:, None], g2.index_select(0, rows).float(), 0.0)
     x_taken = torch.where(taken[:, None], x2.index_select(0, rows).float(), 0.0)
     outliers = g_taken.t() @ x_taken

@@ -139,12 +139,12 @@ class Quantizer:
         check_layouts(spec.rows, spec.columns, spec.padded, one_scale=False)
         x = decoded(spec.stored_as, spec.transposed, request.x, request.stored_scale)
         cast = self._microscaled_cast(pad_rows(x, GEMM_ALIGNMENT) if spec.padded else x, spec.contract_dim,
-                                      spec.record, spec.update_history, spec.watch)
+                                      spec.records, spec.update_history, spec.watch)
         return OperandCast(cast if spec.rows else None, cast.with_data(column_major(cast.data)) if spec.columns else None)
 
     def _check_request(self, request: "CastRequest") -> None:
         """Raise ``ValueError`` where ``request`` asks for buffers this quantizer has not."""
-        if request.spec.record and request.x.numel() > 0 and (self.scales is None or self.histories is None):
+        if request.spec.records and request.x.numel() > 0 and (self.scales is None or self.histories is None):
             raise ValueError("this Quantizer has no scale buffers to record into; cast with record=False")
         if request.spec.watch and self.health is None:
             raise ValueError("this Quantizer has no health buffer to watch casts into; cast with watch=()")
