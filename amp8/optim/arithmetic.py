@@ -150,9 +150,15 @@ def amax_bounds(
         grad_amax = grad_amax + abs(h.decay) * weight_amax
     exp_avg = h.beta1 * exp_avg_amax + h.one_minus_beta1 * grad_amax
     exp_avg_sq = h.beta2 * exp_avg_sq_amax + h.one_minus_beta2 * grad_amax * grad_amax
+    return AmaxBounds(exp_avg, exp_avg_sq, weight_bound(weight_amax, h, s, decay))
+
+
+def weight_bound(weight_amax: torch.Tensor, h: Hyper, s: StepScalars, decay: Decay) -> torch.Tensor:
+    """``amax_bounds``' bound on the new weight's absolute maximum from the old one's
+    (elementwise: per tensor, or per row or block of a weight scaled so), which needs
+    nothing of the gradient: ``|w'| <= |d| |w| + lr' * ratio_bound``."""
     shrink = (h.decay.abs() if isinstance(h.decay, torch.Tensor) else abs(h.decay)) if decay is Decay.DECOUPLED else 1.0
-    weight = shrink * weight_amax + torch.abs(s.neg_step_size) * s.ratio_bound
-    return AmaxBounds(exp_avg, exp_avg_sq, weight)
+    return shrink * weight_amax + torch.abs(s.neg_step_size) * s.ratio_bound
 
 
 def unless_skipped(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,7 @@ row, comes from a bound on the new absolute maximum of what it scales, computed 
 pass from the old one and the gradient's (``amp8.optim.arithmetic.amax_bounds``), and the
 pass measures the new maximum of what it stores for the next step (``GroupTensors``'
 amaxes and row amaxes), so that no value a store needs waits on a reduction over its
-row (but O3's FP8 weight under row scales, which scale what the GEMMs read: from its
-master's rows). The skip on an inf or NaN gradient is a mask on the device (``skip``): a
+row. The skip on an inf or NaN gradient is a mask on the device (``skip``): a
 skipped step writes back what it read.
 
 Stochastic rounding takes each element's noise from its tensor's key and its index in that
@@ -33,7 +32,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from amp8._compiled import compile_privately
-from amp8.optim.arithmetic import Decay, Hyper, StepScalars, adam_arithmetic, amax_bounds, unless_skipped
+from amp8.optim.arithmetic import (
+    Decay, Hyper, StepScalars, adam_arithmetic, amax_bounds, unless_skipped, weight_bound,
+)
 from amp8.optim.spec import UpdateSpec, WeightKind
 from amp8.quant import noise, scaling
 from amp8.quant.codec import Layout
@@ -56,7 +57,7 @@ class GroupTensors(NamedTuple):
     weight: torch.Tensor  # FP16 data, FP16 master, or float32 values
     weight_scale: torch.Tensor | None  # per tensor (FP16 storage)
     amaxes: torch.Tensor  # (3, tensors): what the first moment, second moment and weight store
-    row_amaxes: torch.Tensor  # (2, rows): what each row of the first and second moment stores
+    row_amaxes: torch.Tensor  # (3, rows): what each row of the first moment, second moment and weight stores
     fp8_weight: torch.Tensor | None  # O3's FP8 weight (WeightKind.MASTER)
     fp8_weight_scale: torch.Tensor | None
     row_tensor: torch.Tensor  # (rows,) int64: the tensor each row belongs to
@@ -103,20 +104,17 @@ def grad_amax(grad: torch.Tensor, scale: torch.Tensor | None, layout: Layout, te
 
 
 def _store(
-    values: torch.Tensor, layout: Layout, bound: torch.Tensor | None, previous: torch.Tensor | None, old: torch.Tensor,
+    values: torch.Tensor, layout: Layout, bound: torch.Tensor, previous: torch.Tensor | None, old: torch.Tensor,
     tensors: GroupTensors, words: torch.Tensor | None, skip: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(data, scales, each row's amax of what is stored)`` of float32 ``values``, the
-    scales from ``bound`` (per tensor or per row, as the layout scales), or, without one,
-    from the rows' own amaxes (a reduction the stores wait on); where ``skip``, the stored
-    data ``old`` and the ``previous`` scales, bit for bit. The amaxes are what the next
-    step's bounds start from (zeros where nothing is scaled)."""
+    scales from ``bound`` (per tensor or per row, as the layout scales: no store waits on
+    a reduction); where ``skip``, the stored data ``old`` and the ``previous`` scales, bit
+    for bit. The amaxes are what the next step's bounds start from (zeros where nothing
+    is scaled)."""
     if not layout.scaled:
         return unless_skipped(skip, old, values), None, tensors.row_tensor.new_zeros(tensors.row_tensor.shape,
                                                                                      dtype=torch.float32)
-    if bound is None:
-        assert layout.per_row, "a per-tensor scale comes from a bound"
-        bound = values.abs().amax(dim=1).float()
     scale = layout.scales(bound, previous)
     row_scale = row_scales(scale, layout, tensors)
     data = layout.encode_rows(values, row_scale, words)
@@ -164,6 +162,10 @@ def adam_group_step(
     bounds = amax_bounds(grad_amax(tensors.grad, tensors.grad_scale, spec.grad, tensors, grad_rows), exp_avg_amax,
                          exp_avg_sq_amax, weight_amax, h, s, spec.decay)
     exp_avg_bound, exp_avg_sq_bound = bounds.exp_avg, bounds.exp_avg_sq
+    # O3's FP8 weight under row scales: each row's scale from a bound on its master row's
+    # new amax, so that its cast, too, waits on no reduction over the row.
+    fp8_rows = spec.weight is WeightKind.MASTER and spec.fp8_weight.per_row
+    fp8_bound = weight_bound(tensors.row_amaxes[2], h, s, spec.decay) if fp8_rows else bounds.weight
     if any(rows_scaled):  # the moments' bounds row by row
         assert grad_rows is not None
         row_bounds = amax_bounds(grad_rows, tensors.row_amaxes[0], tensors.row_amaxes[1],
@@ -196,13 +198,7 @@ def adam_group_step(
     fp8_data = fp8_scale = None
     if spec.weight is WeightKind.MASTER:  # O3's FP8 weight, from the master as stored
         previous = tensors.fp8_weight_scale if spec.fp8_previous_scale else None
-        w_row_scale = row_scales(w_scale, weight_layout, tensors)
-        master = weight_layout.decode_rows(w_data, w_row_scale)
-        # Its row scales (a rowwise recipe's) come from the master's rows, exactly: they
-        # scale what the GEMMs read. Taken over the stored data (``stored_row_amax``), so
-        # the cast reads the master from what the pass stores; an amax of the decoded
-        # rows had the compiled pass keep a float32 copy of every row for the cast.
-        fp8_bound = stored_row_amax(w_data, w_row_scale) if spec.fp8_weight.per_row else bounds.weight
+        master = weight_layout.decode_rows(w_data, row_scales(w_scale, weight_layout, tensors))
         fp8_data, fp8_scale, _ = _store(master, spec.fp8_weight, fp8_bound, previous, tensors.fp8_weight,
                                         tensors, None, skip)
     _write([
@@ -210,8 +206,9 @@ def adam_group_step(
         (tensors.exp_avg_sq_scale, v_scale), (tensors.weight, w_data), (tensors.weight_scale, w_scale),
         (tensors.fp8_weight, fp8_data), (tensors.fp8_weight_scale, fp8_scale),
     ])
-    if any(rows_scaled):
-        tensors.row_amaxes.copy_(unless_skipped(skip, tensors.row_amaxes, torch.stack([m_amax, v_amax])))
+    if any(rows_scaled) or fp8_rows:  # the weight's row amaxes where a bound is taken from them
+        kept = tensors.row_amaxes[:3 if fp8_rows else 2]
+        kept.copy_(unless_skipped(skip, kept, torch.stack([m_amax, v_amax, w_amax][:kept.shape[0]])))
     tensors.steps.add_((~skip).float())
     return torch.stack([m_amax, v_amax, w_amax])
 

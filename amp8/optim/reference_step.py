@@ -6,7 +6,7 @@ of experts, weights sharded over ranks).
 
 Scales per tensor, row or block come from bounds on the new values' absolute maxima
 (``amp8.optim.arithmetic.amax_bounds``), here from the old values themselves and the
-gradient's; scales per 2-D tile (which no update group covers) from the new values. A
+gradient's (O3's FP8 weight's from its master's); scales per 2-D tile (which no update group covers) from the new values. A
 skipped step (``skip``, a bool on the device) writes back what it read and leaves the step
 count.
 """
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from amp8.optim import state as state_storage
-from amp8.optim.arithmetic import AmaxBounds, adam_arithmetic, amax_bounds, decay_of, hyper, step_scalars
+from amp8.optim.arithmetic import AmaxBounds, adam_arithmetic, amax_bounds, decay_of, hyper, step_scalars, weight_bound
 from amp8.optim.spec import GradParts, grad_codec
-from amp8.optim.state import MOMENTS
+from amp8.optim.state import MASTER, MOMENTS
 from amp8.optim.stored_state import StoredState
 from amp8.quant import noise, scaling
 from amp8.quant.codec import Layout, Tiling
@@ -74,6 +74,10 @@ def reference_update(
                 row_bounds[grouping] = amax_bounds(grad_amaxes(grad, grad_values, layout), layout.amaxes(exp_avg),
                                                    layout.amaxes(exp_avg_sq), weight_amax, h, s, decay)
             moment_bounds[index] = row_bounds[grouping][index]
+    fp8_bound = None  # O3's FP8 weight under row or block scales: bounded row by row from its master's
+    handle = stored.weights.get(param)
+    if MASTER in param_state and handle is not None and handle.layout.per_row:
+        fp8_bound = weight_bound(handle.layout.amaxes(weight), h, s, decay)
     exp_avg, exp_avg_sq, weight = adam_arithmetic(
         grad_values, exp_avg, exp_avg_sq, weight, h, s, decay=decay, maximize=bool(group["maximize"]),
         bounded=state_storage.low_bit_moments(param_state),
@@ -87,5 +91,5 @@ def reference_update(
             fits = previous is not None and previous.shape == bound.shape
             scale = layout.scales(bound, previous.float() if fits else None)
         stored.store_moment(param, param_state, name, value, words, scale, skip)
-    stored.write_weight(param, param_state, weight, words, bounds.weight, skip)
+    stored.write_weight(param, param_state, weight, words, bounds.weight, skip, fp8_bound)
     param_state["step"].add_((~skip).float())

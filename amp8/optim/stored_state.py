@@ -184,13 +184,15 @@ class StoredState:
     def write_weight(
         self, param: nn.Parameter, param_state: dict[str, Any], value: torch.Tensor,
         words: torch.Tensor | None = None, bound: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+        fp8_bound: torch.Tensor | None = None,
     ) -> None:
         """Store float32 ``value`` as ``param``'s new weight: its master weight and FP8
         storage (O3; a sharded weight's FP8 rows are stored after the step, from the amax
         of all ranks), its FP16 storage (O1, O2), or the parameter itself. FP16 rounds
         stochastically under ``words`` where given (else under a new draw); a per-tensor
-        scale comes from ``bound`` (a bound on the new amax) where given; nothing changes
-        where ``skip`` is set."""
+        scale comes from ``bound`` (a bound on the new amax) where given, and O3's FP8
+        weight's scales from ``fp8_bound`` (bounds in the shape of its scales) where given;
+        nothing changes where ``skip`` is set."""
         handle = self.weights.get(param)
         if words is None and handle is not None:
             words = noise.update_words(noise.element_index(value.shape, value.device), self.next_noise_key())
@@ -200,7 +202,8 @@ class StoredState:
             if not self._is_sharded(param):  # the FP8 weight, from the master as stored
                 assert handle is not None
                 master = state_storage.load(param_state, MASTER)
-                self._store_handle(handle, master, None, self._bound_scale(handle.layout, bound, handle.scale), skip)
+                fp8_scale = self._bound_scale(handle.layout, bound if fp8_bound is None else fp8_bound, handle.scale)
+                self._store_handle(handle, master, None, fp8_scale, skip)
         elif handle is not None:
             self._store_handle(handle, value, words, self._bound_scale(handle.layout, bound, handle.scale), skip)
         else:
@@ -208,11 +211,12 @@ class StoredState:
 
     @staticmethod
     def _bound_scale(layout: Layout, bound: torch.Tensor | None, previous: torch.Tensor) -> torch.Tensor | None:
-        """The per-tensor scale ``layout`` takes from ``bound``; None (scales from the
-        values) for other tilings or without a bound."""
-        if bound is None or not layout.per_tensor:
+        """The scales ``layout`` takes from ``bound``, per tensor, or per row or block
+        where ``bound`` has their shape; None (scales from the values) for other tilings
+        or without a bound."""
+        if bound is None or not (layout.per_tensor or (layout.per_row and bound.dim() > 0)):
             return None
-        return layout.scales(bound, previous.float() if previous.dim() == 0 else None)
+        return layout.scales(bound, previous.float() if previous.shape == bound.shape else None)
 
     @staticmethod
     def _store_handle(

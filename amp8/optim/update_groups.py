@@ -109,7 +109,7 @@ class UpdateGroup:
             exp_avg_sq=stored(spec.exp_avg_sq), exp_avg_sq_scale=scales(spec.exp_avg_sq),
             weight=stored(spec.weight_layout), weight_scale=scales(spec.weight_layout),
             amaxes=torch.zeros((3, count), device=device),
-            row_amaxes=torch.zeros((2, total), device=device),
+            row_amaxes=torch.zeros((3, total), device=device),
             fp8_weight=stored(spec.fp8_weight) if master else None,
             fp8_weight_scale=scales(spec.fp8_weight) if master else None,
             row_tensor=torch.tensor(row_tensor, dtype=torch.int64, device=device),
@@ -254,15 +254,15 @@ class UpdateGroup:
                 (spec.exp_avg, tensors.exp_avg, tensors.exp_avg_scale, tensors.amaxes[0], tensors.row_amaxes[0]),
                 (spec.exp_avg_sq, tensors.exp_avg_sq, tensors.exp_avg_sq_scale, tensors.amaxes[1],
                  tensors.row_amaxes[1]),
-                (spec.weight_layout, tensors.weight, tensors.weight_scale, tensors.amaxes[2], None),
+                (spec.weight_layout, tensors.weight, tensors.weight_scale, tensors.amaxes[2], tensors.row_amaxes[2]),
             ):
                 if not layout.scaled:  # a scale is bounded from its amax
                     amax.zero_()
+                    row_amax.zero_()
                     continue
                 rows = layout.decode_rows(data, row_scales(scale, layout, tensors)).abs().amax(dim=1)
                 amax.copy_(per_tensor_max(rows, tensors))
-                if row_amax is not None:
-                    row_amax.copy_(rows)
+                row_amax.copy_(rows)
         self._versions = self._buffer_versions()
 
     def _buffer_versions(self) -> list[int]:
