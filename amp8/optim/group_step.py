@@ -206,9 +206,10 @@ def adam_group_step(
         (tensors.exp_avg_sq_scale, v_scale), (tensors.weight, w_data), (tensors.weight_scale, w_scale),
         (tensors.fp8_weight, fp8_data), (tensors.fp8_weight_scale, fp8_scale),
     ])
-    if any(rows_scaled) or fp8_rows:  # the weight's row amaxes where a bound is taken from them
-        kept = tensors.row_amaxes[:3 if fp8_rows else 2]
-        kept.copy_(unless_skipped(skip, kept, torch.stack([m_amax, v_amax, w_amax][:kept.shape[0]])))
+    if any(rows_scaled) or fp8_rows:  # the weight's row amaxes only where a bound is taken from them
+        new_rows = [m_amax, v_amax, w_amax] if fp8_rows else [m_amax, v_amax]
+        kept = tensors.row_amaxes[:len(new_rows)]
+        kept.copy_(unless_skipped(skip, kept, torch.stack(new_rows)))
     tensors.steps.add_((~skip).float())
     return torch.stack([m_amax, v_amax, w_amax])
 

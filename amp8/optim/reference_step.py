@@ -6,9 +6,9 @@ of experts, weights sharded over ranks).
 
 Scales per tensor, row or block come from bounds on the new values' absolute maxima
 (``amp8.optim.arithmetic.amax_bounds``), here from the old values themselves and the
-gradient's (O3's FP8 weight's from its master's); scales per 2-D tile (which no update group covers) from the new values. A
-skipped step (``skip``, a bool on the device) writes back what it read and leaves the step
-count.
+gradient's (O3's FP8 weight's from its master's); scales per 2-D tile (which no update
+group covers) from the new values. A skipped step (``skip``, a bool on the device) writes
+back what it read and leaves the step count.
 """
 
 from __future__ import annotations
