@@ -214,6 +214,25 @@ def adam_group_step(
     return torch.stack([m_amax, v_amax, w_amax])
 
 
+@torch.no_grad()
+def measure_amaxes(spec: UpdateSpec, tensors: GroupTensors) -> None:
+    """Write into ``tensors``' amaxes and row amaxes the absolute maximum of each stored
+    moment and weight, per tensor and per row, read off the buffers (zero where a storage
+    has no scale to bound)."""
+    for layout, data, scale, index in (
+        (spec.exp_avg, tensors.exp_avg, tensors.exp_avg_scale, 0),
+        (spec.exp_avg_sq, tensors.exp_avg_sq, tensors.exp_avg_sq_scale, 1),
+        (spec.weight_layout, tensors.weight, tensors.weight_scale, 2),
+    ):
+        if not layout.scaled:
+            tensors.amaxes[index].zero_()
+            tensors.row_amaxes[index].zero_()
+            continue
+        rows = layout.decode_rows(data, row_scales(scale, layout, tensors)).abs().amax(dim=1)
+        tensors.amaxes[index].copy_(per_tensor_max(rows, tensors))
+        tensors.row_amaxes[index].copy_(rows)
+
+
 def keep_amaxes(tensors: GroupTensors, row_amaxes: torch.Tensor, skip: torch.Tensor) -> None:
     """Keep each tensor's amaxes from ``adam_group_step``'s row amaxes (3, rows), unless
     ``skip``. Outside the compiled step: inductor runs a scatter as a call of its own,

@@ -82,7 +82,11 @@ class UpdateSpec:
 
 def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> GradParts | None:
     """``(data, scales, layout)`` of ``param``'s gradient as stored (FP8 with scales for an
-    FP8 layer's weight, else ``param.grad`` as float), or None without one."""
+    FP8 layer's weight, else ``param.grad`` as float), or None without one.
+
+    Raises:
+        RuntimeError: a sparse ``param.grad``, which Adam does not take.
+    """
     if handle is not None:
         grad = param.grad
         if type(grad) is not WeightGrad or handle.sharded:
@@ -92,7 +96,16 @@ def stored_grad(param: nn.Parameter, handle: StoredWeight | None) -> GradParts |
             grad = WeightGrad(scaled, param.dtype, handle.grad_layout)
         data, scale, _ = grad.parts()
         return data, scale, grad.grad_layout
-    return None if param.grad is None else (param.grad, None, None)
+    grad = param.grad
+    if grad is None:
+        return None
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"amp8: LowBitAdam does not take sparse gradients, as torch's Adam does not; a parameter of "
+            f"shape {tuple(param.shape)} has one (nn.Embedding(sparse=True) makes them). Use sparse=False, "
+            "or give that parameter an optimizer of its own (torch.optim.SparseAdam)"
+        )
+    return grad, None, None
 
 
 def grad_codec(grad: GradParts) -> Layout:

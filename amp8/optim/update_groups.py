@@ -15,7 +15,9 @@ Anything that replaces a view (``load_state_dict``, a model moved with ``.to()``
 layer's scales re-stored at another shape, a parameter that has no gradient this step)
 is found by the next step, which builds the groups again from the tensors in place. A
 gradient of its own (a layer called twice, a gradient set by hand) and the float gradients
-and weights of a plain group are copied in, into memory held during a step only.
+and weights of a plain group are copied in, into memory held during a step only; but a
+large plain tensor (``amp8.optim.plan.IN_PLACE_ELEMENTS``) is a group of its own whose
+step reads its gradient and writes its weight where they are.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import nn
 
 from amp8.optim import state as state_storage
 from amp8.optim.arithmetic import StepScalars, hyper, step_scalars
-from amp8.optim.group_step import GroupSteps, GroupTensors, per_tensor_max, row_scales
+from amp8.optim.group_step import GroupSteps, GroupTensors, measure_amaxes
 from amp8.optim.spec import StepInputs, UpdateSpec, WeightKind
 from amp8.optim.state import MASTER, MOMENTS
 from amp8.quant.codec import Layout
@@ -63,6 +65,7 @@ class GroupKey:
     width: int
     device: torch.device
     step: float
+    own: int | None = None  # a group of one plain tensor updated in place: its position
 
 
 class UpdateGroup:
@@ -91,23 +94,23 @@ class UpdateGroup:
             first += rows
         total, count = first, len(entries)
 
-        def buffer(dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros((total, width), dtype=dtype, device=device)
-
         def scales(layout: Layout) -> torch.Tensor | None:
             if not layout.scaled:
                 return None
             return torch.ones(total if layout.per_row else count, device=device)
 
-        def stored(layout: Layout) -> torch.Tensor:
-            return buffer(layout.dtype or torch.float32)
+        def stored(layout: Layout, on: torch.device | str = device) -> torch.Tensor:
+            return torch.zeros((total, width), dtype=layout.dtype or torch.float32, device=on)
+
+        # The gradient and weight copies: none (meta) where the step reads the tensor where it is.
+        copies_on = "meta" if key.own is not None else device
 
         master = spec.weight is WeightKind.MASTER
         self.tensors = GroupTensors(
-            grad=stored(spec.grad), grad_scale=scales(spec.grad),
+            grad=stored(spec.grad, copies_on), grad_scale=scales(spec.grad),
             exp_avg=stored(spec.exp_avg), exp_avg_scale=scales(spec.exp_avg),
             exp_avg_sq=stored(spec.exp_avg_sq), exp_avg_sq_scale=scales(spec.exp_avg_sq),
-            weight=stored(spec.weight_layout), weight_scale=scales(spec.weight_layout),
+            weight=stored(spec.weight_layout, copies_on), weight_scale=scales(spec.weight_layout),
             amaxes=torch.zeros((3, count), device=device),
             row_amaxes=torch.zeros((3, total), device=device),
             fp8_weight=stored(spec.fp8_weight) if master else None,
@@ -156,10 +159,11 @@ class UpdateGroup:
         # weights): their memory is there from ``gather`` to ``end_step``, not between
         # steps, so the group keeps no second copy of what the model holds. FP8 gradients
         # live in their buffer from the backward that writes them on.
-        self._step_buffers = [] if slots else [self.tensors.grad]
-        if spec.weight is WeightKind.PLAIN:
+        self._step_buffers = [] if slots or key.own is not None else [self.tensors.grad]
+        if spec.weight is WeightKind.PLAIN and key.own is None:
             self._step_buffers.append(self.tensors.weight)
-        self._step_bytes = [buffer.untyped_storage().nbytes() for buffer in self._step_buffers]
+        # Bytes of each step buffer: the memory a step holds beyond the model's and the state's.
+        self.step_bytes = [buffer.untyped_storage().nbytes() for buffer in self._step_buffers]
         # Between steps ``tensors`` shows the step buffers as meta tensors of their shapes:
         # a tensor whose memory was given back must not be read (torch does not check).
         self._held = self.tensors
@@ -245,24 +249,9 @@ class UpdateGroup:
 
     # -- the amaxes the scales are bounded from -------------------------------------------
     def measure_amaxes(self) -> None:
-        """Read the absolute maximum of each member's stored moments and weight off the
-        buffers, per tensor or per row as they are scaled (a step keeps them current; this
-        is for a new group, and after a write from outside the optimizer)."""
-        spec, tensors = self.key.spec, self.tensors
-        with torch.no_grad():
-            for layout, data, scale, amax, row_amax in (
-                (spec.exp_avg, tensors.exp_avg, tensors.exp_avg_scale, tensors.amaxes[0], tensors.row_amaxes[0]),
-                (spec.exp_avg_sq, tensors.exp_avg_sq, tensors.exp_avg_sq_scale, tensors.amaxes[1],
-                 tensors.row_amaxes[1]),
-                (spec.weight_layout, tensors.weight, tensors.weight_scale, tensors.amaxes[2], tensors.row_amaxes[2]),
-            ):
-                if not layout.scaled:  # a scale is bounded from its amax
-                    amax.zero_()
-                    row_amax.zero_()
-                    continue
-                rows = layout.decode_rows(data, row_scales(scale, layout, tensors)).abs().amax(dim=1)
-                amax.copy_(per_tensor_max(rows, tensors))
-                row_amax.copy_(rows)
+        """``group_step.measure_amaxes`` of the buffers (a step keeps the amaxes current;
+        this is for a new group, and after a write from outside the optimizer)."""
+        measure_amaxes(self.key.spec, self.tensors)
         self._versions = self._buffer_versions()
 
     def _buffer_versions(self) -> list[int]:
@@ -290,7 +279,7 @@ class UpdateGroup:
 
     def _hold_step_buffers(self) -> None:
         """Give the step buffers their memory (zeroed where tensors leave padding)."""
-        for buffer, nbytes in zip(self._step_buffers, self._step_bytes):
+        for buffer, nbytes in zip(self._step_buffers, self.step_bytes):
             storage = buffer.untyped_storage()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
@@ -341,10 +330,18 @@ class UpdateGroup:
                 or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
             return False
         self.tensors = self._held
+        if self.key.own is not None:  # one plain tensor, read and written where it is
+            param = self._params[0]
+            if not param.is_contiguous() or param.dtype is not torch.float32:
+                return False
+            rows = self.tensors.weight.shape
+            self.tensors = self._held._replace(grad=datas[0].reshape(rows).float(), weight=param.detach().view(rows))
         if self._buffer_versions() != self._versions:  # written from outside the optimizer
             self.measure_amaxes()
         self._hold_step_buffers()
         self._round[0] += 1  # the next backward may take the slots again
+        if self.key.own is not None:
+            return True
         if not (all(map(operator.is_, datas, self._grad_views))
                 and all(map(operator.is_, grad_scales, self._grad_scale_views))):
             self._copy_grads_in(datas, grad_scales)
@@ -383,7 +380,8 @@ class UpdateGroup:
             steps(self.key.spec, self.tensors, hyper(group, as_tensors=False), s, seed_part, first_draw, skip)
         self._versions = self._buffer_versions()
         if self.key.spec.weight is WeightKind.PLAIN:
-            torch._foreach_copy_(self._params, self._weight_views)
+            if self.key.own is None:
+                torch._foreach_copy_(self._params, self._weight_views)
             return
         for drop_cache in self._drop_caches:  # the layers' casts of the old weights
             drop_cache()

@@ -123,6 +123,26 @@ def test_overflowing_step_changes_nothing_and_is_counted() -> None:
     assert float(optimizer.state[model[0].weight]["step"]) == 2
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_sparse_gradient_is_refused_before_anything_changes(level: str) -> None:
+    """An ``nn.Embedding(sparse=True)`` (kept as it is, in float32) gives a sparse
+    gradient, which Adam does not take: the step says so and what to do, and has changed
+    no weight and no state."""
+    model = nn.Sequential(nn.Embedding(64, 32, sparse=True), nn.Linear(32, 32))
+    model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level,
+                                       layer_selection="all")
+    model(torch.randint(0, 64, (4, 8))).square().mean().backward()
+    weights = {k: v.clone() for k, v in compact_state(model).items()}
+    states = {id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for p, s in optimizer.state.items()}
+    with pytest.raises(RuntimeError, match=r"sparse gradients.*\(64, 32\).*sparse=False.*SparseAdam"):
+        optimizer.step()
+    for key, value in compact_state(model).items():
+        assert_bitwise_equal(value, weights[key])
+    for param, state in optimizer.state.items():
+        for key, value in states[id(param)].items():
+            assert_bitwise_equal(state[key], value)
+
+
 def test_zero_grad_clears_fp8_and_ordinary_gradients() -> None:
     model = _fp8_model()
     model, optimizer = amp8.initialize(model, torch.optim.AdamW(model.parameters()), "O1", recipe=amp8.Recipe())

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -18,6 +20,8 @@ from amp8.optim import LowBitAdam
 from amp8.optim.arithmetic import Decay
 from amp8.optim.spec import UpdateSpec, WeightKind
 from amp8.quant.codec import Layout, Tiling
+from amp8.nn.selection import SpeedRule
+from amp8.optim import plan
 from amp8.optim.plan import TENSOR_ROW_WIDTH, row_width
 from conftest import assert_bitwise_equal, compact_state, cuda_fp8, load_bench
 
@@ -44,11 +48,11 @@ def _model(layers: int = 2, width: int = 32) -> nn.Module:
 
 
 def _twins(level: str, recipe: amp8.Recipe, optimizer: str, layers: int = 2, device: str = "cpu",
-           **options: Any) -> tuple[list[nn.Module], list[LowBitAdam]]:
+           layer_selection: str | SpeedRule = "all", **options: Any) -> tuple[list[nn.Module], list[LowBitAdam]]:
     """One model and its copy on ``device``: the first stepped tensor by tensor, the second
     in groups."""
-    # Every layer in FP8: on CUDA the default speed rule would keep these small ones in float32.
-    model, _ = amp8.initialize(_model(layers).to(device), None, level, recipe, layer_selection="all")
+    # Every layer in FP8 by default: on CUDA the default speed rule would keep these small ones in float32.
+    model, _ = amp8.initialize(_model(layers).to(device), None, level, recipe, layer_selection=layer_selection)
     models = [model, copy.deepcopy(model)]
     optimizer_class, kwargs = OPTIMIZERS[optimizer]
     optimizers = [
@@ -264,3 +268,78 @@ def test_row_width_follows_the_storage() -> None:
     assert row_width(spec(rows, blocks), shape) is None
     assert row_width(spec(tiles, per_tensor), shape) is None
     assert row_width(spec(rows, per_tensor), torch.Size([96])) is None
+
+
+class _CopiedStorages(TorchDispatchMode):
+    """The storages every copy operation reads from (its sources), by data pointer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointers: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "copy" in func.__name__ and len(args) > 1:
+            self.pointers.update(t.untyped_storage().data_ptr() for t in tree_leaves(args[1])
+                                 if isinstance(t, torch.Tensor) and t.device.type != "meta")
+        return func(*args, **(kwargs or {}))
+
+
+# The first layer (32 x 48: 1,536 elements, six rows of 256) stays in float32; the others run in FP8.
+_FIRST_LAYER_PLAIN = SpeedRule(min_features=48, min_weight_elements=2000, source="tests: the first layer kept")
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_large_plain_tensor_is_updated_where_it_is(level: str, in_place: bool, monkeypatch: Any) -> None:
+    """A plain weight of at least ``IN_PLACE_ELEMENTS`` is a group of its own whose step
+    reads its gradient and writes its weight where they are: no copy reads either (below
+    the threshold, both are copied into the group's buffers), and every value equals the
+    reference step's, bit for bit. Made non-contiguous, the weight goes back to a shared
+    group, still exact."""
+    if in_place:
+        monkeypatch.setattr(plan, "IN_PLACE_ELEMENTS", 1024)
+    models, optimizers = _twins(level, amp8.Recipe(), "adamw", layer_selection=_FIRST_LAYER_PLAIN)
+    _train(models, optimizers, steps=2)
+    weight = models[1][0].weight
+    assert type(models[1][0]) is nn.Linear
+    owners = [group for group in optimizers[1].update_groups if any(m.param is weight for m in group.members)]
+    assert [group.key.own is not None for group in owners] == [in_place]
+    x = torch.randn(8, 32)
+    for model, optimizer in zip(models, optimizers):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+    optimizers[0].step()
+    with _CopiedStorages() as copies:
+        optimizers[1].step()
+    pointers = {weight.untyped_storage().data_ptr(), weight.grad.untyped_storage().data_ptr()}
+    assert pointers.isdisjoint(copies.pointers) == in_place
+    _assert_identical(models, optimizers)
+    with torch.no_grad():
+        for model in models:  # same values, transposed memory: no longer contiguous
+            model[0].weight.data = model[0].weight.detach().t().contiguous().t()
+    _train(models, optimizers, steps=2, start=2)
+    assert all(group.key.own is None for group in optimizers[1].update_groups)
+    _assert_identical(models, optimizers)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_compiled_in_place_group_steps_as_a_shared_one(level: str, monkeypatch: Any) -> None:
+    """Compiled, the group of one plain tensor updated in place gives the values the
+    same tensor gets through a shared group's buffers, bit for bit."""
+    runs = []
+    for threshold in (1024, plan.IN_PLACE_ELEMENTS):
+        monkeypatch.setattr(plan, "IN_PLACE_ELEMENTS", threshold)
+        model, _ = amp8.initialize(_model(2), None, level, amp8.Recipe(), layer_selection=_FIRST_LAYER_PLAIN)
+        optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                              amp8.LEVELS[level], fused=True)
+        _train([model], [optimizer], steps=3)
+        assert any(group.key.own is not None for group in optimizer.update_groups) == (threshold == 1024)
+        runs.append((compact_state(model), optimizer))
+    (weights, in_place), (shared_weights, shared) = runs
+    for key, value in shared_weights.items():
+        assert_bitwise_equal(weights[key], value)
+    for param, twin in zip(in_place.state, shared.state):
+        for key, value in shared.state[twin].items():
+            if torch.is_tensor(value):
+                assert_bitwise_equal(in_place.state[param][key], value)
