@@ -23,7 +23,7 @@ from amp8.quant.codec import Layout, Tiling
 from amp8.nn.selection import SpeedRule
 from amp8.optim import plan
 from amp8.optim.plan import TENSOR_ROW_WIDTH, row_width
-from conftest import assert_bitwise_equal, compact_state, cuda_fp8, load_bench
+from conftest import assert_bitwise_equal, assert_checkpoint_round_trips, compact_state, cuda_fp8, load_bench
 
 counting = load_bench("counting")
 
@@ -343,3 +343,27 @@ def test_a_compiled_in_place_group_steps_as_a_shared_one(level: str, monkeypatch
         for key, value in shared.state[twin].items():
             if torch.is_tensor(value):
                 assert_bitwise_equal(in_place.state[param][key], value)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_an_in_place_group_resumes_from_a_checkpoint_exactly(level: str, monkeypatch: Any) -> None:
+    """A checkpoint of a model whose plain weight is updated in place restores bit for bit,
+    and the resumed run repeats the uninterrupted one exactly."""
+    monkeypatch.setattr(plan, "IN_PLACE_ELEMENTS", 1024)
+
+    def build() -> tuple[nn.Module, LowBitAdam]:
+        model, _ = amp8.initialize(_model(2), None, level, amp8.Recipe(), layer_selection=_FIRST_LAYER_PLAIN)
+        return model, LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), amp8.LEVELS[level])
+
+    model, optimizer = build()
+    _train([model], [optimizer], steps=2)
+    assert any(group.key.own is not None for group in optimizer.update_groups)
+    resumed_model, resumed_optimizer = assert_checkpoint_round_trips(build, model, optimizer)
+    _train([model, resumed_model], [optimizer, resumed_optimizer], steps=2, start=2)
+    assert any(group.key.own is not None for group in resumed_optimizer.update_groups)
+    for key, value in compact_state(model).items():
+        assert_bitwise_equal(compact_state(resumed_model)[key], value)
+    for param, twin in zip(model.parameters(), resumed_model.parameters()):
+        for key, value in optimizer.state[param].items():
+            if torch.is_tensor(value):
+                assert_bitwise_equal(resumed_optimizer.state[twin][key], value)
