@@ -29,12 +29,13 @@ many elements; smaller ones take the power of two that holds them): what a tenso
 row may leave unused (zero padding)."""
 
 
-IN_PLACE_ELEMENTS = 1 << 24
-"""The fewest elements of a plain float32 parameter (an embedding, a layer kept in high
-precision) whose update reads its gradient and writes its weight where they are, in a
-group of its own, rather than through copies in a shared group's buffers: the copies
-would move 24 bytes an element (about 0.15 ms of an H100's bandwidth and 134 MB of
-memory held through the step at this size), where a group of its own costs one call."""
+IN_PLACE_ELEMENTS = 1 << 22
+"""The fewest elements of a plain float32 parameter (a tied embedding table, a layer kept
+in high precision) whose update reads its gradient and writes its weight where they are,
+in a group of its own, rather than through copies in a shared group's buffers. The copies
+move 24 bytes an element (at this size about 0.1 ms of an H100's bandwidth, and 34 MB held
+through the step); a group of its own costs one more call, host time that a large model's
+step (the only kind with tensors this large) runs ahead of the GPU."""
 
 
 def updates_in_place(spec: UpdateSpec, param: nn.Parameter, width: int) -> bool:
