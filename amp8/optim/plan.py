@@ -34,8 +34,8 @@ IN_PLACE_ELEMENTS = 1 << 22
 in high precision) whose update reads its gradient and writes its weight where they are,
 in a group of its own, rather than through copies in a shared group's buffers. The copies
 move 24 bytes an element (at this size about 0.1 ms of an H100's bandwidth, and 34 MB held
-through the step); a group of its own costs one more call, host time that a large model's
-step (the only kind with tensors this large) runs ahead of the GPU."""
+through the step); a group of its own costs one more call, host time that the step of a
+model with many tensors this large (a large model) hides, its host running ahead of the GPU."""
 
 
 def updates_in_place(spec: UpdateSpec, param: nn.Parameter, width: int) -> bool:

@@ -329,13 +329,14 @@ class UpdateGroup:
                 or set(map(_DTYPE, grad_scales)) != {torch.float32} \
                 or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
             return False
-        self.tensors = self._held
+        held = self._held
         if self.key.own is not None:  # one plain tensor, read and written where it is
             param = self._params[0]
             if not param.is_contiguous() or param.dtype is not torch.float32:
                 return False
-            rows = self.tensors.weight.shape
-            self.tensors = self._held._replace(grad=datas[0].reshape(rows).float(), weight=param.detach().view(rows))
+            rows = held.weight.shape
+            held = held._replace(grad=datas[0].reshape(rows).float(), weight=param.detach().view(rows))
+        self.tensors = held
         if self._buffer_versions() != self._versions:  # written from outside the optimizer
             self.measure_amaxes()
         self._hold_step_buffers()
