@@ -116,29 +116,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", nargs="+", default=["compiled"], choices=["compiled", "eager"],
                         help="the group steps to time (eager is slow on the CPU)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each, per turn (three turns)")
+    parser.add_argument("--in-place-elements", type=int, default=None,
+                        help="the in-place threshold for this run (default: amp8's; lower, to try tiny sizes)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> Path:
-    """Measure each level (and step), print the table, write the JSON after every row."""
-    args = parse_args(argv)
-    given = sys.argv[1:] if argv is None else argv
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+def measure(args: argparse.Namespace, device: torch.device, command: str) -> tuple[list[dict[str, Any]], Path]:
+    """Every level's (and step's) row, and the JSON's path, written after each."""
     rows: list[dict[str, Any]] = []
     path = args.out
     for level in args.levels:
         for step in args.steps:
             rows.append(row(level, args, device, step == "compiled"))
             path = write_result("plain_in_place", device, {
-                "command": " ".join(["python bench/plain_in_place.py", *given]),
-                "threads": torch.get_num_threads() if device.type == "cpu" else None,
+                "command": command, "threads": torch.get_num_threads() if device.type == "cpu" else None,
                 "model": f"TiedModel(vocab={args.vocab}, width={args.width}, blocks={args.blocks}), "
                          f"tokens {args.batch} x {args.tokens}",
-                "rows": rows,
+                "in_place_elements": plan.IN_PLACE_ELEMENTS, "rows": rows,
             }, args.out)
+    return rows, path
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Measure, print the table, and return the JSON's path."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    command = " ".join(["python bench/plain_in_place.py", *(sys.argv[1:] if argv is None else argv)])
+    threshold = plan.IN_PLACE_ELEMENTS if args.in_place_elements is None else args.in_place_elements
+    with mock.patch.object(plan, "IN_PLACE_ELEMENTS", threshold):
+        rows, path = measure(args, device, command)
     table = Table(title="optimizer step with a float32 tied table: in place against copied (ms, in turns)")
     for column in ("level", "step", "in place", "copied", "ratio", "held in a step: in place", "copied"):
         table.add_column(column, justify="right")

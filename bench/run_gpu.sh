@@ -34,7 +34,10 @@
 #                     time there is launches and Python) and the three headline shapes:
 #                     eager, eager with amp8's compiled casts, compiled, rowwise, torchao,
 #                     against nn.Linear, in what is left of --budget
-#   8 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
+#   8 plain       90  the optimizer step over Llama-3.2-1B's tied table (128,256 x 2,048,
+#                     float32 with low-bit moments) at O2, updated in place against copied
+#                     through its group, in what is left of --budget
+#   9 sweep      -    optional: the shape sweep and (K, N) grid, in whatever is left of
 #                     --budget (default 600 s); cut short, it is not a failure
 # Every benchmark rewrites its JSON after each row, so a step cut short keeps what it
 # measured; the whole output goes to OUT/run_gpu.log too. torchao's rows run where
@@ -43,7 +46,8 @@
 # collected: they need an FP8 GPU), to try the whole script before a GPU run.
 #
 # Exit status: 0 when every step passed; else the sum of the failed steps' bits (1
-# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear, 32 kernels, 128 static-shapes; a step
+# cuda-tests, 2 optimizer, 4 gpt, 8 llama, 16 linear, 32 kernels, 128 static-shapes, 256
+# plain; a step
 # that runs out of time fails); 64 for bad arguments or no CUDA device. The run writes
 # about ten files into OUT: pack them into one where fewer can be carried back.
 set -u
@@ -101,6 +105,7 @@ if [ "$mode" = gpu ]; then
     kernels=(--millions 300)
     static_shapes=(--tokens 8192 --width 2048 --mlp 4 --millions 300 --levels O2 O3 --repeats 5)
     sweep=(--sweep --warmup 3 --repeats 10)
+    plain=(--vocab 128256 --width 2048 --batch 4 --tokens 512 --levels O2 --repeats 5)
 else
     echo "CPU check: every step with --device cpu at tiny sizes; the numbers check the script, not FP8's speed"
     echo "cuda-tests: collected, not run: they need a CUDA GPU with FP8 (sm_89+)"
@@ -113,6 +118,7 @@ else
     kernels=(--millions 1 --width 256 --levels O1 --warmup 1 --steps 1)
     static_shapes=(--tokens 32 --width 32 --mlp 2 --millions 1 --levels O2 --repeats 1)
     sweep=(--sweep --shapes 64,128,64 --sweep-m 64 --grid 64 128 --warmup 0 --repeats 1 --no-compile)
+    plain=(--vocab 512 --width 32 --blocks 1 --levels O2 --steps eager --repeats 1 --in-place-elements 4096)
     if [ "$quick" = 1 ]; then
         echo "quick: the models run eagerly, the optimizer at O1 alone, the tests are not collected"
         tests=()
@@ -178,6 +184,7 @@ else
 fi
 step 8 llama 150 - python bench/gpt.py --device $device "${llama[@]}" --out "$out"
 step 16 linear 90 - python bench/linear.py --device $device "${linear[@]}" --out "$out"
+step 256 plain 90 - python bench/plain_in_place.py --device $device "${plain[@]}" --out "$out"
 step 0 sweep "$budget" - python bench/linear.py --device $device "${sweep[@]}" --out "$out"
 
 echo "== all steps: $((SECONDS - start_all)) s; results in $out"

@@ -20,12 +20,12 @@ def test_run_gpu_cpu_check_runs_every_python_step(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (tmp_path / "run_gpu.log").read_text()
-    for step in ("optimizer", "gpt", "llama", "linear", "kernels", "sweep"):
+    for step in ("optimizer", "gpt", "llama", "linear", "kernels", "plain", "sweep"):
         assert re.search(rf"^== {step}: \d+ s, ok$", log, re.MULTILINE), f"{step} did not pass:\n{log[-2000:]}"
     assert "== cuda-tests: skipped" in log and "== static-shapes: skipped (--quick: it compiles)" in log
     written = {path.name for path in tmp_path.glob("*.json")}
     assert written == {"optimizer-cpu.json", "gpt-cpu.json", "gpt-llama-tiny-cpu.json", "linear-cpu.json",
-                       "optimizer_kernels-cpu.json", "linear-sweep-cpu.json"}, written
+                       "optimizer_kernels-cpu.json", "linear-sweep-cpu.json", "plain_in_place-cpu.json"}, written
     llama = json.loads((tmp_path / "gpt-llama-tiny-cpu.json").read_text())
     assert llama["runs"]["amp8 O2"]["eager"]["optimizer_ms"] > 0
 
