@@ -255,8 +255,9 @@ class UpdateGroup:
         self._versions = self._buffer_versions()
 
     def _buffer_versions(self) -> list[int]:
-        tensors = self.tensors
-        return [tensors.exp_avg._version, tensors.exp_avg_sq._version, tensors.weight._version]
+        # An unscaled (plain float32) weight's amax bounds nothing, so a write to it needs no measure.
+        stored = (self.tensors.exp_avg, self.tensors.exp_avg_sq, self.tensors.weight)
+        return [t._version for t in stored[:3 if self.key.spec.weight_layout.scaled else 2]]
 
     # -- a step --------------------------------------------------------------------------
     def _index(self) -> None:
