@@ -36,7 +36,7 @@ import amp8
 from amp8.monitor.console import default_console
 from common import reset_compiler
 from counting import StepCounter
-from records import RESULTS, write_result
+from records import RESULTS, command_line, write_result
 from timing import time_once
 
 LEVELS = ("O1", "O2")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> Path:
                               f"{counted['first_step_s']:.2f}")
     default_console().print(table)
     return write_result("linear_kernels", torch.device("cpu"), {
-        "command": "python bench/linear_kernels.py " + " ".join(argv or []), "threads": 1,
+        "command": command_line("linear_kernels.py", argv), "threads": 1,
         "shape": {"m": shape[0], "k": shape[1], "n": shape[2]}, "autocast": "bfloat16", "least": minimum,
         "counted_as": "kernels: eager aten operations that run a kernel plus compiled graphs' GPU kernels; bytes: "
                       "nbytes in + out of each eager operation plus the arguments of each generated kernel",

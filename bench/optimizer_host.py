@@ -34,7 +34,7 @@ from amp8.monitor.console import default_console
 from amp8.optim import LowBitAdam
 from amp8._compiled import cpp_compiler_found
 from counting import dispatched_operations
-from records import RESULTS, write_result
+from records import RESULTS, command_line, write_result
 from timing import time_call, time_in_turns
 
 WIDTH = 32
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> Path:
     for layers in args.layers:
         rows.append(row(layers, args.repeats, compiled))
         path = write_result("optimizer_host", torch.device("cpu"), {
-            "command": "python bench/optimizer_host.py " + " ".join(argv or []), "threads": 1,
+            "command": command_line("optimizer_host.py", argv), "threads": 1,
             "layer": f"Linear({WIDTH}, {WIDTH}) with bias, layer_selection='all'", "rows": rows,
         }, args.out)
     table = Table(title="optimizer step over small FP8 layers: ms (ops) per step, one thread, and x torch's")

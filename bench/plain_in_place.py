@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +33,7 @@ from torch import nn
 import amp8
 from amp8.monitor.console import default_console
 from amp8.optim import LowBitAdam, plan
-from records import RESULTS, write_result
+from records import RESULTS, command_line, write_result
 from timing import time_in_turns
 
 
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> Path:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    command = " ".join(["python bench/plain_in_place.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("plain_in_place.py", argv)
     threshold = plan.IN_PLACE_ELEMENTS if args.in_place_elements is None else args.in_place_elements
     with mock.patch.object(plan, "IN_PLACE_ELEMENTS", threshold):
         rows, path = measure(args, device, command)

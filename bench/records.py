@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,12 @@ def error_text(error: BaseException, limit: int = 500) -> str:
     """``"Type: message"`` of ``error``, cut to ``limit`` characters for the JSON."""
     text = f"{type(error).__name__}: {error}".strip()
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that ran ``bench/<script>``: with ``argv`` as its ``main`` got them,
+    or the process's own arguments where ``main`` took none (run from the shell)."""
+    return " ".join([f"python bench/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_result(name: str, device: torch.device, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:

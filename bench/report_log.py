@@ -23,7 +23,7 @@ import amp8
 from amp8.monitor.operand_health import watch_operands
 from amp8.monitor.report_log import DEFAULT_EVERY
 from amp8.tools.experiments.gpt import GPT, GPTConfig
-from records import RESULTS, write_result
+from records import RESULTS, command_line, write_result
 from timing import time_call
 
 LEVELS = ("O1", "O2")
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{level}: step {1e3 * times['plain_step_s']:.1f} ms, watched {1e3 * times['watched_step_s']:.1f} ms, "
               f"record {1e3 * times['record_s']:.1f} ms: {100 * share:.2f} % of a step every {args.every} steps")
     return write_result("report_log", torch.device("cpu"), {
-        "command": "python bench/report_log.py " + " ".join(argv or []), "threads": 1, "preset": args.preset,
+        "command": command_line("report_log.py", argv), "threads": 1, "preset": args.preset,
         "batch_size": args.batch_size, "rows": rows,
     }, args.out)
 

@@ -62,7 +62,7 @@ from amp8.optim import LowBitAdam
 from amp8.tools.experiments.gpt import GPT, PRESETS, GPTConfig
 from counting import COUNTS, PHASES, StepCounter
 from optimizer import square_layers
-from records import RESULTS, write_result
+from records import RESULTS, command_line, write_result
 from step_constants import (
     KERNELS_RECORDED, LINEAR_RECORDED, OPTIMIZER_RECORDED, RECORDED, RECORDED_CODE, fixed_models, measured_model,
     optimizer_models,
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> Path:
     model, calibrated = measured_model(json.loads(LINEAR_RECORDED.read_text()), kernels)
     models = dict.fromkeys(LEVELS, model)
     payload: dict[str, Any] = {
-        "command": "python bench/step_profile.py" + (f" --preset {args.preset}" if args.preset != "small" else ""),
+        "command": command_line("step_profile.py", argv),
         "preset": args.preset, "config": dataclasses.asdict(config), "batch_size": args.batch_size,
         "steps": 0 if big else args.steps, "layer_selection": args.layer_selection, "autocast": "bfloat16",
         "blocks": {"compiled": "each transformer block compiled (block.compile()), counted as graph calls",

@@ -233,6 +233,13 @@ def measure_amaxes(spec: UpdateSpec, tensors: GroupTensors) -> None:
         tensors.row_amaxes[index].copy_(rows)
 
 
+def bounds_per_tensor(spec: UpdateSpec) -> bool:
+    """Whether a step of ``spec`` bounds a scale per tensor (a moment or weight scaled
+    per tensor), and so reads each tensor's amaxes; a group whose scales are all per row,
+    or that has none, reads only row amaxes."""
+    return any(layout.scaled and not layout.per_row for layout in (spec.exp_avg, spec.exp_avg_sq, spec.weight_layout))
+
+
 def keep_amaxes(tensors: GroupTensors, row_amaxes: torch.Tensor, skip: torch.Tensor) -> None:
     """Keep each tensor's amaxes from ``adam_group_step``'s row amaxes (3, rows), unless
     ``skip``. Outside the compiled step: inductor runs a scatter as a call of its own,
@@ -261,7 +268,9 @@ class GroupSteps:
         step = self._steps.get(spec)
         if step is None:
             step = self._steps[spec] = self._build(spec)
-        keep_amaxes(tensors, step(tensors, *args), args[-1])
+        row_amaxes = step(tensors, *args)
+        if bounds_per_tensor(spec):
+            keep_amaxes(tensors, row_amaxes, args[-1])
 
     def _build(self, spec: UpdateSpec) -> Callable[..., Any]:
         def step(*args: Any) -> torch.Tensor:

@@ -320,16 +320,20 @@ class UpdateGroup:
         ):
             return False
         datas, grad_scales, _ = zip(*grads)
-        if list(map(torch.Tensor.numel, datas)) != self._numels:  # (a shape is the param's, or copy_ fails)
-            return False
+        # Gradients in their slots have the slots' sizes and dtypes: only others are checked.
+        in_slots = all(map(operator.is_, datas, self._grad_views)) and all(
+            map(operator.is_, grad_scales, self._grad_scale_views))
         spec = self.key.spec
-        if not spec.grad.scaled:
-            if not all(map(torch.Tensor.is_floating_point, datas)):
+        if not in_slots:  # (a shape is the param's, or copy_ fails)
+            if list(map(torch.Tensor.numel, datas)) != self._numels:
                 return False
-        elif set(map(_DTYPE, datas)) != {spec.grad.dtype} or any(map(operator.is_, grad_scales, repeat(None))) \
-                or set(map(_DTYPE, grad_scales)) != {torch.float32} \
-                or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
-            return False
+            if not spec.grad.scaled:
+                if not all(map(torch.Tensor.is_floating_point, datas)):
+                    return False
+            elif set(map(_DTYPE, datas)) != {spec.grad.dtype} or any(map(operator.is_, grad_scales, repeat(None))) \
+                    or set(map(_DTYPE, grad_scales)) != {torch.float32} \
+                    or list(map(torch.Tensor.numel, grad_scales)) != self._grad_scale_counts:
+                return False
         held = self._held
         if self.key.own is not None:  # one plain tensor, read and written where it is
             param = self._params[0]
@@ -344,8 +348,7 @@ class UpdateGroup:
         self._round[0] += 1  # the next backward may take the slots again
         if self.key.own is not None:
             return True
-        if not (all(map(operator.is_, datas, self._grad_views))
-                and all(map(operator.is_, grad_scales, self._grad_scale_views))):
+        if not in_slots:
             self._copy_grads_in(datas, grad_scales)
         if spec.weight is WeightKind.PLAIN:
             torch._foreach_copy_(self._weight_views, self._params)
@@ -370,16 +373,14 @@ class UpdateGroup:
         buffers' views) and the layers told to drop their casts. ``coefficients`` holds this
         step's for the groups run before: the groups of one plan that were built at one
         step count and param group have advanced together since, and share them."""
-        compiled = steps.compile
         shared = (self.key.param_group, self.key.step, self.key.device)
         s = coefficients.get(shared)
         if s is None:
             s = coefficients[shared] = step_scalars(hyper(group, as_tensors=False), self.tensors.steps[0] + 1)
-        if compiled:
-            steps(self.key.spec, self.tensors, hyper(group, as_tensors=True), s, _int64(seed_part), _int64(first_draw),
-                  skip)
-        else:
-            steps(self.key.spec, self.tensors, hyper(group, as_tensors=False), s, seed_part, first_draw, skip)
+        draws: tuple[Any, Any] = (seed_part, first_draw)
+        if steps.compile:  # (tensors: one graph serves every step)
+            draws = tuple(torch.tensor(value, dtype=torch.int64) for value in draws)
+        steps(self.key.spec, self.tensors, hyper(group, as_tensors=steps.compile), s, *draws, skip)
         self._versions = self._buffer_versions()
         if self.key.spec.weight is WeightKind.PLAIN:
             if self.key.own is None:
@@ -387,10 +388,6 @@ class UpdateGroup:
             return
         for drop_cache in self._drop_caches:  # the layers' casts of the old weights
             drop_cache()
-
-
-def _int64(value: int) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.int64)
 
 
 def state_shape(param_state: dict[str, Any], param: nn.Parameter) -> torch.Size:

@@ -189,6 +189,42 @@ def test_operations_per_step_do_not_grow_with_the_layers(layers: int) -> None:
     assert counts[0] == counts[1], counts
 
 
+class IntegerElements(TorchDispatchMode):
+    """Elements of int32 or int64 results of the aten operations dispatched while active:
+    the integer work of the stochastic rounding's noise, as the step model counts it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.elements += sum(t.numel() for t in (out if isinstance(out, (tuple, list)) else [out])
+                                 if isinstance(t, torch.Tensor) and t.dtype in (torch.int32, torch.int64))
+        return out
+
+
+@pytest.mark.parametrize("level, per_element", [("O1", 6), ("O2", 10), ("O3", 10)])
+def test_integer_operations_per_element_of_an_update(level: str, per_element: int) -> None:
+    """The eager update of one 256 x 256 FP8 layer does ``per_element`` integer operations
+    per element, the per-row work aside: the noise word (2), each rounded tensor's field
+    (2) and its rounding (2). O1 rounds its weight only; O2 and O3 their weight (O3's
+    master) and first moment."""
+    torch.manual_seed(0)
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(256, 256, bias=False)), None, level, layer_selection="all")
+    optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=level, fused=False)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(8, 256)).square().mean().backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    model(torch.randn(8, 256)).square().mean().backward()
+    with IntegerElements() as counted:
+        optimizer.step()
+    assert per_element <= counted.elements / 256**2 < per_element + 0.05
+
+
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_an_overflow_is_skipped_on_the_device(level: str, fused: bool) -> None:

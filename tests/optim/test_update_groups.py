@@ -21,7 +21,7 @@ from amp8.optim.arithmetic import Decay
 from amp8.optim.spec import UpdateSpec, WeightKind
 from amp8.quant.codec import Layout, Tiling
 from amp8.nn.selection import SpeedRule
-from amp8.optim import plan
+from amp8.optim import group_step, plan
 from amp8.optim.plan import TENSOR_ROW_WIDTH, row_width
 from conftest import assert_bitwise_equal, assert_checkpoint_round_trips, compact_state, cuda_fp8, load_bench
 
@@ -137,6 +137,32 @@ def test_operations_per_step_do_not_grow_with_the_parameters(level: str) -> None
         optimizer.step()
         counts.append(counting.dispatched_operations(optimizer.step))
     assert counts[0] == counts[1], f"operations per step: {counts[0]} for 4 layers, {counts[1]} for 40"
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_only_groups_with_per_tensor_scales_keep_tensor_amaxes(level: str, monkeypatch: Any) -> None:
+    """A step keeps each tensor's amaxes (a scatter over its rows) only in groups that
+    bound a scale per tensor; a group whose scales are all per row (here the float32
+    layer's, with low-bit moments) skips it, and every value still equals the reference
+    step's, bit for bit."""
+    models, optimizers = _twins(level, amp8.Recipe(), "adamw", layer_selection=_FIRST_LAYER_PLAIN)
+    _train(models, optimizers, steps=2)
+    groups = optimizers[1].update_groups
+    keeping = [group_step.bounds_per_tensor(group.key.spec) for group in groups]
+    assert any(keeping) and not all(keeping), [group.key.spec for group in groups]
+    x = torch.randn(8, 32)
+    for model, optimizer in zip(models, optimizers):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+    optimizers[0].step()
+    kept: list[int] = []
+    keep_amaxes = group_step.keep_amaxes
+    monkeypatch.setattr(group_step, "keep_amaxes", lambda tensors, *args: kept.append(len(tensors.draw))
+                        or keep_amaxes(tensors, *args))
+    optimizers[1].step()
+    assert sorted(kept) == sorted(len(group.members) for group, keeps in zip(groups, keeping) if keeps)
+    _train(models, optimizers, steps=2, start=3)
+    _assert_identical(models, optimizers)
 
 
 @pytest.mark.compile
