@@ -14,8 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp8
 from amp8.optim import LowBitAdam
 from amp8.tensor import weight_grad
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, load_bench
 
+counting = load_bench("counting")
 aten = torch.ops.aten
 SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
 
@@ -189,26 +190,11 @@ def test_operations_per_step_do_not_grow_with_the_layers(layers: int) -> None:
     assert counts[0] == counts[1], counts
 
 
-class IntegerElements(TorchDispatchMode):
-    """Elements of int32 or int64 results of the aten operations dispatched while active:
-    the integer work of the stochastic rounding's noise, as the step model counts it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.elements = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.elements += sum(t.numel() for t in (out if isinstance(out, (tuple, list)) else [out])
-                                 if isinstance(t, torch.Tensor) and t.dtype in (torch.int32, torch.int64))
-        return out
-
-
 @pytest.mark.parametrize("level, per_element", [("O1", 6), ("O2", 10), ("O3", 10)])
 def test_integer_operations_per_element_of_an_update(level: str, per_element: int) -> None:
     """The eager update of one 256 x 256 FP8 layer does ``per_element`` integer operations
-    per element, the per-row work aside: the noise word (2), each rounded tensor's field
+    per element as the step profile counts them (``counting.StepCounter``), the per-row
+    work aside: the noise word (2), each rounded tensor's field
     (2) and its rounding (2). O1 rounds its weight only; O2 and O3 their weight (O3's
     master) and first moment."""
     torch.manual_seed(0)
@@ -220,9 +206,10 @@ def test_integer_operations_per_element_of_an_update(level: str, per_element: in
         optimizer.step()
     optimizer.zero_grad()
     model(torch.randn(8, 256)).square().mean().backward()
-    with IntegerElements() as counted:
+    counter = counting.StepCounter()
+    with counter, counter.phase("optimizer"):
         optimizer.step()
-    assert per_element <= counted.elements / 256**2 < per_element + 0.05
+    assert per_element <= counter.totals()["optimizer"]["int_ops"] / 256**2 < per_element + 0.05
 
 
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
