@@ -18,13 +18,16 @@ same bits:
 
 The optimizer's update rounds two tensors of each parameter stochastically (its FP16 or
 master weight and its FP8 first moment) and draws a fresh key per update, so its noise
-needs less mixing than a hash of a fixed key: ``update_words`` is one multiplication of
-``index ^ key`` (the key, a full ``lowbias32`` hash of seed and draw, carries the
-randomness; the multiplication spreads neighbouring indices over the word), and
-``noise_field`` takes each tensor's bits from its own bits of that word. About 10 integer
-operations per element for both tensors, against 36 for two ``lowbias32`` words in int64
-halves; the rounding stays unbiased to within ``2**-16`` of a unit in the last place
-(``noise_field``).
+needs less mixing than a hash of a fixed key: ``update_words`` is one 32-bit multiplication
+of ``index ^ key`` (the key, a full ``lowbias32`` hash of seed and draw, carries the
+randomness; the multiplication spreads neighbouring indices over the word), on int32 words
+eagerly and uint32 words inside ``torch.compile`` (unsigned arithmetic wraps modulo
+``2**32`` in the generated C++ and Triton: no 64-bit work). ``noise_field`` takes each
+tensor's bits from its own bits of that word as a signed integer, which
+``amp8.quant.scaling.quantize_with_noise`` adds to the value's bits before rounding to
+nearest: 9 integer operations per element for both tensors, against 36 for two
+``lowbias32`` words in int64 halves, and unbiased to within ``2**-19`` of a unit in the
+last place (``noise_field``).
 """
 
 from __future__ import annotations
@@ -139,9 +142,8 @@ def random_bits_at(index: torch.Tensor, key: torch.Tensor | int, numel: int) -> 
     return bits
 
 
-_UPDATE_MULTIPLIER = 0x7FEB352D  # odd, below 2**31: a product with a 32-bit word stays below 2**63
-_FIELD_LOW_BIT = 3  # stream 1 takes the bits from here up (stream 0 the top ones)
-_FIELD_BITS = 16  # random bits of a stream-1 field
+_UPDATE_MULTIPLIER = 0x7FEB352D  # odd: multiplying by it permutes the 32-bit words
+_FIELD_TOP_BIT = 18  # stream 1 takes the word's bits up to here (stream 0 the top ones)
 
 
 def element_index(shape: torch.Size | tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -157,36 +159,48 @@ def element_index(shape: torch.Size | tuple[int, ...], device: torch.device) -> 
 
 def update_words(index: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
     """The 32-bit noise words of an optimizer update: ``((index ^ key) * M) mod 2**32``
-    for element indices ``index`` (non-negative, below ``2**31``) under ``key`` (an int or
-    an integer tensor that broadcasts against ``index``, in ``[0, 2**32)``). int32 words
-    (their bits, two's complement) for an int32 ``index`` outside ``torch.compile``; int64
-    words in ``[0, 2**32)`` otherwise (products below ``2**63``: nothing overflows in the
-    code torch.compile generates). Both give the same bits."""
-    if index.dtype == torch.int32 and not torch.compiler.is_compiling():
-        signed_key = _signed32(key) if isinstance(key, int) else _signed32(key).to(torch.int32)
-        return (index ^ signed_key).mul_(_signed32(_UPDATE_MULTIPLIER))
-    return ((index.to(torch.int64) ^ key) * _UPDATE_MULTIPLIER) & _MASK32
+    for element indices ``index`` (non-negative; past ``2**32`` the words repeat) under
+    ``key`` (an int or an integer tensor that broadcasts against ``index``, in
+    ``[0, 2**32)``). int32 words (their bits, two's complement) eagerly, uint32 words
+    inside ``torch.compile``: the same bits, each computed in 32-bit arithmetic."""
+    if torch.compiler.is_compiling():
+        unsigned_key = key & _MASK32 if isinstance(key, int) else key.to(torch.uint32)
+        return (index.to(torch.uint32) ^ unsigned_key) * _UPDATE_MULTIPLIER
+    signed_key = _signed32(key) if isinstance(key, int) else _signed32(key).to(torch.int32)
+    if index.dtype != torch.int32:  # past 2**31 elements: the index's low 32 bits as int32
+        index = _signed32(index & _MASK32).to(torch.int32)
+    return (index ^ signed_key).mul_(_signed32(_UPDATE_MULTIPLIER))
 
 
 def noise_field(words: torch.Tensor, stream: int, dropped: int) -> torch.Tensor:
-    """The noise stochastic rounding adds below a format's last kept bit: an integer in
-    ``[0, 2**dropped)`` per word of ``update_words``, for the float32 mantissa bits a
-    format drops (13 for FP16, 20 for E4M3). Stream 0 takes the word's top ``dropped``
-    bits; stream 1 takes bits 3 to 18 (16 random bits at the top of the field, the rest
-    zero: an unbiased rounding up to ``2**-16`` of a unit in the last place), so the two
-    tensors of one update round with bits of their own. int32 words in, int32 out;
-    int64 in ``[0, 2**32)`` in, int64 out."""
+    """The noise stochastic rounding adds to a value's bits before rounding to nearest
+    (``amp8.quant.scaling.quantize_with_noise``): a signed int32 in
+    ``[-2**(dropped - 1), 2**(dropped - 1))`` per word of ``update_words``, for the
+    float32 mantissa bits a format drops (13 for FP16, 20 for E4M3). Stream 0 takes the
+    word's top ``dropped`` bits (one arithmetic shift); stream 1 takes bits 0 to 18 at the
+    top of its field (a shift each way, the left one as a multiplication), so the two
+    tensors of one update round with bits of their own wherever stream 0's format drops
+    at most 13 bits (FP16). A field wider than 19 bits has zeros below them: its rounding
+    is unbiased to within ``2**(dropped - 19) / 2**dropped`` of a unit (``2**-19`` for
+    E4M3)."""
+    signed = words.view(torch.int32)
     if stream == 0:
-        if words.dtype == torch.int32:
-            return (words >> (32 - dropped)) & ((1 << dropped) - 1)
-        return words >> (32 - dropped)
+        return signed >> (32 - dropped)
     if stream != 1:
         raise ValueError(f"stream={stream} is not a noise field; use 0 or 1")
-    kept = min(_FIELD_BITS, dropped)
-    shift = dropped - kept - _FIELD_LOW_BIT  # where bit 3 goes: to the bottom of the kept bits
-    mask = ((1 << kept) - 1) << (dropped - kept)
-    moved = words << shift if shift >= 0 else words >> -shift
-    return moved & mask
+    # (a multiplication shifts left: torch has no eager left shift of uint32)
+    return (words * (1 << (31 - _FIELD_TOP_BIT))).view(torch.int32) >> (32 - dropped)
+
+
+def signed_top_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` (1 to 31) highest of the 32 bits in each word of ``random_bits`` as
+    a signed integer in ``[-2**(count - 1), 2**(count - 1))`` (the noise
+    ``amp8.quant.scaling.quantize_with_noise`` takes), int32 from int32 words (in place)
+    and int64 from int64 ones, with the same values."""
+    if bits.dtype == torch.int32:
+        return bits.bitwise_right_shift_(32 - count) if not torch.compiler.is_compiling() else bits >> (32 - count)
+    half = 1 << (count - 1)
+    return ((bits >> (32 - count)) ^ half) - half
 
 
 def top_bits(bits: torch.Tensor, count: int) -> torch.Tensor:

@@ -109,7 +109,7 @@ def quantize_stochastic(
             "stochastic rounding is counter-based: pass amp8.quant.noise.rounding_key(seed, counter)"
         )
     bits = noise.random_bits(x.shape, noise_key, x.device)
-    return quantize_with_noise(x, scale, dtype, noise.top_bits(bits, dropped_bits(dtype)))
+    return quantize_with_noise(x, scale, dtype, noise.signed_top_bits(bits, dropped_bits(dtype)))
 
 
 def dropped_bits(dtype: torch.dtype) -> int:
@@ -118,21 +118,23 @@ def dropped_bits(dtype: torch.dtype) -> int:
 
 
 def quantize_with_noise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
-    """``quantize_stochastic`` with its noise given: an integer in ``[0, 2**dropped)``
-    per element of ``x`` (``dropped_bits(dtype)``; the top bits of ``amp8.quant.noise``'s
-    words, or an optimizer update's ``noise_field``), so many tensors stored in one buffer
-    round as each would alone."""
+    """``quantize_stochastic`` with its noise given: a signed integer in
+    ``[-2**(dropped - 1), 2**(dropped - 1))`` per element of ``x`` (``dropped_bits(dtype)``;
+    ``amp8.quant.noise.signed_top_bits`` of its words, or an optimizer update's
+    ``noise_field``), so many tensors stored in one buffer round as each would alone."""
     scaled = saturate(x, scale, dtype)
     info = torch.finfo(dtype)
-    dropped = dropped_bits(dtype)
     # Below dtype's smallest normal its spacing stays that of the smallest binade: moved up
     # by that binade's power of two, a value rounds like a normal number and moves back exactly.
     offset = (scaled.abs() < info.tiny).to(torch.float32).mul_(info.tiny).copysign_(scaled)
     moved = scaled.add_(offset).view(torch.int32)  # ``scaled`` is this function's own tensor
-    # Adding a random integer below the dropped bits' unit to the magnitude, then dropping
-    # them, rounds away from zero with probability (dropped bits) / unit: unbiased.
-    rounded = moved.add_(noise.to(torch.int32)).bitwise_and_(~((1 << dropped) - 1)).view(torch.float32)
-    return rounded.sub_(offset).to(dtype)
+    # The noise moves the magnitude's bits by less than half the unit of the dropped bits
+    # either way, and the conversion rounds to nearest: a value whose dropped bits are
+    # ``b`` units of ``2**-dropped`` rounds up for ``b`` of the ``2**dropped`` noise values,
+    # so unbiased. Setting the lowest bit leaves no value halfway between two neighbours (a
+    # tie, rounded to even), which would otherwise bias the rounding by one noise value.
+    noisy = moved.add_(noise).bitwise_or_(1).view(torch.float32)
+    return noisy.sub_(offset).to(dtype)
 
 
 def quantize_rounded(

@@ -1,5 +1,6 @@
 """Counter-based noise: the eager int32 hash and the int64 hash torch.compile runs give
-the same bits, equal to the hash computed on Python ints."""
+the same bits, equal to the hash computed on Python ints; an update's 32-bit words and
+fields are the same eagerly (int32) and compiled (uint32)."""
 
 import pytest
 import torch
@@ -41,13 +42,14 @@ def test_compiled_noise_equals_eager() -> None:
 @pytest.mark.parametrize("stream, dropped", [(0, 13), (0, 20), (1, 20), (1, 21)])
 def test_update_noise_fields_are_the_same_eager_and_compiled(key: int, stream: int, dropped: int) -> None:
     """An update's noise field: the same integers from the eager int32 words and from the
-    int64 words torch.compile computes, each in ``[0, 2**dropped)``."""
+    uint32 words torch.compile computes, each in ``[-2**(dropped - 1), 2**(dropped - 1))``."""
     index = noise.element_index((4, 257), torch.device("cpu"))
     eager = noise.noise_field(noise.update_words(index, key), stream, dropped)
     compiled = torch.compile(lambda i, k: noise.noise_field(noise.update_words(i, k), stream, dropped),
                              backend="aot_eager")(index, torch.tensor(key, dtype=torch.int64))
-    assert torch.equal(eager.long(), compiled.long())
-    assert int(eager.min()) >= 0 and int(eager.max()) < 2**dropped
+    assert eager.dtype == compiled.dtype == torch.int32
+    assert torch.equal(eager, compiled)
+    assert int(eager.min()) >= -(2 ** (dropped - 1)) and int(eager.max()) < 2 ** (dropped - 1)
 
 
 def test_the_two_fields_of_one_update_word_are_uncorrelated() -> None:
@@ -58,3 +60,29 @@ def test_the_two_fields_of_one_update_word_are_uncorrelated() -> None:
     second = noise.noise_field(words, 1, 20).double() / 2**20
     correlation = torch.corrcoef(torch.stack([first, second]))[0, 1]
     assert abs(float(correlation)) < 0.02  # about 6 standard errors of independent noise
+
+
+@pytest.mark.parametrize("key", [0, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, noise.rounding_key(3, 5)])
+def test_update_words_are_the_product_modulo_2_to_the_32(key: int) -> None:
+    """Eager words are the int32 bits of ``((index ^ key) * M) mod 2**32`` computed on
+    Python ints, for int32 indices and for int64 ones past ``2**31`` (their low 32 bits)."""
+    small = [0, 1, 2, 1000, 2**31 - 1]
+    large = [2**31, 2**31 + 5, 2**32 - 1, 2**32 + 7]
+    for indices, dtype in ((small, torch.int32), (large, torch.int64)):
+        words = noise.update_words(torch.tensor(indices, dtype=dtype), key)
+        expected = [((i & 0xFFFFFFFF ^ key) * noise._UPDATE_MULTIPLIER) & 0xFFFFFFFF for i in indices]
+        assert words.dtype == torch.int32
+        assert [w & 0xFFFFFFFF for w in words.tolist()] == expected
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("stream, dropped", [(0, 13), (1, 20)])
+def test_update_noise_fields_are_the_same_in_generated_code(stream: int, dropped: int) -> None:
+    """Through Inductor's generated code (uint32 words, wrapping multiplication), under a
+    key tensor and per-row keys as the grouped step passes them, the fields equal the
+    eager ones."""
+    index = noise.element_index((6, 300), torch.device("cpu"))
+    keys = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, noise.rounding_key(3, 5)], dtype=torch.int64)
+    field = torch.compile(lambda i, k: noise.noise_field(noise.update_words(i, k), stream, dropped), dynamic=True)
+    eager = noise.noise_field(noise.update_words(index, keys[:, None]), stream, dropped)
+    assert torch.equal(field(index, keys[:, None]), eager)

@@ -5,7 +5,7 @@ import torch
 
 from amp8.config.formats import E4M3, E5M2, max_value
 from amp8.config.recipe import AmaxAlgo
-from amp8.quant import scaling
+from amp8.quant import noise, scaling
 from conftest import assert_bitwise_equal, assert_sqnr_at_least
 
 FP8 = [E4M3, E5M2]
@@ -199,3 +199,49 @@ def test_a_stack_of_matrices_takes_each_matrixs_own_tiles(tile, stack) -> None:
         alone_data, alone_scale = scaling.quantize_tiles(matrix, E4M3, per_matrix, power_of_2=True)
         assert_bitwise_equal(stored, alone_data)
         assert_bitwise_equal(scales, alone_scale)
+
+
+def _every_noise(dtype: torch.dtype) -> torch.Tensor:
+    """Every signed noise value ``quantize_with_noise`` takes for ``dtype``, in order."""
+    half = 1 << (scaling.dropped_bits(dtype) - 1)
+    return torch.arange(-half, half, dtype=torch.int32)
+
+
+# Values between neighbours, on a neighbour, at the bottom of a binade, below the format's
+# smallest normal (a subnormal result), zero, and the largest finite value.
+_BETWEEN = [1.0 + 2.0**-12, -3.3, 2.0**-3 * (1 + 2.0**-21), 1.0, -0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("value", [*_BETWEEN, "tiny/3", "-tiny*0.7", "max"])
+def test_stochastic_rounding_is_exactly_unbiased_over_all_noise(dtype: torch.dtype, value: float | str) -> None:
+    """Over every noise value, the results average to the value exactly (float64 sums of
+    dtype values are exact here), each one of the value's two neighbours. Below dtype's
+    smallest normal the value is first moved up by it in float32, which rounds away its
+    bits below float32's spacing there: the average is that moved value's, moved back."""
+    info = torch.finfo(dtype)
+    x = {"tiny/3": info.tiny / 3, "-tiny*0.7": -info.tiny * 0.7, "max": info.max}.get(value, value)
+    x = torch.tensor(x, dtype=torch.float32)
+    every = _every_noise(dtype)
+    rounded = scaling.quantize_with_noise(x.expand(every.numel()).clone(), torch.ones(()), dtype, every.clone())
+    results = rounded.double()
+    offset = torch.tensor(info.tiny if abs(float(x)) < info.tiny else 0.0).copysign(x)
+    assert float(results.sum()) == float(((x + offset) - offset).double()) * every.numel()
+    assert len(set(results.unique().tolist())) <= 2
+    down, up = float(results.min()), float(results.max())
+    assert down <= float(x) <= up
+
+
+@pytest.mark.parametrize("dtype, dropped", [(torch.float16, 13), (E4M3, 20)], ids=["fp16", "e4m3"])
+def test_the_second_noise_field_rounds_unbiased_to_its_stated_bound(dtype: torch.dtype, dropped: int) -> None:
+    """The first moment's field (stream 1) from every value of the word bits it reads:
+    the mean result is within ``2**-19`` of a unit of the value (exact for FP16, whose
+    field has all 13 bits of its own)."""
+    words = torch.arange(1 << 19, dtype=torch.int32) * 97 + (1 << 30)  # any bits above 18
+    field = noise.noise_field(words, 1, dropped)
+    unit = 2.0 ** (scaling.dropped_bits(dtype) - 23)  # of values in [1, 2)
+    for fraction in (0.0, 1 / 3, 0.5, 0.999):
+        x = torch.tensor(1.0 + fraction * unit, dtype=torch.float32)
+        mean = scaling.quantize_with_noise(x.expand(field.numel()).clone(), torch.ones(()), dtype, field).double().mean()
+        bound = 0.0 if dropped <= 19 else 2.0**-19 * unit
+        assert abs(float(mean) - float(x)) <= bound, fraction
