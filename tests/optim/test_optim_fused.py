@@ -16,7 +16,7 @@ from amp8.optim.group_step import COMPILE_OPTIONS
 from amp8.quant import noise, scaling
 from amp8.quant.scaling import sqnr
 from amp8.tensor import stored_weight
-from conftest import assert_bitwise_equal, resume_from_checkpoint, train_steps
+from conftest import assert_bitwise_equal, cuda_fp8, resume_from_checkpoint, train_steps
 
 STEPS = 4
 
@@ -26,13 +26,14 @@ def _fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
 
 
 def _twin_optimizers(
-    level: str, recipe: amp8.Recipe = amp8.Recipe(), bias: bool = False, grouped: bool = True, **options
+    level: str, recipe: amp8.Recipe = amp8.Recipe(), bias: bool = False, grouped: bool = True,
+    device: str = "cpu", **options
 ) -> tuple[list[nn.Module], list[LowBitAdam]]:
-    """Two copies of one model (layers of two shapes) with the reference optimizer (each
-    tensor on its own, eager) and a compiled one (in update groups where ``grouped``);
-    ``options`` go to ``torch.optim.AdamW`` or ``Adam``."""
+    """Two copies of one model (layers of two shapes) on ``device`` with the reference
+    optimizer (each tensor on its own, eager) and a compiled one (in update groups where
+    ``grouped``); ``options`` go to ``torch.optim.AdamW`` or ``Adam``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 16, bias=bias))
+    model = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 16, bias=bias)).to(device)
     model, _ = amp8.initialize(model, None, level, recipe)
     models = [model, copy.deepcopy(model)]
     optimizer_class = torch.optim.Adam if options.pop("adam", False) else torch.optim.AdamW
@@ -49,7 +50,7 @@ def _step_both_with_the_same_gradients(models: list[nn.Module], optimizers: list
     reference, other = models
     for optimizer in optimizers:
         optimizer.zero_grad()
-    reference(torch.randn(8, 32)).pow(2).mean().backward()
+    reference(torch.randn(8, 32).to(next(reference.parameters()).device)).pow(2).mean().backward()
     for param, twin in zip(reference.parameters(), other.parameters()):
         if param.grad is not None:
             twin.grad = param.grad.clone()
@@ -121,6 +122,18 @@ def test_fused_step_matches_the_reference_step(level: str) -> None:
     weight values per step one ulp apart (a multiply-add contracted to an FMA), O1's FP32
     moments within 1 ulp."""
     models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1)
+    _step_and_compare(models, optimizers)
+    assert len(optimizers[1].compiled_specs) == 1, "both shapes should share one graph"
+
+
+@cuda_fp8
+@pytest.mark.compile
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_fused_step_on_cuda_matches_the_reference_step(level: str) -> None:
+    """The same on a CUDA GPU, where the compiled update runs as Triton kernels (32-bit
+    noise words whose products wrap, signed noise fields): a noise that differed from the
+    reference step's would move about half the stochastically rounded values by a step."""
+    models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1, device="cuda")
     _step_and_compare(models, optimizers)
     assert len(optimizers[1].compiled_specs) == 1, "both shapes should share one graph"
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from amp8.quant import noise
+from conftest import cuda_fp8
 
 
 def _int64_uniform(numel: int, key: int) -> torch.Tensor:
@@ -75,14 +76,29 @@ def test_update_words_are_the_product_modulo_2_to_the_32(key: int) -> None:
         assert [w & 0xFFFFFFFF for w in words.tolist()] == expected
 
 
+def _fields_compiled_and_eager(device: str, stream: int, dropped: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An update's noise fields through Inductor's generated code and eagerly, on
+    ``device``, under per-row keys as the grouped step passes them."""
+    index = noise.element_index((6, 300), torch.device(device))
+    keys = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, noise.rounding_key(3, 5)], dtype=torch.int64)
+    keys = keys.to(device)[:, None]
+    field = torch.compile(lambda i, k: noise.noise_field(noise.update_words(i, k), stream, dropped), dynamic=True)
+    return field(index, keys), noise.noise_field(noise.update_words(index, keys), stream, dropped)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("stream, dropped", [(0, 13), (1, 20)])
 def test_update_noise_fields_are_the_same_in_generated_code(stream: int, dropped: int) -> None:
-    """Through Inductor's generated code (uint32 words, wrapping multiplication), under a
-    key tensor and per-row keys as the grouped step passes them, the fields equal the
+    """Through Inductor's C++ (uint32 words, wrapping multiplication) the fields equal the
     eager ones."""
-    index = noise.element_index((6, 300), torch.device("cpu"))
-    keys = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, noise.rounding_key(3, 5)], dtype=torch.int64)
-    field = torch.compile(lambda i, k: noise.noise_field(noise.update_words(i, k), stream, dropped), dynamic=True)
-    eager = noise.noise_field(noise.update_words(index, keys[:, None]), stream, dropped)
-    assert torch.equal(field(index, keys[:, None]), eager)
+    compiled, eager = _fields_compiled_and_eager("cpu", stream, dropped)
+    assert torch.equal(compiled, eager)
+
+
+@cuda_fp8
+@pytest.mark.compile
+@pytest.mark.parametrize("stream, dropped", [(0, 13), (1, 20)])
+def test_update_noise_fields_are_the_same_in_triton_kernels(stream: int, dropped: int) -> None:
+    """The same through the Triton kernels Inductor writes for a CUDA GPU."""
+    compiled, eager = _fields_compiled_and_eager("cuda", stream, dropped)
+    assert torch.equal(compiled.cpu(), eager.cpu())
