@@ -268,18 +268,23 @@ class GroupSteps:
         step = self._steps.get(spec)
         if step is None:
             step = self._steps[spec] = self._build(spec)
-        row_amaxes = step(tensors, *args)
-        if bounds_per_tensor(spec):
-            keep_amaxes(tensors, row_amaxes, args[-1])
+        step(tensors, *args)
 
     def _build(self, spec: UpdateSpec) -> Callable[..., Any]:
+        """The step of ``spec``: the update, and where it bounds a scale per tensor the
+        tensors' amaxes kept after it (decided once per spec, not per step)."""
         def step(*args: Any) -> torch.Tensor:
             return adam_group_step(spec, *args)
 
-        if not self.compile:
-            return step
         # Every spec of every optimizer keeps its own graphs and recompile limit.
-        return compile_privately(step, COMPILE_OPTIONS)
+        update = compile_privately(step, COMPILE_OPTIONS) if self.compile else step
+        if not bounds_per_tensor(spec):
+            return update
+
+        def update_and_keep_amaxes(tensors: GroupTensors, *args: Any) -> None:
+            keep_amaxes(tensors, update(tensors, *args), args[-1])
+
+        return update_and_keep_amaxes
 
     @property
     def specs(self) -> tuple[UpdateSpec, ...]:

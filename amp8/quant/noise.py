@@ -183,9 +183,8 @@ def noise_field(words: torch.Tensor, stream: int, dropped: int) -> torch.Tensor:
     at most 13 bits (FP16). A field wider than 19 bits has zeros below them: its rounding
     is unbiased to within ``2**(dropped - 19) / 2**dropped`` of a unit (``2**-19`` for
     E4M3)."""
-    signed = words.view(torch.int32)
     if stream == 0:
-        return signed >> (32 - dropped)
+        return words.view(torch.int32) >> (32 - dropped)
     if stream != 1:
         raise ValueError(f"stream={stream} is not a noise field; use 0 or 1")
     # (a multiplication shifts left: torch has no eager left shift of uint32)
