@@ -162,8 +162,11 @@ def update_words(index: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
     for element indices ``index`` (non-negative; past ``2**32`` the words repeat) under
     ``key`` (an int or an integer tensor that broadcasts against ``index``, in
     ``[0, 2**32)``). int32 words (their bits, two's complement) eagerly, uint32 words
-    inside ``torch.compile``: the same bits, each computed in 32-bit arithmetic."""
+    inside ``torch.compile`` (32-bit arithmetic whose products wrap), int64 words in
+    ``[0, 2**32)`` where Inductor writes C++ (``_cpp_kernels``): the same bits."""
     if torch.compiler.is_compiling():
+        if _cpp_kernels(index):  # int64 words in [0, 2**32): products below 2**63
+            return ((index.to(torch.int64) ^ key) * _UPDATE_MULTIPLIER) & _MASK32
         unsigned_key = key & _MASK32 if isinstance(key, int) else key.to(torch.uint32)
         return (index.to(torch.uint32) ^ unsigned_key) * _UPDATE_MULTIPLIER
     signed_key = _signed32(key) if isinstance(key, int) else _signed32(key).to(torch.int32)
@@ -183,12 +186,23 @@ def noise_field(words: torch.Tensor, stream: int, dropped: int) -> torch.Tensor:
     at most 13 bits (FP16). A field wider than 19 bits has zeros below them: its rounding
     is unbiased to within ``2**(dropped - 19) / 2**dropped`` of a unit (``2**-19`` for
     E4M3)."""
+    if stream not in (0, 1):
+        raise ValueError(f"stream={stream} is not a noise field; use 0 or 1")
+    if words.dtype == torch.int64:  # Inductor's C++ (``update_words``): the same field, no overflow
+        if stream == 1:
+            words = (words << (31 - _FIELD_TOP_BIT)) & _MASK32
+        return ((words >> (32 - dropped)) - ((words >> 31) << dropped)).to(torch.int32)  # (sign-extended)
     if stream == 0:
         return words.view(torch.int32) >> (32 - dropped)
-    if stream != 1:
-        raise ValueError(f"stream={stream} is not a noise field; use 0 or 1")
     # (a multiplication shifts left: torch has no eager left shift of uint32)
     return (words * (1 << (31 - _FIELD_TOP_BIT))).view(torch.int32) >> (32 - dropped)
+
+
+def _cpp_kernels(index: torch.Tensor) -> bool:
+    """Whether Inductor compiles the words of ``index`` to C++ (a CPU tensor, the default
+    CPU backend), which leaves a loop holding uint32 values unvectorized (the compiled
+    O1 update over 8M parameters took 5.6x as long): there the words are int64."""
+    return index.device.type == "cpu" and torch._inductor.config.cpu_backend == "cpp"
 
 
 def signed_top_bits(bits: torch.Tensor, count: int) -> torch.Tensor:

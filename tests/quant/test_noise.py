@@ -39,15 +39,19 @@ def test_compiled_noise_equals_eager() -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("cpu_backend", ["triton", "cpp"], ids=["uint32 words", "int64 words"])
 @pytest.mark.parametrize("key", [0, 0x7FFFFFFF, 0xFFFFFFFF, noise.rounding_key(3, 5)])
 @pytest.mark.parametrize("stream, dropped", [(0, 13), (0, 20), (1, 20), (1, 21)])
-def test_update_noise_fields_are_the_same_eager_and_compiled(key: int, stream: int, dropped: int) -> None:
+def test_update_noise_fields_are_the_same_eager_and_compiled(key: int, stream: int, dropped: int,
+                                                             cpu_backend: str) -> None:
     """An update's noise field: the same integers from the eager int32 words and from the
-    uint32 words torch.compile computes, each in ``[-2**(dropped - 1), 2**(dropped - 1))``."""
+    words torch.compile computes (uint32 for Triton kernels, int64 for Inductor's C++),
+    each in ``[-2**(dropped - 1), 2**(dropped - 1))``."""
     index = noise.element_index((4, 257), torch.device("cpu"))
     eager = noise.noise_field(noise.update_words(index, key), stream, dropped)
-    compiled = torch.compile(lambda i, k: noise.noise_field(noise.update_words(i, k), stream, dropped),
-                             backend="aot_eager")(index, torch.tensor(key, dtype=torch.int64))
+    with torch._inductor.config.patch(cpu_backend=cpu_backend):
+        compiled = torch.compile(lambda i, k: noise.noise_field(noise.update_words(i, k), stream, dropped),
+                                 backend="aot_eager")(index, torch.tensor(key, dtype=torch.int64))
     assert eager.dtype == compiled.dtype == torch.int32
     assert torch.equal(eager, compiled)
     assert int(eager.min()) >= -(2 ** (dropped - 1)) and int(eager.max()) < 2 ** (dropped - 1)
@@ -89,8 +93,8 @@ def _fields_compiled_and_eager(device: str, stream: int, dropped: int) -> tuple[
 @pytest.mark.compile
 @pytest.mark.parametrize("stream, dropped", [(0, 13), (1, 20)])
 def test_update_noise_fields_are_the_same_in_generated_code(stream: int, dropped: int) -> None:
-    """Through Inductor's C++ (uint32 words, wrapping multiplication) the fields equal the
-    eager ones."""
+    """Through Inductor's C++ (int64 words, whose loops it vectorizes) the fields equal
+    the eager ones."""
     compiled, eager = _fields_compiled_and_eager("cpu", stream, dropped)
     assert torch.equal(compiled, eager)
 
