@@ -28,6 +28,11 @@ from torch import nn
 AMP8 = Path(__file__).resolve().parents[1] / "amp8"
 
 ALLOWED: dict[str, str] = {
+    "torch._inductor": (
+        "config.cpu_backend, read while tracing the optimizer's noise words: Inductor's C++ "
+        "leaves loops holding uint32 values unvectorized (5-6x slower), so there the words stay "
+        "int64, and torch has no public way to ask which backend compiles a CPU graph"
+    ),
     # -- the scope: torch.distributed, DDP, the autograd engine ------------------------------
     "_ddp_params_and_buffers_to_ignore": (
         "DDP's only opt-out for parameters and buffers: its constructor reads this attribute of "
