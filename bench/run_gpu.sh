@@ -10,6 +10,8 @@
 #                                                    # limits and budget x3 (about 4 minutes)
 #     bash bench/run_gpu.sh --cpu-check --quick /tmp/check   # no compiling but O1's optimizer
 #                                                    # step, tests not collected (about 30 s)
+#     bash bench/run_gpu.sh --steps optimizer,gpt /tmp/h100  # only the steps named, in the
+#                                                    # script's order
 #
 # Steps, most important first (limit in seconds on the GPU, as an H200 with torch 2.11
 # needed on 2026-11-28; steps 1-5 add up to 830, so the default budget cuts the tests):
@@ -22,10 +24,9 @@
 #                     tokens) as amp8 compiles them (dynamic shapes) and for static shapes,
 #                     their kernels on the device clock; the generated code of both in
 #                     OUT/kernel-sources.tar.gz
-#   4 gpt        290  gpt-1b training step: BF16, torchao tensorwise and rowwise, amp8 O1/O2/O3,
-#                     compiled then eager (amp8 O2 compiled with its FP8 gradients copied in
-#                     at the step, as before they took their slots; amp8 O1/O2 eager with
-#                     compiled casts too), the optimizer timed apart
+#   4 gpt        290  gpt-1b training step: BF16, torchao tensorwise, amp8 O1/O2/O3, compiled
+#                     then eager (amp8 O1/O2 eager with compiled casts too), the optimizer
+#                     timed apart
 #   5 cuda-tests 240  the CUDA-only tests (pytest -m cuda), each failure printed as it
 #                     happens; their output in OUT/cuda-tests.log
 #   6 llama      150  the same step, compiled, on four layers of Llama-3-8B's shapes, in what
@@ -58,6 +59,7 @@ mode=gpu
 quick=0
 budget=""
 out=""
+only=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu-check) mode=cpu ;;
@@ -67,6 +69,11 @@ while [ $# -gt 0 ]; do
                 echo "--budget takes whole seconds, e.g. --budget 540" >&2; exit 64
             fi
             budget=$2; shift ;;
+        --steps)
+            if [[ $# -lt 2 || ! "$2" =~ ^[a-z,-]+$ ]]; then
+                echo "--steps takes step names joined by commas, e.g. --steps optimizer,gpt" >&2; exit 64
+            fi
+            only=$2; shift ;;
         -h|--help) usage; exit 0 ;;
         -*) echo "unknown option $1; see bash $0 --help" >&2; exit 64 ;;
         *) out=$1 ;;
@@ -99,7 +106,10 @@ if [ "$mode" = gpu ]; then
     device=cuda
     tests=(-m cuda -n 12 -v --tb=short --continue-on-collection-errors tests)  # -v: each result named as it ends
     optimizer=(--sizes 1000 300 --widths 1024 --repeats 3)  # the targets' size first
-    gpt=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5)
+    # torchao rowwise (measured 2026-11-28) and amp8 O2 with compiled slots (2026-11-30)
+    # each compile the model once more, which the budget spends better on the tests
+    gpt=(--preset gpt-1b --batch-size 8 --warmup 2 --steps 5 --runs baseline torchao "amp8 O1" "amp8 O2"
+         "amp8 O3" "amp8 O1 compiled casts" "amp8 O2 compiled casts")
     llama=(--preset llama3-8b-layers --batch-size 1 --warmup 2 --steps 5 --modes compiled)
     linear=(--shapes 16,64,64 1024,2048,1024 4096,8192,16384 8192,8192,8192 --warmup 5 --repeats 20)
     kernels=(--millions 300)
@@ -131,10 +141,18 @@ else
 fi
 python -c "import sys; sys.path.insert(0, 'bench'); from common import torchao_float8; print('torchao:', torchao_float8()[1])"
 
+asked() {  # asked NAME: whether --steps (or its absence) asks for the step NAME
+    [ -z "$only" ] || [[ ",$only," == *",$1,"* ]]
+}
+
 step() {  # step BIT NAME SECONDS LOG COMMAND...: run COMMAND within SECONDS and the budget left,
           # its output also in the file LOG (- for none); a failure sets BIT in the exit status
     local bit=$1 name=$2 limit=$(($3 * scale)) log=$4
     shift 4
+    if ! asked "$name"; then
+        echo "== $name: not asked for (--steps $only)"
+        return
+    fi
     local left=$((budget - (SECONDS - start_all)))
     if [ "$limit" -gt "$left" ]; then limit=$left; fi
     if [ "$limit" -le 0 ]; then
@@ -163,7 +181,7 @@ step() {  # step BIT NAME SECONDS LOG COMMAND...: run COMMAND within SECONDS and
 
 step 2 optimizer 150 - python bench/optimizer.py --device $device "${optimizer[@]}" --fused-only --no-memory --out "$out"
 step 32 kernels 60 - python bench/optimizer_kernels.py --device $device "${kernels[@]}" --out "$out"
-if [ ${#static_shapes[@]} -gt 0 ]; then
+if [ ${#static_shapes[@]} -gt 0 ] && asked static-shapes; then
     # Inductor's code for both variants, in a cache of this step's own, packed for reading.
     sources="$out/kernel-sources"
     rm -rf "$sources" && mkdir -p "$sources"
@@ -171,16 +189,20 @@ if [ ${#static_shapes[@]} -gt 0 ]; then
         python bench/static_shapes.py --device $device "${static_shapes[@]}" --out "$out"
     (cd "$sources" && grep -rl --include='*.py' async_compile . | tar czf "$out/kernel-sources.tar.gz" -T -)
     rm -rf "$sources"
-else
+elif asked static-shapes; then
     echo "== static-shapes: skipped (--quick: it compiles)"
+else
+    echo "== static-shapes: not asked for (--steps $only)"
 fi
 step 4 gpt 290 - python bench/gpt.py --device $device "${gpt[@]}" --out "$out"
 if [ ${#tests[@]} -gt 0 ]; then
     # Each failure's traceback as its test ends: a run cut off at its limit still says why.
     step 1 cuda-tests 240 "$out/cuda-tests.log" env AMP8_SHOW_FAILURES_AT_ONCE=1 \
         python -m pytest -p no:cacheprovider "${tests[@]}"
-else
+elif asked cuda-tests; then
     echo "== cuda-tests: skipped (--quick)"
+else
+    echo "== cuda-tests: not asked for (--steps $only)"
 fi
 step 8 llama 150 - python bench/gpt.py --device $device "${llama[@]}" --out "$out"
 step 16 linear 90 - python bench/linear.py --device $device "${linear[@]}" --out "$out"

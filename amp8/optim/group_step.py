@@ -75,7 +75,13 @@ def stored_row_amax(data: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor
     """Each row's amax of the real values ``data`` (rows, width) stores under ``row_scale``
     (rows, 1), as (rows,): taken over the data, then divided by the row's scale, which
     scales a row's values alike (the amax of the decoded row, bit for bit)."""
-    return data.float().abs().amax(dim=1, keepdim=True).div(row_scale).squeeze(1)
+    # FP16 and BF16 data: the amax in their own dtype (abs and max round nothing), so that
+    # no float32 conversion follows the one that stored them. torch 2.11's Inductor folds
+    # ``x.to(float16).float()`` into ``x`` even under emulate_precision_casts: the amax was
+    # then the unrounded values', and a resumed run, which measures the stored ones, parted
+    # from an uninterrupted one.
+    stored = data if data.element_size() == 2 else data.float()
+    return stored.abs().amax(dim=1, keepdim=True).float().div(row_scale).squeeze(1)
 
 
 def per_tensor_max(row_values: torch.Tensor, tensors: GroupTensors) -> torch.Tensor:

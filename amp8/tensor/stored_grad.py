@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from amp8.config.recipe import Recipe
 from amp8.tensor.scaled import ScaledTensor
+from amp8.tensor import weight_grad
 from amp8.tensor.weight_grad import COMPILED_SLOTS, GradLayout, GradSlot, WeightGrad
 from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 
@@ -59,8 +60,10 @@ class GradHome:
 
     def backward_slot(self) -> GradSlot | None:
         """The slot the layer's backward is given: ``grad_slot``, but None inside a
-        compiled graph in a torch that cannot pass one through it (``COMPILED_SLOTS``)."""
-        if not COMPILED_SLOTS and torch.compiler.is_compiling():
+        compiled graph unless compiled backwards take slots
+        (``weight_grad.COMPILED_SLOT_MIN_ELEMENTS`` set, in a torch that can pass one
+        through a graph, ``COMPILED_SLOTS``): the graph then holds no slot at all."""
+        if torch.compiler.is_compiling() and (not COMPILED_SLOTS or weight_grad.COMPILED_SLOT_MIN_ELEMENTS is None):
             return None
         return self.grad_slot
 

@@ -103,13 +103,14 @@ def _quantized_into(layout: GradLayout, value: torch.Tensor, data: torch.Tensor,
     del fp8
 
 
-# A compiled backward reaches a slot through an operator of its own (``weight_grad_parts``)
-# whose quantization runs outside the graph: 45-100 us of host time a layer on the CPU
-# (an operator call, then amp8's own compiled or eager quantization), against 2 bytes an
-# element of device time for the gradient's copy into its group at the step. Gradients
-# from 2048 x 2048 elements on take the slot: their layers' backward keeps a GPU busy far
-# longer than the host takes. Smaller ones are quantized inside the graph and copied in.
-COMPILED_SLOT_MIN_ELEMENTS = 1 << 22
+# A compiled backward can reach a slot through an operator of its own
+# (``weight_grad_parts``) whose quantization then runs outside the graph. On an H200 that
+# cost a gpt-1b step (O2, compiled blocks, batch 8) 46 ms of its 169 ms forward and
+# backward, against about 1 ms for copying the gradients into their groups at the step
+# (docs/decisions.md, 2026-11-30), so by default (None) compiled backwards take no slot:
+# they quantize inside the graph and the step copies the gradient in. Set to a number of
+# elements, gradients of that size or more take the slot.
+COMPILED_SLOT_MIN_ELEMENTS: int | None = None
 
 
 class GradSlot(OpaqueReferenceBase):
@@ -125,10 +126,12 @@ class GradSlot(OpaqueReferenceBase):
     ``gradient_as_bucket_view``, the gradient a step has read is overwritten by the next
     backward after ``zero_grad``: clone a gradient to keep it.
 
-    A compiled backward reaches the slot through ``torch.ops.amp8.weight_grad_parts``,
-    which torch.compile passes the slot to as an object it does not look into
-    (``amp8._compat.register_opaque_reference``): the claim runs when the backward runs, as
-    it does eagerly. In a torch without opaque objects compiled backwards take no slot."""
+    Where ``COMPILED_SLOT_MIN_ELEMENTS`` is set (by default it is not: measured, the copy
+    at the step costs a GPU less), a compiled backward reaches the slot through
+    ``torch.ops.amp8.weight_grad_parts``, which torch.compile passes the slot to as an
+    object it does not look into (``amp8._compat.register_opaque_reference``): the claim
+    runs when the backward runs, as it does eagerly. In a torch without opaque objects
+    compiled backwards take no slot."""
 
     __slots__ = ("data", "scale", "_param", "_round", "_claimed_in")
 
@@ -259,9 +262,10 @@ class WeightGrad(WeightGradDispatch):
         ``slot`` where it may be claimed (``GradSlot``), else in memory of its own. The
         quantization runs as compiled kernels as ``compiled`` says
         (``amp8._compiled.runs_compiled``), with the same bits. Inside a compiled graph
-        only gradients of ``COMPILED_SLOT_MIN_ELEMENTS`` elements or more go to the slot."""
+        only gradients of ``COMPILED_SLOT_MIN_ELEMENTS`` elements or more go to the slot
+        (none by default)."""
         if slot is not None and torch.compiler.is_compiling():  # (a slot reaches a graph only where COMPILED_SLOTS)
-            if value.numel() >= COMPILED_SLOT_MIN_ELEMENTS:
+            if COMPILED_SLOT_MIN_ELEMENTS is not None and value.numel() >= COMPILED_SLOT_MIN_ELEMENTS:
                 data, scale = torch.ops.amp8.weight_grad_parts(
                     value, slot, layout.dtype, None if layout.tile is None else list(layout.tile),
                     layout.block_size, layout.margin, layout.power_of_2, compiled,

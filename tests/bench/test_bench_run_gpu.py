@@ -30,9 +30,21 @@ def test_run_gpu_cpu_check_runs_every_python_step(tmp_path: Path) -> None:
     assert llama["runs"]["amp8 O2"]["eager"]["optimizer_ms"] > 0
 
 
+def test_run_gpu_runs_only_the_steps_asked_for(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--cpu-check", "--quick", "--steps", "linear",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "run_gpu.log").read_text()
+    assert re.search(r"^== linear: \d+ s, ok$", log, re.MULTILINE), log[-2000:]
+    for step in ("optimizer", "kernels", "static-shapes", "gpt", "cuda-tests", "llama", "plain", "sweep"):
+        assert f"== {step}: not asked for (--steps linear)" in log, log[-2000:]
+    assert {path.name for path in tmp_path.glob("*.json")} == {"linear-cpu.json"}
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--budget", "soon"], "--budget takes whole seconds"), (["--quick"], "--quick goes with --cpu-check"),
-    (["--fast"], "unknown option --fast"),
+    (["--fast"], "unknown option --fast"), (["--steps", "gpt;ls"], "--steps takes step names"),
 ])
 def test_run_gpu_refuses_bad_arguments(tmp_path: Path, arguments: list[str], message: str) -> None:
     done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), *arguments, str(tmp_path)],

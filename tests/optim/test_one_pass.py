@@ -155,8 +155,9 @@ def test_a_compiled_backward_writes_fp8_gradients_where_the_step_reads_them(
 
 @pytest.mark.compile
 def test_a_compiled_backward_quantizes_small_gradients_in_its_graph() -> None:
-    """Below ``COMPILED_SLOT_MIN_ELEMENTS`` a compiled backward quantizes the gradient
-    inside its graph, into memory of its own (the step copies it in), with the same bits."""
+    """By default (``COMPILED_SLOT_MIN_ELEMENTS`` None) a compiled backward quantizes the
+    gradient inside its graph, into memory of its own (the step copies it in), with the
+    same bits."""
     eager_weights, _, eager_placed = _train_tokens("O2", False, "one")
     weights, _, placed = _train_tokens("O2", True, "one")
     assert all(eager_placed[1]) and placed[1] and not any(placed[1])
@@ -328,3 +329,33 @@ def test_o3_fp8_weight_row_scales_come_from_bounds(fused: bool) -> None:
     assert_bitwise_equal(tensors.fp8_weight_scale, expected)
     exact = spec.fp8_weight.scales(tensors.row_amaxes[2], previous_scales)
     assert bool((exact != tensors.fp8_weight_scale).any()), "no row where the bound's scale differs: the test shows nothing"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_the_amaxes_a_compiled_step_keeps_are_those_of_what_it_stores(level: str, recipe: str) -> None:
+    """The amaxes a step keeps for the next step's bounds (per tensor or per row, as each
+    stored tensor is scaled) equal those measured again off the stored buffers, which is
+    what a resumed optimizer starts from. torch 2.11's Inductor folded the FP16 rounding
+    out of the kept amax (``x.to(float16).float()`` into ``x``), and resumed runs parted
+    from uninterrupted ones."""
+    from amp8.optim.group_step import measure_amaxes
+
+    torch.manual_seed(0)
+    model, _ = amp8.initialize(_model(3, bias=True), None, level, amp8.Recipe.preset(recipe), layer_selection="all")
+    optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=level, fused=True)
+    checked = 0
+    for _ in range(3):
+        _backward(model, optimizer)
+        optimizer.step()
+        for group in optimizer.update_groups:
+            spec, tensors = group.key.spec, group.tensors
+            kept = tensors.amaxes.clone(), tensors.row_amaxes.clone()
+            measure_amaxes(spec, tensors)
+            for index, layout in enumerate((spec.exp_avg, spec.exp_avg_sq, spec.weight_layout)):
+                if layout.scaled:
+                    amaxes, measured = (kept[1], tensors.row_amaxes) if layout.per_row else (kept[0], tensors.amaxes)
+                    assert_bitwise_equal(amaxes[index], measured[index])
+                    checked += 1
+    assert checked >= 3 * (1 if level == "O1" else 3)  # O1's moments are float32, unscaled
