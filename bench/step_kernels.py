@@ -43,7 +43,7 @@ def profile_steps(run: str, mode: str, preset: str, batch_size: int, warmup: int
     reset_compiler()
     config = GPT_PRESETS[preset] if preset in GPT_PRESETS else LLAMA_PRESETS[preset]
     batches = make_batches(config, batch_size, warmup + steps, device)
-    _, to_torchao = torchao_float8()
+    to_torchao, _ = torchao_float8()
     model, optimizer = build(run, config, device, to_torchao)
     module = compile_model(model, "blocks") if mode == "compiled" else model
     clock = PhaseClock(device)

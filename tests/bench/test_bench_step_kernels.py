@@ -39,3 +39,19 @@ def test_step_kernels_lists_a_steps_operations_by_time(tmp_path: Path) -> None:
     by_kind = record["ms_per_step_by_kind"]
     assert sum(by_kind.values()) == pytest.approx(sum(times))
     assert any(row["kernel"] == "aten::mm" and row["calls_per_step"] >= 1 for row in kernels)
+
+
+@pytest.mark.slow
+def test_step_kernels_converts_a_torchao_run_with_torchao(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torchao run goes through torchao's converter (here a stand-in that records its
+    call and leaves the model as it is), on any machine."""
+    converted: list[str] = []
+
+    def convert(module: torch.nn.Module, recipe: str = "tensorwise", module_filter_fn: object = None) -> torch.nn.Module:
+        converted.append(recipe)
+        return module
+
+    monkeypatch.setattr(step_kernels, "torchao_float8", lambda: (convert, "available: a stand-in"))
+    step_kernels.main(["--device", "cpu", "--preset", "tiny", "--run", "torchao rowwise", "--mode", "eager",
+                       "--batch-size", "2", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
+    assert converted == ["rowwise"]
