@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from amp8.config.recipe import Recipe
-from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor import weight_grad
+from amp8.tensor.scaled import ScaledTensor
 from amp8.tensor.weight_grad import COMPILED_SLOTS, GradLayout, GradSlot, WeightGrad
 from amp8.tensor.weight_grad_ops import PLAIN_GRAD_FIX
 

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp8
 from amp8.optim import LowBitAdam
+from amp8.optim.group_step import measure_amaxes
 from amp8.tensor import weight_grad
 from conftest import assert_bitwise_equal, load_bench
 
@@ -340,8 +341,6 @@ def test_the_amaxes_a_compiled_step_keeps_are_those_of_what_it_stores(level: str
     what a resumed optimizer starts from. torch 2.11's Inductor folded the FP16 rounding
     out of the kept amax (``x.to(float16).float()`` into ``x``), and resumed runs parted
     from uninterrupted ones."""
-    from amp8.optim.group_step import measure_amaxes
-
     torch.manual_seed(0)
     model, _ = amp8.initialize(_model(3, bias=True), None, level, amp8.Recipe.preset(recipe), layer_selection="all")
     optimizer = LowBitAdam(model.parameters(), lr=1e-2, level=level, fused=True)
