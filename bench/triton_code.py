@@ -54,6 +54,27 @@ _SIZE_HINTS = re.compile(r"size_hints=\{([^}]*)\}")
 _STATEMENT = re.compile(r"^\s+_?tmp\d+ = ", re.MULTILINE)
 _DIVISION = re.compile(r"= \(tmp\d+ / tmp\d+\)")
 _CONVERSION = re.compile(r"\.to\(tl\.float(?:16|32)\)")
+_ASSIGNMENT = re.compile(r"^\s+(\w+) = (.*)$", re.MULTILINE)
+_NAME = re.compile(r"\b[A-Za-z_]\w*\b")
+_ELEMENT_INDEX = re.compile(r"^r0_|^rindex$|^roffset$|^rbase$")
+_REDUCTION_CALL = re.compile(r"\b(?:max2|min2|sum|reduce|welford\w*)\(")
+
+
+def element_statements(body: str) -> list[str]:
+    """A reduction kernel's statements whose values differ from element to element of a
+    row (they read the reduced dim's index, or such a value): what runs once per element.
+    The rest are per row or constant, and Triton's loop-invariant code motion computes them
+    once outside the loop, wherever Inductor wrote them."""
+    varying: set[str] = set()
+    statements = []
+    for name, value in _ASSIGNMENT.findall(body):
+        if _REDUCTION_CALL.search(value):  # a row's reduction: one value per row
+            continue
+        if _ELEMENT_INDEX.match(name) or any(n in varying or _ELEMENT_INDEX.match(n) for n in _NAME.findall(value)):
+            varying.add(name)
+            if re.fullmatch(r"_?tmp\d+", name):
+                statements.append(value)
+    return statements
 
 
 def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
@@ -62,7 +83,8 @@ def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
     over the reduced dim, loads and stores, and its arithmetic: the values it computes
     (``tmpN = ...`` statements; inside a loop, each per element) and, of them, float
     divisions (several instructions each on a GPU) and conversions between float16 and
-    float32 (issued at a fraction of the float32 rate)."""
+    float32 (issued at a fraction of the float32 rate); for a reduction, the same counts
+    over the statements computed per element of a row (``element_statements``)."""
     kernels = []
     for match in _KERNEL.finditer(wrapper_code):
         end = wrapper_code.find("''', device_str", match.end())
@@ -75,10 +97,15 @@ def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
         name = match.group(1)
         kind = "pointwise" if name.startswith("triton_poi") else "looped reduction" if loops else \
             "persistent reduction" if name.startswith(("triton_per", "triton_red")) else "other"
+        per_element = element_statements(body) if kind.endswith("reduction") else []
         kernels.append({"name": name, "kind": kind, "loops": loops, "size_hint": elements,
                         "loads": body.count("tl.load("), "stores": body.count("tl.store("),
                         "statements": len(_STATEMENT.findall(body)), "divisions": len(_DIVISION.findall(body)),
-                        "conversions": len(_CONVERSION.findall(body))})
+                        "conversions": len(_CONVERSION.findall(body)),
+                        "element_statements": len(per_element),
+                        "element_divisions": sum(bool(re.fullmatch(r"\(tmp\d+ / tmp\d+\)", value))
+                                                 for value in per_element),
+                        "element_conversions": sum(len(_CONVERSION.findall(value)) for value in per_element)})
     return kernels
 
 

@@ -255,9 +255,11 @@ def keep_amaxes(tensors: GroupTensors, row_amaxes: torch.Tensor, skip: torch.Ten
     tensors.amaxes.copy_(unless_skipped(skip, tensors.amaxes, new))
 
 
-# Inductor otherwise folds ``x.to(float16).float()`` into ``x`` inside a kernel, which
-# would skip the rounding that stochastic rounding brackets.
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+# emulate_precision_casts: Inductor otherwise folds ``x.to(float16).float()`` into ``x``
+# inside a kernel, which would skip the rounding that stochastic rounding brackets.
+# assert_indirect_indexing: the step indexes per-tensor values by ``row_tensor``, which the
+# group builds in range; the bounds check Inductor adds would run per element.
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "assert_indirect_indexing": False}
 
 
 class GroupSteps:

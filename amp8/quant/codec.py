@@ -148,8 +148,8 @@ class Layout:
         if self.dtype is None or scale is None:
             return data.float()
         if self.tiling is Tiling.BLOCKS:
-            return scaling.dequantize_blockwise(data, scale.float(), self.block)
-        return scaling.dequantize(data, self._expand(scale.float(), data))
+            return scaling.dequantize_blockwise(data, scale.float(), self.block, power_of_2=self.power_of_2)
+        return scaling.dequantize(data, self._expand(scale.float(), data), power_of_2=self.power_of_2)
 
     def _quantize(self, values: torch.Tensor, full_scale: torch.Tensor, words: torch.Tensor | None) -> torch.Tensor:
         assert self.dtype is not None
@@ -185,7 +185,7 @@ class Layout:
         """float32 values of a (rows, width) buffer whose scales are given per row (rows, 1)."""
         if self.dtype is None or row_scale is None:
             return data.float()
-        return scaling.dequantize(data, row_scale)
+        return scaling.dequantize(data, row_scale, power_of_2=self.power_of_2)
 
     def encode_rows(self, values: torch.Tensor, row_scale: torch.Tensor, words: torch.Tensor | None) -> torch.Tensor:
         """The data of a (rows, width) buffer of float32 ``values``, each row with its

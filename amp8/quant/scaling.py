@@ -162,11 +162,13 @@ def quantize_blockwise(
     return data.flatten()[: x.numel()].view(x.shape), scales
 
 
-def dequantize_blockwise(data: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The float32 values of ``quantize_blockwise(x, dtype, block_size)``'s output."""
+def dequantize_blockwise(data: torch.Tensor, scales: torch.Tensor, block_size: int, *,
+                         power_of_2: bool = False) -> torch.Tensor:
+    """The float32 values of ``quantize_blockwise(x, dtype, block_size)``'s output
+    (``power_of_2``: as ``dequantize``'s)."""
     if block_size == 0:
-        return dequantize(data, scales)
-    blocks = as_blocks(data.float(), block_size) / scales[:, None]
+        return dequantize(data, scales, power_of_2=power_of_2)
+    blocks = dequantize(as_blocks(data.float(), block_size), scales[:, None], power_of_2=power_of_2)
     return blocks.flatten()[: data.numel()].view(data.shape)
 
 
@@ -300,10 +302,14 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def dequantize(
-    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, *, power_of_2: bool = False
 ) -> torch.Tensor:
-    """The real values ``data / scale``, in ``dtype``."""
-    return (data.float() / scale).to(dtype)
+    """The real values ``data / scale``, in ``dtype``. With ``power_of_2`` (every scale a
+    power of two, whose reciprocal float32 holds exactly), computed as ``data * (1 /
+    scale)``: the same number, bit for bit, by one multiplication an element (a GPU
+    divides in several instructions), the reciprocal taken once per scale."""
+    values = data.float() * scale.reciprocal() if power_of_2 else data.float() / scale
+    return values.to(dtype)
 
 
 def history_amax(history: torch.Tensor, algo: AmaxAlgo) -> torch.Tensor:

@@ -60,6 +60,36 @@ def test_kernel_summary_reads_kinds_loops_and_size_hints() -> None:
     ]
 
 
+# A looped reduction whose loop holds a row's reciprocal (loop-invariant: its operand is
+# loaded once per row), a per-element division by it and the row's amax.
+LOOP = '''
+    tmp0 = tl.load(in_ptr0 + (x0), xmask)
+    tmp1 = tl.full([1, 1], 1.0, tl.float32)
+    _tmp6 = tl.full([XBLOCK, R0_BLOCK], float("-inf"), tl.float32)
+    for r0_offset in tl.range(0, r0_numel, R0_BLOCK):
+        r0_index = r0_offset + r0_base
+        r0_1 = r0_index
+        tmp2 = tl.load(in_ptr1 + (r0_1 + ks0*x0), r0_mask & xmask).to(tl.float32)
+        tmp3 = (tmp1 / tmp0)
+        tmp4 = tmp2 * tmp3
+        tmp5 = (tmp4 / tmp2)
+        tmp7 = triton_helpers.maximum(_tmp6, tmp5.to(tl.float16).to(tl.float32))
+        _tmp6 = tl.where(r0_mask & xmask, tmp7, _tmp6)
+    tmp6 = triton_helpers.max2(_tmp6, 1)[:, None]
+    tmp8 = (tmp6 / tmp0)
+'''
+
+
+def test_element_statements_are_those_that_read_the_rows_elements() -> None:
+    statements = triton_code.element_statements(LOOP)
+    # tmp2, tmp4, tmp5, tmp7: per element; tmp3 (the row's reciprocal), tmp6 (its amax) and tmp8 not
+    assert statements == [
+        "tl.load(in_ptr1 + (r0_1 + ks0*x0), r0_mask & xmask).to(tl.float32)", "tmp2 * tmp3", "(tmp4 / tmp2)",
+        "triton_helpers.maximum(_tmp6, tmp5.to(tl.float16).to(tl.float32))",
+        "tl.where(r0_mask & xmask, tmp7, _tmp6)",
+    ]
+
+
 @pytest.mark.parametrize("codes, passes", [
     ([WRAPPER], 3),  # the largest size hint (2**24 elements): the looped reduction's 2 loops + the pointwise kernel
     ([WRAPPER.split("cast_1")[0]], 2),  # the looped reduction alone
@@ -85,3 +115,8 @@ def test_triton_code_reads_the_optimizer_updates_kernels(tmp_path: Path) -> None
         # (O3's FP8 weight's rows from its master's), so nothing a store needs waits on a
         # reduction over its row.
         assert case["dynamic"]["data_passes"] == 1, case
+        # Per element, only Adam's two divisions and those of decodes by scales that are
+        # not powers of two (the moments'): the weights' and gradients' scales are, and
+        # decode by their reciprocals.
+        update = max(case["dynamic"]["detail"], key=lambda kernel: kernel["element_statements"])
+        assert update["element_divisions"] == {"O1": 2, "O2": 4, "O3": 4}[level], update

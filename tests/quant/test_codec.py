@@ -42,3 +42,33 @@ def test_scales_that_do_not_fit_the_data_are_an_error() -> None:
         Layout.of_saved(data, torch.ones(4), 32)
     with pytest.raises(ValueError, match="do not tile"):
         Layout.of_saved(data, torch.ones(3, 1), 32).decode(data, torch.ones(3, 1))
+
+
+@pytest.mark.parametrize("tiling", ["tensor", "rows", "blocks"])
+@pytest.mark.parametrize("dtype", [E4M3, torch.float8_e5m2, torch.float16, torch.bfloat16])
+def test_power_of_two_scales_decode_by_their_reciprocal_as_by_a_division(dtype: torch.dtype, tiling: str) -> None:
+    """A layout of power-of-two scales decodes by multiplying with each scale's reciprocal
+    (one division a scale, not one an element): the quotient, bit for bit, over scales from
+    2**-100 to the largest amp8 takes (2**126, where data / scale falls below float32's
+    smallest normal)."""
+    torch.manual_seed(0)
+    rows, width = 64, 32
+    exponents = torch.linspace(-100, 126, rows).round()
+    values = torch.randn(rows, width) * torch.exp2(-exponents)[:, None]
+    if tiling == "tensor":
+        layouts = [Layout(dtype, power_of_2=True) for _ in range(rows)]
+        pieces = [layout.encode(row) for layout, row in zip(layouts, values)]  # a scale per tensor, per row here
+        data = torch.stack([piece[0] for piece in pieces])
+        scale = torch.stack([piece[1] for piece in pieces])[:, None]
+        layout = layouts[0]
+        decoded = torch.stack([layout.decode(d, s[0]) for d, s in zip(data, scale)])
+    else:
+        layout = Layout(dtype, Tiling.ROWS, power_of_2=True) if tiling == "rows" else \
+            Layout(dtype, Tiling.BLOCKS, block=width, power_of_2=True)
+        data, scale = layout.encode(values)
+        scale = scale.view(rows, 1)
+        decoded = layout.decode(data, scale if tiling == "rows" else scale.view(-1))
+    assert scale is not None and bool((torch.frexp(scale)[0] == 0.5).all()), "scales are powers of two"
+    assert (data.float() / scale).abs().min() < torch.finfo(torch.float32).tiny  # subnormal quotients are in it
+    assert_bitwise_equal(decoded, data.float() / scale)
+    assert_bitwise_equal(layout.decode_rows(data, scale), data.float() / scale)

@@ -21,6 +21,7 @@ from amp8.tools.experiments.corpus import (
 )
 from amp8.tools.experiments.gpt import GPT, PRESETS, GPTConfig
 from amp8.tools.experiments.paired import NULL, NULL_PERTURBATION
+from amp8.tools.experiments.train import evaluate
 
 TINY = CompareConfig(
     model=PRESETS["tiny"], steps=6, batch_size=4, eval_interval=3, eval_batches=2,
@@ -458,3 +459,23 @@ def test_paired_runs_reject_bad_requests(variants: list[str], seeds: tuple[int, 
 
     with pytest.raises(ValueError, match="seed|variants|baseline"):
         paired_runs(TINY, [Variant(name, "O1") for name in variants], seeds, baseline=baseline)
+
+
+def test_the_held_out_loss_is_measured_without_autograd() -> None:
+    """``evaluate`` runs the model under no_grad (no graph kept per batch) in eval mode,
+    and gives train mode back."""
+    modes = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((), 2.0))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[None, torch.Tensor]:
+            modes.append((torch.is_grad_enabled(), self.training))
+            return None, (self.weight * x - y).square().mean()
+
+    model = Probe()
+    batches = [(torch.ones(3), torch.zeros(3)), (torch.ones(3), torch.ones(3))]
+    assert evaluate(model, batches) == (4.0 + 1.0) / 2
+    assert modes == [(False, False), (False, False)] and model.training

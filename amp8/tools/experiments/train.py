@@ -120,7 +120,6 @@ def _to_torchao(model: nn.Module, recipe: str) -> nn.Module:
     return convert_to_float8_training(model, config=config, module_filter_fn=eligible)
 
 
-@torch.no_grad()
 def warmup_cosine_lr(step: int, peak: float, warmup: int, steps: int, floor_ratio: float) -> float:
     """The learning rate of step ``step`` (0-based) of ``steps``: a linear warm-up over
     ``warmup`` steps to ``peak``, then a cosine decay to ``floor_ratio * peak``."""
@@ -130,8 +129,10 @@ def warmup_cosine_lr(step: int, peak: float, warmup: int, steps: int, floor_rati
     return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+@torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean loss of ``model`` over ``batches``, in eval mode (restores train mode)."""
+    """Mean loss of ``model`` over ``batches``, in eval mode (restores train mode), without
+    autograd."""
     model.eval()
     total = sum(float(model(x, y)[1]) for x, y in batches)
     model.train()
