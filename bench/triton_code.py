@@ -23,7 +23,9 @@ and backward of a ``--width`` -> 4 x ``--width`` -> ``--width`` MLP of FP8 layer
 tokens ``--tokens`` (``amp8.nn.cast_kernels``, the weight gradient's quantization). Per
 case and variant: each kernel's kind (pointwise, looped reduction and its loops,
 persistent reduction), loads and stores, size hint, and the passes the kernels over the
-whole data make over it (``data_passes``: a looped reduction reads a row once per loop).
+whole data make over it (``data_passes``: a looped reduction reads a row once per loop);
+and each looped reduction built for sm_90 by Triton's own assembler, with its machine
+instructions per element (``sass``, ``bench/sass.py``; ``--no-sass`` skips the build).
 Results go to ``--out``/triton_code-cpu.json.
 """
 
@@ -45,6 +47,8 @@ import amp8
 import amp8._compiled
 from amp8.optim import LowBitAdam
 from amp8.optim.group_step import COMPILE_OPTIONS, adam_group_step
+from amp8.quant import scaling
+import sass
 from optimizer import backward_pass, square_layers
 from records import RESULTS, write_result
 from static_shapes import cast_case
@@ -140,12 +144,14 @@ class _CodegenOnlyDriver:
 @contextlib.contextmanager
 def gpu_codegen(arch: int = 90) -> Iterator[None]:
     """Inductor writes Triton code for CPU tensors as for an sm_``arch`` GPU (see the module
-    docstring); the setting and Triton's driver are restored after."""
+    docstring), and amp8 takes the code paths it takes on a GPU (``scaling.clips_by_fmax``);
+    the settings and Triton's driver are restored after."""
     from triton.runtime import driver
     previous = getattr(driver, "_active", None)  # None: Triton looks for a real driver when next asked
     driver.set_active(_CodegenOnlyDriver(arch))
     try:
-        with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1), warnings.catch_warnings():
+        with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1), warnings.catch_warnings(), \
+                mock.patch.object(scaling, "clips_by_fmax", lambda values: True):
             warnings.filterwarnings("ignore", message="Could not find an active CPU backend")  # we run nothing
             yield
     finally:
@@ -229,6 +235,16 @@ def cast_cases(width: int, tokens: int) -> Iterator[tuple[str, Callable[..., Any
         yield cast_case(function, spec, args), lambda *xs, function=function, spec=spec: function(spec, *xs), args, {}
 
 
+def add_sass(summary: dict[str, Any], codes: list[str]) -> None:
+    """Give each looped reduction of ``case_summary``'s ``summary`` its SASS count per
+    element (``sass.per_element``: built for sm_90, with the GPU compiler's own folding
+    and expansions)."""
+    sources = {name: source for code in codes for name, source in sass.kernel_sources(code).items()}
+    for kernel in summary["detail"]:
+        if kernel["kind"] == "looped reduction":
+            kernel["sass"] = sass.per_element(kernel["name"], sources[kernel["name"]])
+
+
 def main(argv: list[str] | None = None) -> Path:
     """Generate and summarize every case's code; the JSON's path."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -238,11 +254,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--tokens", type=int, default=8192, help="rows of the MLP's activations")
     parser.add_argument("--no-casts", action="store_true", help="the optimizer's cases only")
     parser.add_argument("--keep", type=Path, default=None, help="write each case's generated code here")
+    parser.add_argument("--no-sass", action="store_true",
+                        help="skip building the looped reductions for sm_90 to count their SASS (bench/sass.py)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON")
     args = parser.parse_args(argv)
     import triton  # noqa: F401  (code generation needs it; nothing is built or run)
 
-    result: dict[str, Any] = {"triton": triton.__version__, "target": "sm_90 (code generation only)",
+    result: dict[str, Any] = {"triton": triton.__version__, "target": "sm_90 (generated; looped reductions built, nothing run)",
                               "width": args.width, "mlp_width": args.mlp_width, "tokens": args.tokens, "cases": []}
     cases = list(optimizer_cases(args.levels, args.width))
     if not args.no_casts:
@@ -254,6 +272,8 @@ def main(argv: list[str] | None = None) -> Path:
             for variant, dynamic in (("dynamic", True), ("static", False)):
                 codes = generated_code(fn, call_args, dynamic, options)
                 row[variant] = case_summary(codes)
+                if not args.no_sass:
+                    add_sass(row[variant], codes)
                 if args.keep is not None:
                     args.keep.mkdir(parents=True, exist_ok=True)
                     (args.keep / f"{index:02d}-{variant}.py").write_text("\n\n".join(codes))
