@@ -13,6 +13,7 @@ compiler folds away, and values it moves out of the loop.
 
 from __future__ import annotations
 
+import ast
 import collections
 import re
 import subprocess
@@ -45,16 +46,16 @@ def build_sass(name: str, source: str, blocks: dict[str, int], num_warps: int, a
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = eval(_SIGNATURE.search(source).group(1))  # noqa: S307 (a dict literal Inductor wrote)
+    signature = ast.literal_eval(_SIGNATURE.search(source).group(1))  # dict literals Inductor wrote
     attributes = _ATTRIBUTES.search(source)
-    attrs = eval(attributes.group(1)) if attributes else {}  # noqa: S307
+    attrs = ast.literal_eval(attributes.group(1)) if attributes else {}
     code = _HEURISTICS.sub("", source).replace("triton_helpers.set_driver_to_cpu()", "")
     with tempfile.TemporaryDirectory() as folder:
         module = Path(folder) / "kernel.py"  # (kernel names outgrow a file name)
         module.write_text(code)  # Triton reads a kernel's source from its file
         namespace: dict[str, Any] = {"__file__": str(module)}
         exec(compile(code, str(module), "exec"), namespace)  # noqa: S102
-        constants = {**eval(_CONSTANTS.search(source).group(1)), **blocks}  # noqa: S307 (static sizes, blocks)
+        constants = {**ast.literal_eval(_CONSTANTS.search(source).group(1)), **blocks}  # static sizes, blocks
         constexprs = {(index,): constants[arg] for index, arg in enumerate(signature) if signature[arg] == "constexpr"}
         kernel = triton.compile(ASTSource(namespace[name], signature, constexprs, attrs),
                                 target=GPUTarget("cuda", arch, 32),

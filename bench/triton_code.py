@@ -52,10 +52,10 @@ from optimizer import backward_pass, square_layers
 from records import RESULTS, write_result
 from static_shapes import cast_case
 
-_KERNEL = re.compile(r"@triton\.jit\ndef (\w+)\(")
 _SIZE_HINTS = re.compile(r"size_hints=\{([^}]*)\}")
 _STATEMENT = re.compile(r"^\s+_?tmp\d+ = ", re.MULTILINE)
-_DIVISION = re.compile(r"= \(tmp\d+ / tmp\d+\)")
+_QUOTIENT = re.compile(r"\(tmp\d+ / tmp\d+\)")
+_DIVISION = re.compile(r"= " + _QUOTIENT.pattern)
 _CONVERSION = re.compile(r"\.to\(tl\.float(?:16|32)\)")
 _ASSIGNMENT = re.compile(r"^\s+(\w+) = (.*)$", re.MULTILINE)
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
@@ -89,15 +89,13 @@ def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
     float32 (issued at a fraction of the float32 rate); for a reduction, the same counts
     over the statements computed per element of a row (``element_statements``)."""
     kernels = []
-    for match in _KERNEL.finditer(wrapper_code):
-        end = wrapper_code.find("''', device_str", match.end())
-        body = wrapper_code[match.end():end if end > 0 else None]
-        hints = _SIZE_HINTS.findall(wrapper_code, 0, match.start())
+    for name, source in sass.kernel_sources(wrapper_code).items():
+        body = source[source.find(f"def {name}("):]
+        hints = _SIZE_HINTS.search(source)
         elements = 1
-        for size in re.findall(r":\s*(\d+)", hints[-1] if hints else ""):
+        for size in re.findall(r":\s*(\d+)", hints.group(1) if hints else ""):
             elements *= int(size)
         loops = body.count("for r0_offset in ")
-        name = match.group(1)
         kind = "pointwise" if name.startswith("triton_poi") else "looped reduction" if loops else \
             "persistent reduction" if name.startswith(("triton_per", "triton_red")) else "other"
         per_element = element_statements(body) if kind.endswith("reduction") else []
@@ -106,8 +104,7 @@ def kernel_summary(wrapper_code: str) -> list[dict[str, Any]]:
                         "statements": len(_STATEMENT.findall(body)), "divisions": len(_DIVISION.findall(body)),
                         "conversions": len(_CONVERSION.findall(body)),
                         "element_statements": len(per_element),
-                        "element_divisions": sum(bool(re.fullmatch(r"\(tmp\d+ / tmp\d+\)", value))
-                                                 for value in per_element),
+                        "element_divisions": sum(bool(_QUOTIENT.fullmatch(value)) for value in per_element),
                         "element_conversions": sum(len(_CONVERSION.findall(value)) for value in per_element)})
     return kernels
 
