@@ -173,8 +173,10 @@ class Layout:
             return scale[:, None]
         if self.tiling is Tiling.TILES:
             assert self.tile is not None
-            repeated = [t for t, count, size in zip(self.tile, scale.shape, like.shape) if count not in (1, size)]
-            return scaling.expand_scale(scale, tuple(like.shape), max(repeated, default=1))
+            # The tile is of the last two dimensions (each matrix of a stack of experts').
+            repeated = [t for t, count, size in zip(self.tile, scale.shape[-2:], like.shape[-2:])
+                        if count not in (1, size)]
+            return scaling.expand_scale(scale, tuple(like.shape), max(repeated) if repeated else 1)
         return scale
 
     def _scale_shape(self, values: torch.Tensor) -> torch.Size:

@@ -201,7 +201,15 @@ def tile_amax(x: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
         return torch.zeros((*leading, *counts), dtype=torch.float32, device=x.device)
     tile_rows, tile_cols = tile
     absolute = x.detach().float().abs()
-    padded = torch.nn.functional.pad(absolute, (0, -x.shape[-1] % tile_cols, 0, -x.shape[-2] % tile_rows))
+    # A dimension one tile spans is reduced to a size of 1 that compiled code knows is 1: as
+    # the padded size over the tile's it would be a formula equal to 1, and Inductor (torch
+    # 2.11-2.13) broadcasts a value computed from such scales as if the dimension were
+    # the tensor's own size (docs/decisions.md, 2026-11-30).
+    if x.shape[-2] <= tile_rows:
+        absolute, tile_rows = absolute.amax(dim=-2, keepdim=True), 1
+    if x.shape[-1] <= tile_cols:
+        absolute, tile_cols = absolute.amax(dim=-1, keepdim=True), 1
+    padded = torch.nn.functional.pad(absolute, (0, -absolute.shape[-1] % tile_cols, 0, -absolute.shape[-2] % tile_rows))
     rows, cols = padded.shape[-2:]
     tiles = padded.view(*leading, rows // tile_rows, tile_rows, cols // tile_cols, tile_cols)
     return tiles.amax(dim=(-3, -1))

@@ -4,6 +4,8 @@ eager operations where no compiler serves."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -20,7 +22,8 @@ from amp8.nn.cast_kernels import CastSpec, run_cast
 from amp8.nn.quantizer import CastRequest, LinearQuantizers, cast_operands
 from amp8.nn.cast_rule import CastRule, TensorRole
 from amp8.quant.health import GemmOperand, new_health
-from tests.conftest import load_bench
+from amp8.tensor.weight_grad import GradLayout, WeightGrad
+from tests.conftest import assert_bitwise_equal, load_bench
 from moe_models import tiny_moe_model
 
 pytestmark = pytest.mark.compile
@@ -78,7 +81,9 @@ def test_compiled_cast_is_the_eager_cast_bit_for_bit(recipe: str, layout: str, d
     spec = _spec(RECIPES[recipe], role, **LAYOUTS[layout])
     torch.manual_seed(rows)
     x = (torch.randn(rows, 96) * torch.logspace(-3, 3, 96)).to(dtype)
-    x[0, 0] = float("nan") if recipe == "power-of-2" else x[0, 0]  # a NaN stays NaN, the scale unharmed
+    # A NaN stays NaN, the power-of-2 recipe's scale unharmed; with scales per row or tile
+    # the NaN stays in its own (a scale read at another row's index would spread it).
+    x[0, 0] = float("nan") if recipe in ("power-of-2", "rowwise", "block") else x[0, 0]
     first = (torch.rand(3) + 0.5, torch.rand(3, RECIPES[recipe].history_len), new_health())
     buffers = [first, tuple(b.clone() for b in first)]
     results = [run_cast(spec, x, *buffers[i], compiled=compiled) for i, compiled in enumerate((False, True))]
@@ -191,6 +196,27 @@ def test_experts_with_compiled_casts_train_as_eager_ones_bit_for_bit(recipe: str
         assert bool(producers.fp8_writes) != compiled  # compiled, no eager operation converts to FP8
     for left, right in zip(*runs):
         torch.testing.assert_close(left, right, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("recipe, shape", [
+    ("block", (64, 96)), ("block", (4, 32, 64)), ("block", (4, 64, 16)), ("rowwise", (4, 32, 64)),
+    ("tensorwise", (4, 32, 64)), ("power-of-2", (64, 96)),
+])
+def test_weight_gradients_quantize_compiled_as_eagerly(recipe: str, shape: tuple[int, ...]) -> None:
+    """The weight gradient's quantization compiles for each recipe's layout, of matrices
+    and of stacks of experts (tiles spanning a dimension or not), without falling back to
+    eager code, and stores the eager bits, with an inf whose NaN stays in its own tile."""
+    layout = GradLayout.for_weight(RECIPES[recipe], shape)
+    torch.manual_seed(0)
+    value = torch.randn(shape) * torch.logspace(-3, 3, shape[-1])
+    value[..., 3, 5] = float("inf")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = WeightGrad.from_float(value, layout, torch.float32, compiled=True)
+    assert not [str(w.message) for w in caught if "could not compile" in str(w.message)]
+    eager = WeightGrad.from_float(value, layout, torch.float32)
+    for got, expected in zip(compiled.parts()[:2], eager.parts()[:2]):
+        assert_bitwise_equal(got, expected)
 
 
 def test_twenty_steps_of_three_layer_shapes_compile_nothing_after_the_first() -> None:

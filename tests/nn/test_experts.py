@@ -28,6 +28,7 @@ RECIPES = {
     "deepseek": Recipe.preset("deepseek"),
     "mxfp8": Recipe.preset("mxfp8"),
     "fp8-activations": Recipe.preset("rowwise").replace(activations="fp8"),
+    "block": Recipe(granularity="block", block_size=32),
 }
 # (tokens, experts, top_k, experts no token is routed to)
 ROUTINGS = {
@@ -166,19 +167,20 @@ def test_from_module_reuses_the_parameters_and_to_module_gives_the_module_back()
 
 
 @pytest.mark.parametrize("storage", [Precision.FP16, Precision.FP8])
-@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "block"])
 def test_stored_experts_compute_from_their_real_weights_and_return_fp8_gradients(storage, recipe_name) -> None:
     """Stored experts (the weights of O1-O3) give the output and input gradient that the
     same real weights give unstored, bit for bit, and as weight gradient that one's
     float gradient quantized at the stored weight's layout: each expert's own scales."""
     recipe = RECIPES[recipe_name]
-    stored = Fp8Experts.from_module(TinyExperts(), recipe, storage)
-    plain = Fp8Experts.from_module(TinyExperts(), recipe)
+    # (4, 32, 64) and (4, 64, 16) weights: in 32 x 32 blocks, one block of rows and two of columns
+    stored = Fp8Experts.from_module(TinyExperts(4, 64, 16), recipe, storage)
+    plain = Fp8Experts.from_module(TinyExperts(4, 64, 16), recipe)
     with torch.no_grad():
         for handle, param in zip(stored.stored_weights(), (plain.gate_up_proj, plain.down_proj)):
             param.copy_(handle.read())
     index, weights = routing(24, 4, unused=(2,))
-    x, grad = torch.randn(24, 32), torch.randn(24, 32)
+    x, grad = torch.randn(24, 64), torch.randn(24, 64)
     y, x_grad = _run(stored, x, index, weights, grad)
     y_plain, x_grad_plain = _run(plain, x, index, weights, grad)
     assert_bitwise_equal(y, y_plain)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from amp8._compiled import compile_privately
 from amp8.quant.codec import Layout, Tiling
 from conftest import assert_bitwise_equal
 
@@ -28,6 +29,51 @@ def test_a_saved_layout_read_off_its_scales_decodes_as_encoded(
     saved = Layout.of_saved(data, scale, block)
     assert saved.tiling == layout.tiling
     assert_bitwise_equal(saved.decode(data, scale), layout.decode(data, scale))
+
+
+@pytest.mark.parametrize("shape", [(4, 32, 64), (4, 64, 32), (3, 50, 33), (2, 8, 200)])
+@pytest.mark.parametrize("tile", [(32, 32), (1, 32), (16, 64)])
+@pytest.mark.parametrize("dtype", [E4M3, torch.float16])
+def test_a_stack_of_matrices_encodes_each_as_a_matrix_of_its_own(
+    shape: tuple[int, int, int], tile: tuple[int, int], dtype: torch.dtype
+) -> None:
+    # A tile is of the last two dimensions: a stack of experts' weights whose rows fit in
+    # one tile and whose columns do not (scales (E, 1, C)) once broadcast by the wrong ones.
+    torch.manual_seed(0)
+    values = torch.randn(shape) * torch.logspace(-3, 3, shape[-1])
+    data, scale = Layout.for_tile(dtype, tile, shape).encode(values)
+    matrix = Layout.for_tile(dtype, tile, shape[1:])
+    for index, one in enumerate(values):
+        one_data, one_scale = matrix.encode(one)
+        assert_bitwise_equal(data[index], one_data)
+        assert_bitwise_equal(scale[index], one_scale)
+        assert_bitwise_equal(Layout.for_tile(dtype, tile, shape).decode(data, scale)[index],
+                             matrix.decode(one_data, one_scale))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype, shape, tile", [
+    (E4M3, (4, 32, 16), (1, 16)), (torch.float16, (4, 32, 16), (32, 16)),
+    (torch.float16, (4, 32, 40), (16, 16)), (E4M3, (2, 24, 64), (32, 32)),
+])
+def test_compiled_encode_then_decode_of_a_stack_is_the_eager_one_bit_for_bit(
+    shape: tuple[int, int, int], tile: tuple[int, int], dtype: torch.dtype
+) -> None:
+    # Scales computed in the graph, one tile spanning a dimension: their count there must
+    # be a 1 the compiler knows (as a formula equal to 1, Inductor read the reciprocal's
+    # broadcast at the column's index). Compiled as amp8 compiles its own functions.
+    layout = Layout.for_tile(dtype, tile, shape, power_of_2=True)
+
+    def roundtrip(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        data, scale = layout.encode(values)
+        assert scale is not None
+        return layout.decode(data, scale), data, scale
+
+    torch.manual_seed(0)
+    values = torch.randn(shape) * torch.logspace(-3, 3, shape[-1])
+    compiled = compile_privately(roundtrip, {"emulate_precision_casts": True})
+    for got, expected in zip(compiled(values), roundtrip(values)):
+        assert_bitwise_equal(got, expected)
 
 
 def test_row_scales_read_as_rows_and_a_scalar_as_one_scale() -> None:
