@@ -47,6 +47,7 @@ import amp8
 import amp8._compiled
 from amp8.optim import LowBitAdam
 from amp8.optim.group_step import COMPILE_OPTIONS, adam_group_step
+from amp8.quant import scaling
 import sass
 from optimizer import backward_pass, square_layers
 from records import RESULTS, write_result
@@ -140,12 +141,14 @@ class _CodegenOnlyDriver:
 @contextlib.contextmanager
 def gpu_codegen(arch: int = 90) -> Iterator[None]:
     """Inductor writes Triton code for CPU tensors as for an sm_``arch`` GPU (see the module
-    docstring); the setting and Triton's driver are restored after."""
+    docstring), and amp8 takes the code paths it takes on a GPU (``scaling.clips_by_fmax``);
+    the settings and Triton's driver are restored after."""
     from triton.runtime import driver
     previous = getattr(driver, "_active", None)  # None: Triton looks for a real driver when next asked
     driver.set_active(_CodegenOnlyDriver(arch))
     try:
-        with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1), warnings.catch_warnings():
+        with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1), warnings.catch_warnings(), \
+                mock.patch.object(scaling, "clips_by_fmax", lambda values: True):
             warnings.filterwarnings("ignore", message="Could not find an active CPU backend")  # we run nothing
             yield
     finally:

@@ -120,6 +120,8 @@ def test_triton_code_reads_the_optimizer_updates_kernels(tmp_path: Path) -> None
         # decode by their reciprocals.
         update = max(case["dynamic"]["detail"], key=lambda kernel: kernel["element_statements"])
         assert update["element_divisions"] == {"O1": 2, "O2": 4, "O3": 4}[level], update
+        # The GPU's code paths: stores clip by fmax and fmin, not clamp.
+        assert "fmax_fmin" in update["name"], update["name"]
     # Built for sm_90: each level's update issues more instructions per element than the
     # one below it (FP8 moments at O2, an FP8 weight beside its master at O3).
     instructions = [max(kernel["sass"]["instructions"] for kernel in by_level[level]["dynamic"]["detail"]

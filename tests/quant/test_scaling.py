@@ -91,6 +91,40 @@ def test_quantize_saturates_finite_values_whose_product_overflows(dtype: torch.d
     assert out.tolist() == [limit, -limit]
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 2.0**-40, 3.7e-3, 2.0**126])
+def test_saturate_is_the_clamped_product_with_non_finite_values_marked(dtype: torch.dtype, scale: float) -> None:
+    """``saturate`` (fmax / fmin, then a NaN mark) gives, bit for bit, the clamped
+    product with the non-finite inputs made NaN, signed zeros included."""
+    x = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -3e-39, 448.5, 1e30, -1e30, float("inf"), float("-inf"),
+                      float("nan")])
+    x = torch.cat([x, torch.randn(64) * torch.logspace(-30, 30, 64)])
+    limit = torch.finfo(dtype).max
+    product = x * torch.tensor(scale)
+    expected = torch.where(x.isfinite(), product.clamp(-limit, limit), torch.nan)
+    assert_bitwise_equal(scaling.saturate(x, torch.tensor(scale), dtype), expected)
+    # The GPU's clipping, by fmax and fmin, marked the same way: the same bits.
+    assert not scaling.clips_by_fmax(x)
+    by_fmax = scaling.clip_by_fmax(product, limit).add_(x * (torch.tensor(scale) * 0.0))
+    assert_bitwise_equal(by_fmax, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU clips by fmax and fmin")
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float16], ids=str)
+def test_saturate_on_the_gpu_gives_the_cpus_bits(dtype: torch.dtype) -> None:
+    x = torch.cat([torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e30]), torch.randn(1000) * 100])
+    scale = torch.tensor(3.7e-3)
+    assert scaling.clips_by_fmax(x.cuda())
+    assert_bitwise_equal(scaling.saturate(x.cuda(), scale.cuda(), dtype).cpu(), scaling.saturate(x, scale, dtype))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_scale_gives_nan(bad: float) -> None:
+    out = scaling.quantize(torch.tensor([0.0, -2.0, 3.0]), torch.tensor(bad), E4M3).float()
+    assert out.isnan().all(), out
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_quantize_stochastic_turns_non_finite_into_nan(dtype: torch.dtype, bad: float) -> None:
