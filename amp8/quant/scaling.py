@@ -96,12 +96,13 @@ def _clip(values: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def clips_by_fmax(values: torch.Tensor) -> bool:
-    """Whether ``saturate`` clips ``values`` by ``fmax`` and ``fmin``: on every device but
-    the CPU. On a GPU each is one instruction, where torch's NaN-keeping ``clamp`` takes a
-    compare, a NaN test and a select per bound; Inductor's C++ runs ``clamp`` as one vector
-    operation per bound and ``fmax`` as several (the compiled O2 step over 4M parameters
-    took 1.3x as long with them)."""
-    return values.device.type != "cpu"
+    """Whether ``saturate`` clips ``values`` by ``fmax`` and ``fmin``: in compiled code, on
+    every device but the CPU. On a GPU each is one instruction, where torch's NaN-keeping
+    ``clamp`` takes a compare, a NaN test and a select per bound; eagerly they would be two
+    kernels where ``clamp_`` is one; Inductor's C++ runs ``clamp`` as one vector operation
+    per bound and ``fmax`` as several (the compiled O2 step over 4M parameters took 1.3x as
+    long with them)."""
+    return values.device.type != "cpu" and torch.compiler.is_compiling()
 
 
 def clip_by_fmax(values: torch.Tensor, limit: float) -> torch.Tensor:

@@ -115,8 +115,12 @@ def test_saturate_is_the_clamped_product_with_non_finite_values_marked(dtype: to
 def test_saturate_on_the_gpu_gives_the_cpus_bits(dtype: torch.dtype) -> None:
     x = torch.cat([torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e30]), torch.randn(1000) * 100])
     scale = torch.tensor(3.7e-3)
-    assert scaling.clips_by_fmax(x.cuda())
-    assert_bitwise_equal(scaling.saturate(x.cuda(), scale.cuda(), dtype).cpu(), scaling.saturate(x, scale, dtype))
+    expected = scaling.saturate(x, scale, dtype)
+    # Compiled code on a GPU clips by fmax and fmin; eager code by clamp_, one kernel.
+    compiled = torch.compile(scaling.saturate, fullgraph=True, dynamic=True)
+    assert_bitwise_equal(compiled(x.cuda(), scale.cuda(), dtype).cpu(), expected)
+    assert not scaling.clips_by_fmax(x.cuda())
+    assert_bitwise_equal(scaling.saturate(x.cuda(), scale.cuda(), dtype).cpu(), expected)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
