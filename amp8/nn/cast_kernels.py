@@ -203,7 +203,9 @@ def scaled_cast(
         record_scale(scales, histories, spec.row, scale, current_amax, spec.update_history)  # type: ignore[arg-type]
     data = scaling.quantize(source, scaling.expand_scale(scale, tuple(source.shape), spec.rule.scale_block_size),
                             spec.rule.dtype)
-    rows = data[: x.shape[0]] if spec.rows else None  # the unpadded head
+    # The unpadded head; the data itself where nothing was padded (a view would be one more
+    # tensor for the compiled call to make and the layer's cache to free, every step).
+    rows = (data if source is x else data[: x.shape[0]]) if spec.rows else None
     if spec.watch:
         full_scale = scaling.expand_scale(scale, tuple(scaled.shape), spec.rule.scale_block_size)
         record_health(health, spec.watch, cast_health(scaled, full_scale, data if rows is None else rows))  # type: ignore[arg-type]
