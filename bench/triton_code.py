@@ -46,7 +46,7 @@ from torch import nn
 import amp8
 import amp8._compiled
 from amp8.optim import LowBitAdam
-from amp8.optim.group_step import COMPILE_OPTIONS, adam_group_step
+from amp8.optim.group_step import COMPILE_OPTIONS, adam_group_step, in_sixteens
 from amp8.quant import scaling
 import sass
 from optimizer import backward_pass, square_layers
@@ -142,13 +142,18 @@ class _CodegenOnlyDriver:
 def gpu_codegen(arch: int = 90) -> Iterator[None]:
     """Inductor writes Triton code for CPU tensors as for an sm_``arch`` GPU (see the module
     docstring), and amp8 takes the code paths it takes on a GPU (``scaling.clips_by_fmax``);
-    the settings and Triton's driver are restored after."""
+    the settings and Triton's driver are restored after. An input is taken as aligned as
+    it would be on a GPU: where its storage offset is known to keep it on 16 bytes
+    (Inductor assumes no alignment of CPU tensors, so its kernels would load and store
+    one element at a time where a GPU's take several)."""
+    from torch._inductor import graph, utils
     from triton.runtime import driver
     previous = getattr(driver, "_active", None)  # None: Triton looks for a real driver when next asked
     driver.set_active(_CodegenOnlyDriver(arch))
     try:
         with torch._inductor.config.patch(cpu_backend="triton", compile_threads=1), warnings.catch_warnings(), \
-                mock.patch.object(scaling, "clips_by_fmax", lambda values: True):
+                mock.patch.object(scaling, "clips_by_fmax", lambda values: True), \
+                mock.patch.object(graph, "should_assume_input_aligned", utils.tensor_is_aligned):
             warnings.filterwarnings("ignore", message="Could not find an active CPU backend")  # we run nothing
             yield
     finally:
@@ -200,9 +205,9 @@ def optimizer_cases(levels: list[str], width: int) -> Iterator[tuple[str, Callab
         with mock.patch.object(steps, "_build", recording_build):
             backward_pass(model, optimizer, torch.device("cpu"))()
             optimizer.step()
-        for spec, args in recorded:
+        for spec, (tensors, *rest) in recorded:  # the buffers as the compiled step takes them
             yield (f"{level} group update ({spec.weight.value} weights)",
-                   lambda *xs, spec=spec: adam_group_step(spec, *xs), args, COMPILE_OPTIONS)
+                   lambda *xs, spec=spec: adam_group_step(spec, *xs), (in_sixteens(tensors), *rest), COMPILE_OPTIONS)
 
 
 def cast_cases(width: int, tokens: int) -> Iterator[tuple[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]]]:

@@ -127,3 +127,11 @@ def test_triton_code_reads_the_optimizer_updates_kernels(tmp_path: Path) -> None
     instructions = [max(kernel["sass"]["instructions"] for kernel in by_level[level]["dynamic"]["detail"]
                         if kernel.get("sass")) for level in ("O1", "O2", "O3")]
     assert 0 < instructions[0] < instructions[1] < instructions[2], instructions
+    # Rows of 256 elements go to the step in sixteens (group_step.in_sixteens): each thread
+    # loads its 4 elements of a buffer with one instruction (the gradient, moments, weight
+    # and O3's master: 4 or 5 an iteration, beside a few loads of per-row values), where
+    # one load an element made 20 to 24 in all.
+    for level in ("O1", "O2", "O3"):
+        update = max((kernel for kernel in by_level[level]["dynamic"]["detail"] if kernel.get("sass")),
+                     key=lambda kernel: kernel["sass"]["instructions"])
+        assert update["sass"]["opcodes"]["LDG"] < 12, (level, update["sass"]["opcodes"])

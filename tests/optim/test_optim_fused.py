@@ -12,6 +12,7 @@ import amp8
 from amp8.nn import Fp8Linear
 from amp8.optim import LowBitAdam
 from amp8.optim import state as state_storage
+from amp8.optim import group_step
 from amp8.optim.group_step import COMPILE_OPTIONS
 from amp8.quant import noise, scaling
 from amp8.quant.scaling import sqnr
@@ -27,14 +28,15 @@ def _fp8_layers(model: nn.Module) -> dict[nn.Parameter, Fp8Linear]:
 
 def _twin_optimizers(
     level: str, recipe: amp8.Recipe = amp8.Recipe(), bias: bool = False, grouped: bool = True,
-    device: str = "cpu", **options
+    device: str = "cpu", hidden: int = 48, **options
 ) -> tuple[list[nn.Module], list[LowBitAdam]]:
-    """Two copies of one model (layers of two shapes) on ``device`` with the reference
-    optimizer (each tensor on its own, eager) and a compiled one (in update groups where
-    ``grouped``); ``options`` go to ``torch.optim.AdamW`` or ``Adam``. Every layer runs
-    in FP8 (on CUDA the default speed rule would keep layers this small in high precision)."""
+    """Two copies of one model (layers of two shapes, (``hidden``, 32) and (16, ``hidden``))
+    on ``device`` with the reference optimizer (each tensor on its own, eager) and a
+    compiled one (in update groups where ``grouped``); ``options`` go to
+    ``torch.optim.AdamW`` or ``Adam``. Every layer runs in FP8 (on CUDA the default speed
+    rule would keep layers this small in high precision)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 16, bias=bias)).to(device)
+    model = nn.Sequential(nn.Linear(32, hidden, bias=bias), nn.GELU(), nn.Linear(hidden, 16, bias=bias)).to(device)
     model, _ = amp8.initialize(model, None, level, recipe, layer_selection="all")
     models = [model, copy.deepcopy(model)]
     optimizer_class = torch.optim.Adam if options.pop("adam", False) else torch.optim.AdamW
@@ -125,6 +127,25 @@ def test_fused_step_matches_the_reference_step(level: str) -> None:
     models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1)
     _step_and_compare(models, optimizers)
     assert len(optimizers[1].compiled_specs) == 1, "both shapes should share one graph"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_fused_step_matches_the_reference_step_at_any_row_width(granularity: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups whose rows are a multiple of 16 elements (at least 32) go to the compiled
+    step in sixteens (``group_step.in_sixteens``; on a GPU, taken here on the CPU too), the
+    others (the biases' rows of 16) as they are: both match the reference step."""
+    taken = []
+    monkeypatch.setattr(group_step, "takes_sixteens", lambda tensors: taken.append(tensors.grad.shape[1]) or True)
+    models, optimizers = _twin_optimizers("O2", amp8.Recipe(granularity=granularity), lr=1e-2, weight_decay=0.1,
+                                          hidden=80, bias=True)
+    _step_both_with_the_same_gradients(models, optimizers)
+    widths = [group.key.width for group in optimizers[1].update_groups]
+    assert {width % 16 == 0 and width >= 32 for width in widths} == {True, False}, widths
+    assert sorted(taken) == sorted(widths), (taken, widths)
+    _assert_fused_matches_reference(models, optimizers)
+    _step_and_compare(models, optimizers, steps=2)
 
 
 @cuda_fp8

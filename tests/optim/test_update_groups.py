@@ -393,3 +393,28 @@ def test_an_in_place_group_resumes_from_a_checkpoint_exactly(level: str, monkeyp
         for key, value in optimizer.state[param].items():
             if torch.is_tensor(value):
                 assert_bitwise_equal(resumed_optimizer.state[twin][key], value)
+
+
+@pytest.mark.parametrize("width, sixteens", [(16, None), (24, None), (32, 2), (48, 3), (1024, 64)])
+def test_the_compiled_step_takes_rows_that_are_multiples_of_16_in_sixteens(width: int, sixteens: int | None) -> None:
+    """``in_sixteens`` views a group's data buffers as (rows, width / 16, 16) where the
+    width is a multiple of 16 (and at least 32), so that the compiled step's kernels know
+    it (a GPU kernel then loads and stores several elements with one instruction): the same
+    memory; other widths, and every scale and index, as they are."""
+    model, _ = amp8.initialize(nn.Sequential(nn.Linear(width, 8, bias=False)), None, "O2", layer_selection="all")
+    optimizer = LowBitAdam.from_optimizer(torch.optim.AdamW(model.parameters()), amp8.LEVELS["O2"], fused=False)
+    model(torch.randn(4, width)).sum().backward()
+    optimizer.step()
+    model(torch.randn(4, width)).sum().backward()
+    with torch.no_grad():  # as a step gathers its inputs
+        assert optimizer._plan is not None and optimizer._plan.gather(plan.step_inputs(optimizer))
+        tensors = optimizer.update_groups[0].tensors
+        views = group_step.in_sixteens(tensors)
+    for name in ("grad", "exp_avg", "exp_avg_sq", "weight"):
+        buffer, view = getattr(tensors, name), getattr(views, name)
+        expected = buffer.shape if sixteens is None else (buffer.shape[0], sixteens, 16)
+        assert view.shape == expected and view.data_ptr() == buffer.data_ptr(), name
+        assert torch.equal(view.flatten(1).view(torch.uint8), buffer.view(torch.uint8)), name
+    for name in ("grad_scale", "exp_avg_scale", "amaxes", "row_amaxes", "row_tensor", "row_offset", "draw", "steps"):
+        assert getattr(views, name) is getattr(tensors, name), name
+    optimizer._plan.end_step()
