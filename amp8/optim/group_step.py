@@ -135,7 +135,7 @@ def _write(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> None
     buffer as handed in (``in_sixteens``)."""
     for buffer, new in pairs:
         if buffer is not None and new is not None:
-            buffer.copy_(new.view(buffer.shape))
+            buffer.copy_(new.view(buffer.shape) if new.dim() != buffer.dim() else new)
 
 
 SIXTEEN = 16
