@@ -92,8 +92,13 @@ def _assert_fused_matches_reference(models: list[nn.Module], optimizers: list[Lo
     for param, twin in zip(models[0].parameters(), models[1].parameters()):
         name = f"{tuple(param.shape)}"
         handle, twin_handle = stored_weight(param), stored_weight(twin)
-        if handle is None:  # plain parameters: float32 values, a few ulps at most
-            torch.testing.assert_close(twin.detach(), param.detach(), atol=0, rtol=2**-21, msg=name)
+        if handle is None:
+            # Plain parameters, float32: a multiply-add contracted to an FMA differs in the
+            # last bit, which the weight's decay and update, cancelling, can make a large
+            # share of a value near zero: bounded by the tensor's amax there (measured:
+            # 1.5e-8 at most, 8.4e-8 x amax), a few ulps of the value elsewhere.
+            amax = float(param.detach().abs().max())
+            torch.testing.assert_close(twin.detach(), param.detach(), atol=2**-22 * amax, rtol=2**-21, msg=name)
         else:
             _assert_16_bit_within_one_ulp(twin_handle.data, handle.data, f"weight {name}")
         state, twin_state = reference.state[param], fused.state[twin]
@@ -127,6 +132,24 @@ def test_fused_step_matches_the_reference_step(level: str) -> None:
     models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1)
     _step_and_compare(models, optimizers)
     assert len(optimizers[1].compiled_specs) == 1, "both shapes should share one graph"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_fused_step_matches_the_reference_step_on_weights_kept_in_high_precision(level: str) -> None:
+    """A hidden width of 24 keeps both layers in float32 (an FP8 GEMM takes multiples of
+    16): their weights and biases step in update groups with the level's low-bit moments,
+    compiled, and match the reference step (measured at O2 and O3 over four steps: at most
+    41 of the first layer's 768 weights apart, by at most 1.5e-8, 8.0e-8 x its largest
+    weight and up to 4e-5 of a weight near zero, where the decay and the update cancel)."""
+    with pytest.warns(UserWarning, match="runs no layer in FP8"):
+        models, optimizers = _twin_optimizers(level, lr=1e-2, weight_decay=0.1, hidden=24, bias=True)
+    _step_both_with_the_same_gradients(models, optimizers)
+    grouped = {member.param for group in optimizers[1].update_groups for member in group.members}
+    plain = [param for param in models[1].parameters() if stored_weight(param) is None and param.dim() == 2]
+    assert len(plain) == 2 and all(param in grouped for param in plain), "the float32 weights should step in groups"
+    _assert_fused_matches_reference(models, optimizers)
+    _step_and_compare(models, optimizers, steps=3)
 
 
 @pytest.mark.compile
